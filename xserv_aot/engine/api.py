@@ -1,0 +1,52 @@
+"""The contract between the engine (CPU control loop) and its users (server, CLI generate/chat).
+
+The engine thread runs steps (schedule, run, postprocess); `AsyncEngine` bridges it to asyncio. A request is
+a list of prompt token ids plus SamplingParams; its outputs arrive as RequestOutput deltas, the last one carrying
+finish_reason.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0            # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None             # None: the engine draws one
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None         # None: none; k >= 0: the sampled token's logprob plus top-k (k <= 20)
+    stop: list[str] = field(default_factory=list)          # at most 4; the stop text is not returned
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @property
+    def needs_host_sampling(self) -> bool:
+        """True when the device sampler (temperature/top-k/top-p/seed) cannot do this request alone."""
+        return (self.min_p > 0 or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1.0 or self.logprobs is not None)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)   # (token_id, logprob), most likely first
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]            # tokens generated since the previous output
+    text: str                           # detokenized text delta (stop strings removed, never broken UTF-8)
+    finish_reason: str | None = None    # None while running; "stop" | "length" | "abort" | "error"
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0       # total so far
+    num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
+    error: str | None = None            # set with finish_reason == "error"

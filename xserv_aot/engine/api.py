@@ -50,3 +50,36 @@ class RequestOutput:
     num_generated_tokens: int = 0       # total so far
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
     error: str | None = None            # set with finish_reason == "error"
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at --max-waiting; the server answers 429."""
+
+
+class RequestTooLongError(ValueError):
+    """prompt + max_tokens exceeds the plan's max_seq_len; the message states both numbers (server: 400)."""
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_queries: int           # prompt blocks looked up
+    prefix_cache_hits: int              # of which found cached
+    num_preemptions: int = 0
+    healthy: bool = True                # False after an engine failure it could not recover from
+
+
+class AsyncEngineProtocol:
+    """What the server and CLI use. Implemented by xserv_aot.engine.async_engine.AsyncEngine.
+
+    async def generate(request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]
+        raises QueueFullError / RequestTooLongError before yielding anything; the last output has finish_reason set.
+        Cancelling the consuming task (client disconnect) aborts the request.
+    def abort(request_id: str) -> None            frees the request's KV blocks within one step
+    def stats() -> EngineStats
+    def start() -> None / def shutdown() -> None  engine thread lifecycle
+    attributes: tokenizer (xserv_aot.tokenizer.Tokenizer), max_seq_len: int, model_name: str
+    """

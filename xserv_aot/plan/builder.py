@@ -1,0 +1,138 @@
+"""`xserv-aot compile`: checkpoint + build config -> plan directory, written atomically."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from xserv_aot import __version__
+from xserv_aot.config import BuildConfig, ConfigError, ModelConfig, read_hf_config
+from xserv_aot.plan.manifest import SCHEMA_VERSION, Plan, layout, quick_fingerprint
+from xserv_aot.plan.ops import arena_buffers, bucket_ops, bucket_shapes
+from xserv_aot.plan.weights import weight_specs, write_weights, plan_tensors
+
+Progress = Callable[[str, int, int], None]   # (stage, done, total)
+
+
+def read_source(source: Path, dummy: bool):
+    """-> (ModelConfig, TensorSource | None, format). A .json file is a bare HF config (dummy weights only)."""
+    source = Path(source)
+    if not source.exists():
+        raise ConfigError(f"{source}: no such file or directory")
+    if source.suffix == ".json" and source.is_file():
+        if not dummy:
+            raise ConfigError(f"{source}: a bare config has no weights; pass --dummy-weights")
+        return read_hf_config_file(source), None, "config"
+    if dummy and source.is_dir():
+        return read_hf_config(source), None, "config"
+    from xserv_aot.checkpoint import open_checkpoint
+    return open_checkpoint(source)
+
+
+def read_hf_config_file(path: Path) -> ModelConfig:
+    from xserv_aot.config import model_config_from_hf
+    try:
+        return model_config_from_hf(json.loads(path.read_text()))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
+def save_tokenizer(source: Path, fmt: str, out: Path) -> bool:
+    from xserv_aot.tokenizer import Tokenizer
+    src_dir = source if source.is_dir() else source.parent
+    if fmt == "gguf":
+        Tokenizer.from_gguf(source).save(out)
+        return True
+    if (src_dir / "tokenizer.json").is_file():
+        Tokenizer.from_dir(src_dir).save(out)
+        return True
+    return False
+
+
+def dummy_table(m: ModelConfig, b: BuildConfig) -> tuple[dict, int]:
+    bufs = {name: (shape, b.dtype) for name, (shape, _) in weight_specs(m).items()}
+    half = [b.max_seq_len, m.head_dim // 2]
+    bufs["rope_cos"], bufs["rope_sin"] = (half, "float32"), (half, "float32")
+    return layout(bufs)
+
+
+def compile_plan(source: Path, out: Path, build: BuildConfig, *, dummy_weights: bool = False, dummy_seed: int = 0,
+                 force: bool = False, progress: Progress | None = None) -> Plan:
+    source, out = Path(source), Path(out)
+    build.validate()
+    model, tensors, fmt = read_source(source, dummy_weights)
+    if build.max_seq_len > model.max_position_embeddings:
+        raise ConfigError(f"max_seq_len {build.max_seq_len} exceeds the model's max_position_embeddings "
+                          f"{model.max_position_embeddings}")
+    if out.exists() and not force:
+        raise ConfigError(f"{out}: already exists (pass --force to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        manifest = _build(source, tmp, model, tensors, fmt, build, dummy_weights, dummy_seed, progress)
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Plan.load(out, verify="none")
+
+
+def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress) -> dict:
+    specs = weight_specs(model)
+    if dummy:
+        table, size = dummy_table(model, build)
+        weights = {"file": None, "dummy_seed": seed, "size": size, "fingerprint": f"dummy:{seed}",
+                   "tensors": {k: v.to_dict() for k, v in table.items()}}
+    else:
+        total, done = len(specs) + 2, [0]
+
+        def tick(name):
+            done[0] += 1
+            if progress:
+                progress("weights", done[0], total)
+
+        table, size, fp = write_weights(tmp / "weights.bin", plan_tensors(model, tensors, build.max_seq_len),
+                                        build.dtype, tick)
+        weights = {"file": "weights.bin", "size": size, "fingerprint": fp,
+                   "quick_fingerprint": quick_fingerprint(tmp / "weights.bin"),
+                   "tensors": {k: v.to_dict() for k, v in table.items()}}
+    has_tok = save_tokenizer(source, fmt, tmp) if fmt != "config" else False
+    arena, arena_size = layout(arena_buffers(model, build))
+    kv_shape = [model.num_layers, 2, build.num_blocks, build.block_size, model.num_kv_heads, model.head_dim]
+    kv_bytes = 1
+    for s in kv_shape:
+        kv_bytes *= s
+    kv_bytes *= 2 if build.dtype == "bfloat16" else 4
+    buckets = [{"name": n, "kind": k, "num_tokens": t, "num_seqs": s, "ops": bucket_ops(model, t, s)}
+               for n, k, t, s in bucket_shapes(build)]
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "xserv_aot_version": __version__,
+        "source": {"path": str(source), "format": fmt, "tokenizer": has_tok},
+        "model": model.to_dict(),
+        "build": build.to_dict(),
+        "weights": weights,
+        "arena": {"size": arena_size, "buffers": {k: v.to_dict() for k, v in arena.items()}},
+        "kv_cache": {"shape": kv_shape, "dtype": build.dtype, "size": kv_bytes},
+        "buckets": buckets,
+        "kernels": {"target": build.target},
+    }
+    if build.target != "cpu":
+        from xserv_aot.plan.kernel_build import build_kernels
+        manifest["kernels"] = build_kernels(manifest, tmp, build.target, progress=progress)
+    return manifest
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Swap tmp into place: out is either the old plan or the new one, never a mix."""
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)

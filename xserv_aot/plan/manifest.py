@@ -1,0 +1,150 @@
+"""The plan on disk: manifest.json + weights.bin + tokenizer files + kernels/. Plain data; see docs/plan-format.md."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from xserv_aot.config import BuildConfig, ModelConfig
+from xserv_aot.dtypes import ITEMSIZE
+
+SCHEMA_VERSION = 1
+ALIGN = 256
+
+
+class PlanError(ValueError):
+    """A plan directory that cannot be used; the message is one line."""
+
+
+@dataclass
+class TensorInfo:
+    offset: int
+    shape: list[int]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+    def to_dict(self) -> dict:
+        return {"offset": self.offset, "shape": list(self.shape), "dtype": self.dtype}
+
+
+@dataclass
+class Bucket:
+    name: str
+    kind: str              # decode | prefill
+    num_tokens: int
+    num_seqs: int
+    ops: list[dict]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "num_tokens": self.num_tokens,
+                "num_seqs": self.num_seqs, "ops": self.ops}
+
+
+def layout(buffers: dict[str, tuple[list[int], str]], align: int = ALIGN) -> tuple[dict[str, TensorInfo], int]:
+    """Place buffers back to back at aligned offsets, in the given order. Returns (table, total size)."""
+    table, off = {}, 0
+    for name, (shape, dtype) in buffers.items():
+        info = TensorInfo(off, [int(s) for s in shape], dtype)
+        table[name] = info
+        off += -(-info.nbytes // align) * align
+    return table, off
+
+
+def quick_fingerprint(path: Path, samples: int = 64, chunk: int = 1 << 16) -> str:
+    """sha256 over the size and `samples` evenly spaced chunks: cheap enough for every serve start."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        for i in range(samples):
+            f.seek((size - chunk) * i // max(samples - 1, 1) if size > chunk else 0)
+            h.update(f.read(chunk))
+    return "sha256q:" + h.hexdigest()
+
+
+class Plan:
+    def __init__(self, plan_dir: Path, manifest: dict):
+        self.dir = Path(plan_dir)
+        self.manifest = manifest
+        self.model = ModelConfig.from_dict(manifest["model"])
+        self.build = BuildConfig.from_dict(manifest["build"])
+        w = manifest["weights"]
+        self.weights_file = w.get("file")
+        self.dummy_seed = w.get("dummy_seed")
+        self.weights = {k: TensorInfo(**v) for k, v in w["tensors"].items()}
+        self.arena = {k: TensorInfo(**v) for k, v in manifest["arena"]["buffers"].items()}
+        self.arena_size = int(manifest["arena"]["size"])
+        self.kv_cache = manifest["kv_cache"]
+        self.buckets = [Bucket(**b) for b in manifest["buckets"]]
+        self.kernels = manifest.get("kernels") or {}
+
+    @classmethod
+    def load(cls, plan_dir: Path | str, verify: str = "quick") -> "Plan":
+        """verify: "none" | "quick" (size + sampled hash) | "full" (sha256 of every byte)."""
+        plan_dir = Path(plan_dir)
+        path = plan_dir / "manifest.json"
+        if not path.is_file():
+            raise PlanError(f"{plan_dir}: not a plan (no manifest.json); build one with `xserv-aot compile`")
+        try:
+            manifest = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PlanError(f"{path}: corrupt manifest ({e})") from None
+        version = manifest.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise PlanError(f"{plan_dir}: plan schema version {version} is not supported (this xserv-aot reads "
+                            f"{SCHEMA_VERSION}); recompile the plan")
+        try:
+            plan = cls(plan_dir, manifest)
+        except (KeyError, TypeError) as e:
+            raise PlanError(f"{path}: malformed manifest ({e!r})") from None
+        if verify != "none":
+            plan.verify_weights(full=verify == "full")
+        return plan
+
+    def verify_weights(self, full: bool = False) -> None:
+        if self.weights_file is None:
+            return
+        w = self.manifest["weights"]
+        path = self.dir / self.weights_file
+        if not path.is_file():
+            raise PlanError(f"{path}: weights file is missing")
+        if path.stat().st_size != w["size"]:
+            raise PlanError(f"{path}: weights file is {path.stat().st_size} bytes, the plan expects {w['size']}")
+        if quick_fingerprint(path) != w["quick_fingerprint"]:
+            raise PlanError(f"{path}: weights do not match the plan's fingerprint (file changed since compile)")
+        if full:
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                while blk := f.read(1 << 24):
+                    h.update(blk)
+            if "sha256:" + h.hexdigest() != w["fingerprint"]:
+                raise PlanError(f"{path}: weights do not match the plan's sha256 fingerprint")
+
+    def weights_bytes(self) -> np.memmap | None:
+        if self.weights_file is None:
+            return None
+        return np.memmap(self.dir / self.weights_file, dtype=np.uint8, mode="r")
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return (self.dir / "tokenizer.json").is_file()
+
+    @property
+    def decode_buckets(self) -> list[Bucket]:
+        return [b for b in self.buckets if b.kind == "decode"]
+
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> Bucket:
+        """Smallest bucket that holds the batch: decode buckets for 1-token-per-seq batches, else prefill."""
+        fits = [b for b in self.buckets if b.num_tokens >= num_tokens and b.num_seqs >= num_seqs]
+        if num_tokens != num_seqs:
+            fits = [b for b in fits if b.kind == "prefill"] or fits
+        if not fits:
+            raise ValueError(f"no bucket holds {num_tokens} tokens / {num_seqs} sequences "
+                             f"(max {self.build.prefill_chunk} tokens, {self.build.max_num_seqs} sequences)")
+        return min(fits, key=lambda b: (b.num_tokens, b.num_seqs))

@@ -1,0 +1,87 @@
+"""The ordered op list of one bucket, and the arena buffers those ops read and write (docs/plan-format.md)."""
+from __future__ import annotations
+
+from xserv_aot.config import BuildConfig, ModelConfig
+
+
+def arena_buffers(m: ModelConfig, b: BuildConfig) -> dict[str, tuple[list[int], str]]:
+    t = max(b.prefill_chunk, b.max_num_seqs)     # token rows
+    s = b.max_num_seqs                            # sequence rows
+    act = b.dtype
+    return {
+        "input_ids": ([t], "int32"),
+        "positions": ([t], "int32"),
+        "slot_mapping": ([t], "int32"),
+        "query_start_loc": ([s + 1], "int32"),
+        "seq_lens": ([s], "int32"),
+        "block_tables": ([s, b.max_blocks_per_seq], "int32"),
+        "logits_indices": ([s], "int32"),
+        "temperature": ([s], "float32"),
+        "top_k": ([s], "int32"),
+        "top_p": ([s], "float32"),
+        "seeds": ([s], "int64"),
+        "sample_offsets": ([s], "int32"),
+        "x": ([t, m.hidden_size], act),
+        "h": ([t, m.hidden_size], act),
+        "qkv": ([t, m.q_size + 2 * m.kv_size], act),
+        "q": ([t, m.num_heads, m.head_dim], act),
+        "attn": ([t, m.q_size], act),
+        "o": ([t, m.hidden_size], act),
+        "gate_up": ([t, 2 * m.intermediate_size], act),
+        "act": ([t, m.intermediate_size], act),
+        "hl": ([s, m.hidden_size], act),
+        "logits": ([s, m.vocab_size], "float32"),
+        "sampled_ids": ([s], "int32"),
+    }
+
+
+INPUT_BUFFERS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
+                 "logits_indices", "temperature", "top_k", "top_p", "seeds", "sample_offsets")
+
+
+def bucket_ops(m: ModelConfig, t: int, s: int) -> list[dict]:
+    """Ops for a bucket of t token rows and s sequences."""
+    eps, hd = m.rms_norm_eps, m.head_dim
+    h, inter, nqkv = m.hidden_size, m.intermediate_size, m.q_size + 2 * m.kv_size
+    ops: list[dict] = [{"op": "embedding", "ids": "input_ids", "table": "embed_tokens", "out": "x", "rows": t}]
+    for li in range(m.num_layers):
+        p = f"layers.{li}."
+        if li == 0:
+            ops.append({"op": "rmsnorm", "inp": "x", "weight": p + "input_norm", "out": "h", "rows": t, "eps": eps})
+        else:
+            ops.append({"op": "add_rmsnorm", "residual": "x", "delta": "o", "weight": p + "input_norm", "out": "h",
+                        "rows": t, "eps": eps})
+        ops.append({"op": "linear", "inp": "h", "weight": p + "qkv", "bias": p + "qkv_bias" if m.qkv_bias else None,
+                    "out": "qkv", "rows": t, "n": nqkv, "k": h})
+        ops.append({"op": "qk_norm_rope_cache", "qkv": "qkv", "positions": "positions", "slot_mapping": "slot_mapping",
+                    "q_norm": p + "q_norm" if m.qk_norm else None, "k_norm": p + "k_norm" if m.qk_norm else None,
+                    "cos": "rope_cos", "sin": "rope_sin", "q_out": "q", "kv_cache": "kv_cache", "layer": li,
+                    "rows": t, "num_heads": m.num_heads, "num_kv_heads": m.num_kv_heads, "head_dim": hd, "eps": eps})
+        ops.append({"op": "attention", "q": "q", "kv_cache": "kv_cache", "layer": li,
+                    "query_start_loc": "query_start_loc", "seq_lens": "seq_lens", "block_tables": "block_tables",
+                    "out": "attn", "rows": t, "num_seqs": s, "num_heads": m.num_heads,
+                    "num_kv_heads": m.num_kv_heads, "head_dim": hd, "scale": hd ** -0.5})
+        ops.append({"op": "linear", "inp": "attn", "weight": p + "o_proj", "bias": None, "out": "o", "rows": t,
+                    "n": h, "k": m.q_size})
+        ops.append({"op": "add_rmsnorm", "residual": "x", "delta": "o", "weight": p + "post_attn_norm", "out": "h",
+                    "rows": t, "eps": eps})
+        ops.append({"op": "linear", "inp": "h", "weight": p + "gate_up", "bias": None, "out": "gate_up", "rows": t,
+                    "n": 2 * inter, "k": h})
+        ops.append({"op": "silu_mul", "inp": "gate_up", "out": "act", "rows": t, "inter": inter})
+        ops.append({"op": "linear", "inp": "act", "weight": p + "down", "bias": None, "out": "o", "rows": t,
+                    "n": h, "k": inter})
+    ops.append({"op": "add_rmsnorm", "residual": "x", "delta": "o", "weight": "final_norm", "out": "h", "rows": t,
+                "eps": eps})
+    ops.append({"op": "gather_rows", "inp": "h", "indices": "logits_indices", "out": "hl", "rows": s})
+    ops.append({"op": "linear", "inp": "hl", "weight": "embed_tokens" if m.tie_word_embeddings else "lm_head",
+                "bias": None, "out": "logits", "rows": s, "n": m.vocab_size, "k": h})
+    ops.append({"op": "sample", "logits": "logits", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+                "seeds": "seeds", "sample_offsets": "sample_offsets", "out": "sampled_ids", "rows": s})
+    return ops
+
+
+def bucket_shapes(b: BuildConfig) -> list[tuple[str, str, int, int]]:
+    """(name, kind, num_tokens, num_seqs) for every bucket; decode buckets hold one token per sequence."""
+    out = [(f"decode_{n}", "decode", n, n) for n in b.decode_buckets]
+    out += [(f"prefill_{t}", "prefill", t, b.max_num_seqs) for t in b.prefill_buckets]
+    return out

@@ -1,0 +1,113 @@
+"""Weights in the plan's layout: which HF tensors feed each plan tensor, RoPE tables, and writing weights.bin."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from xserv_aot.config import ModelConfig
+from xserv_aot.dtypes import encode
+from xserv_aot.plan.manifest import ALIGN, TensorInfo
+
+
+class WeightError(ValueError):
+    """A checkpoint tensor that does not fit the model config; the message is one line."""
+
+
+def weight_specs(m: ModelConfig) -> dict[str, tuple[list[int], list[str]]]:
+    """plan name -> (shape, HF source tensors concatenated along dim 0)."""
+    h, i, q, kv, hd = m.hidden_size, m.intermediate_size, m.q_size, m.kv_size, m.head_dim
+    specs: dict[str, tuple[list[int], list[str]]] = {"embed_tokens": ([m.vocab_size, h], ["model.embed_tokens.weight"])}
+    for li in range(m.num_layers):
+        a, p = f"model.layers.{li}.self_attn.", f"model.layers.{li}."
+        specs[f"layers.{li}.input_norm"] = ([h], [p + "input_layernorm.weight"])
+        specs[f"layers.{li}.qkv"] = ([q + 2 * kv, h], [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
+        if m.qkv_bias:
+            specs[f"layers.{li}.qkv_bias"] = ([q + 2 * kv], [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
+        if m.qk_norm:
+            specs[f"layers.{li}.q_norm"] = ([hd], [a + "q_norm.weight"])
+            specs[f"layers.{li}.k_norm"] = ([hd], [a + "k_norm.weight"])
+        specs[f"layers.{li}.o_proj"] = ([h, q], [a + "o_proj.weight"])
+        specs[f"layers.{li}.post_attn_norm"] = ([h], [p + "post_attention_layernorm.weight"])
+        specs[f"layers.{li}.gate_up"] = ([2 * i, h], [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+        specs[f"layers.{li}.down"] = ([h, i], [p + "mlp.down_proj.weight"])
+    specs["final_norm"] = ([h], ["model.norm.weight"])
+    if not m.tie_word_embeddings:
+        specs["lm_head"] = ([m.vocab_size, h], ["lm_head.weight"])
+    return specs
+
+
+def rope_inv_freq(m: ModelConfig) -> np.ndarray:
+    hd = m.head_dim
+    inv = 1.0 / (m.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    rs = m.rope_scaling
+    if rs and rs.get("rope_type") == "llama3":
+        factor, low, high = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old = rs.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * np.pi / inv
+        scaled = np.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        inv = np.where(medium, smoothed, scaled)
+    return inv
+
+
+def rope_tables(m: ModelConfig, max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [max_seq_len, head_dim/2] float32 (angles in float32 like HF)."""
+    inv = rope_inv_freq(m).astype(np.float32)
+    ang = np.arange(max_seq_len, dtype=np.float32)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def plan_tensors(m: ModelConfig, source, max_seq_len: int) -> Iterator[tuple[str, np.ndarray, bool]]:
+    """Yield (plan name, float32 array, is_rope_table) in plan order, checking every source shape."""
+    for name, (shape, parts) in weight_specs(m).items():
+        arrays = []
+        for src in parts:
+            arr = np.asarray(source.get(src), dtype=np.float32)
+            arrays.append(arr)
+        arr = arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
+        if list(arr.shape) != shape:
+            got = " + ".join(str(list(a.shape)) for a in arrays)
+            raise WeightError(f"{', '.join(parts)}: shape {got} does not fit the config (expected {shape} in total)")
+        yield name, arr, False
+    cos, sin = rope_tables(m, max_seq_len)
+    yield "rope_cos", cos, True
+    yield "rope_sin", sin, True
+
+
+def dummy_tensors(m: ModelConfig, max_seq_len: int, seed: int) -> Iterator[tuple[str, np.ndarray, bool]]:
+    """Random weights from a config alone (like vLLM's dummy load format); scaled so activations stay O(1)."""
+    rng = np.random.default_rng(seed)
+    for name, (shape, _) in weight_specs(m).items():
+        if len(shape) == 1:
+            arr = 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+        else:
+            arr = rng.standard_normal(shape, dtype=np.float32) * np.float32(shape[1] ** -0.5)
+        yield name, arr, False
+    cos, sin = rope_tables(m, max_seq_len)
+    yield "rope_cos", cos, True
+    yield "rope_sin", sin, True
+
+
+def write_weights(path: Path, tensors: Iterator[tuple[str, np.ndarray, bool]], dtype: str,
+                  on_tensor: Callable[[str], None] | None = None) -> tuple[dict[str, TensorInfo], int, str]:
+    """Stream tensors into weights.bin at aligned offsets. Returns (table, size, sha256 fingerprint)."""
+    table, off, h = {}, 0, hashlib.sha256()
+    with open(path, "wb") as f:
+        for name, arr, is_rope in tensors:
+            dt = "float32" if is_rope else dtype
+            raw = encode(arr, dt).tobytes()
+            pad = -(-len(raw) // ALIGN) * ALIGN - len(raw)
+            f.write(raw)
+            f.write(b"\0" * pad)
+            h.update(raw)
+            h.update(b"\0" * pad)
+            table[name] = TensorInfo(off, list(arr.shape), dt)
+            off += len(raw) + pad
+            if on_tensor:
+                on_tensor(name)
+    return table, off, "sha256:" + h.hexdigest()

@@ -1,0 +1,134 @@
+"""NumPy reference of every plan op (docs/plan-format.md). float32 math; each op small and obvious.
+
+These are the oracle for the CUDA kernels: keep them literal, not fast.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+    return table[np.asarray(ids, dtype=np.int64)].astype(np.float32)        # [T, H]
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    x = x.astype(np.float32)
+    inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
+    return (x * inv) * w.astype(np.float32)
+
+
+def add_rmsnorm(residual: np.ndarray, delta: np.ndarray, w: np.ndarray, eps: float):
+    """Returns (new residual, normed). The caller rounds the residual to its dtype before the norm reads it."""
+    res = residual.astype(np.float32) + delta.astype(np.float32)
+    return res, rmsnorm(res, w, eps)
+
+
+def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+    out = x.astype(np.float32) @ w.astype(np.float32).T                    # [T, K] @ [K, N]
+    if b is not None:
+        out = out + b.astype(np.float32)
+    return out
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x [T, heads, hd]; cos/sin [T, hd/2]. NeoX style: rotate the two halves."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def qk_norm_rope_cache(qkv, positions, slot_mapping, q_norm, k_norm, cos, sin, kv_layer, nh, nkv, hd, eps):
+    """qkv [T, (nh + 2 nkv) hd]; kv_layer [2, num_slots, nkv, hd] written in place. Returns q [T, nh, hd]."""
+    t = qkv.shape[0]
+    qkv = qkv.astype(np.float32)
+    q = qkv[:, : nh * hd].reshape(t, nh, hd)
+    k = qkv[:, nh * hd: (nh + nkv) * hd].reshape(t, nkv, hd)
+    v = qkv[:, (nh + nkv) * hd:].reshape(t, nkv, hd)
+    if q_norm is not None:
+        q = rmsnorm(q, q_norm, eps)
+        k = rmsnorm(k, k_norm, eps)
+    pos = np.asarray(positions, dtype=np.int64)
+    c, s = cos[pos].astype(np.float32), sin[pos].astype(np.float32)
+    q, k = rope(q, c, s), rope(k, c, s)
+    for r, slot in enumerate(np.asarray(slot_mapping)):
+        if slot >= 0:
+            kv_layer[0, slot] = k[r]
+            kv_layer[1, slot] = v[r]
+    return q
+
+
+def attention(q, kv_layer, query_start_loc, seq_lens, block_tables, block_size, scale) -> np.ndarray:
+    """q [T, nh, hd]; kv_layer [2, num_slots, nkv, hd]. Causal attention over each sequence's paged context."""
+    t, nh, hd = q.shape
+    nkv = kv_layer.shape[2]
+    group = nh // nkv
+    out = np.zeros((t, nh * hd), dtype=np.float32)
+    for i, ctx in enumerate(np.asarray(seq_lens)):
+        qs, qe = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        n, ctx = qe - qs, int(ctx)
+        if n <= 0 or ctx <= 0:
+            continue
+        p = np.arange(ctx)
+        slots = np.asarray(block_tables[i])[p // block_size] * block_size + p % block_size
+        k = kv_layer[0, slots].astype(np.float32)                          # [ctx, nkv, hd]
+        v = kv_layer[1, slots].astype(np.float32)
+        k = np.repeat(k, group, axis=1)                                    # [ctx, nh, hd]
+        v = np.repeat(v, group, axis=1)
+        qi = q[qs:qe].astype(np.float32)                                   # [n, nh, hd]
+        scores = np.einsum("qhd,khd->hqk", qi, k) * np.float32(scale)     # [nh, n, ctx]
+        qpos = ctx - n + np.arange(n)
+        scores = np.where(p[None, None, :] <= qpos[None, :, None], scores, -np.inf)
+        scores = scores - scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out[qs:qe] = np.einsum("hqk,khd->qhd", probs, v).reshape(n, nh * hd)
+    return out
+
+
+def silu_mul(x: np.ndarray) -> np.ndarray:
+    inter = x.shape[-1] // 2
+    g, u = x[:, :inter].astype(np.float32), x[:, inter:].astype(np.float32)
+    return g / (1.0 + np.exp(-g)) * u
+
+
+def gather_rows(x: np.ndarray, idx) -> np.ndarray:
+    return x[np.asarray(idx, dtype=np.int64)]
+
+
+def uniform(seed: int, offset: int) -> float:
+    """splitmix64 of (seed, offset) -> [0, 1) with 24 bits; identical on every backend."""
+    with np.errstate(over="ignore"):
+        z = (np.uint64(seed) + (np.uint64(offset) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)) & _M64
+        z = ((z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _M64
+        z = ((z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _M64
+        z = z ^ (z >> np.uint64(31))
+    return float(z >> np.uint64(40)) * 2.0 ** -24
+
+
+def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float, seed: int, offset: int) -> int:
+    logits = logits.astype(np.float32)
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    order = np.argsort(-logits, kind="stable")                             # most likely first, ties: lower id
+    z = logits[order] / np.float32(temperature)
+    p = np.exp(z - z[0])
+    p /= p.sum()
+    keep = len(p)
+    if 0 < top_k < keep:
+        keep = int(top_k)
+    p = p[:keep] / p[:keep].sum()
+    if top_p < 1.0:
+        keep = min(keep, int(np.searchsorted(np.cumsum(p), np.float32(top_p), side="left")) + 1)
+    p = p[:keep]
+    cum = np.cumsum(p)
+    u = uniform(seed, offset) * cum[-1]
+    j = int(np.searchsorted(cum, u, side="right"))
+    return int(order[min(j, keep - 1)])
+
+
+def sample(logits, temperature, top_k, top_p, seeds, offsets) -> np.ndarray:
+    return np.array([sample_row(logits[i], float(temperature[i]), int(top_k[i]), float(top_p[i]),
+                                int(seeds[i]), int(offsets[i])) for i in range(logits.shape[0])], dtype=np.int32)

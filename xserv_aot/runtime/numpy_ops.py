@@ -10,25 +10,25 @@ _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
-    return table[np.asarray(ids, dtype=np.int64)].astype(np.float32)        # [T, H]
+    return table[np.asarray(ids, dtype=np.int64)].astype(np.float32, copy=False)        # [T, H]
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    x = x.astype(np.float32)
+    x = x.astype(np.float32, copy=False)
     inv = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
-    return (x * inv) * w.astype(np.float32)
+    return (x * inv) * w.astype(np.float32, copy=False)
 
 
 def add_rmsnorm(residual: np.ndarray, delta: np.ndarray, w: np.ndarray, eps: float):
     """Returns (new residual, normed). The caller rounds the residual to its dtype before the norm reads it."""
-    res = residual.astype(np.float32) + delta.astype(np.float32)
+    res = residual.astype(np.float32, copy=False) + delta.astype(np.float32, copy=False)
     return res, rmsnorm(res, w, eps)
 
 
 def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
-    out = x.astype(np.float32) @ w.astype(np.float32).T                    # [T, K] @ [K, N]
+    out = x.astype(np.float32, copy=False) @ w.astype(np.float32, copy=False).T                    # [T, K] @ [K, N]
     if b is not None:
-        out = out + b.astype(np.float32)
+        out = out + b.astype(np.float32, copy=False)
     return out
 
 
@@ -43,7 +43,7 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 def qk_norm_rope_cache(qkv, positions, slot_mapping, q_norm, k_norm, cos, sin, kv_layer, nh, nkv, hd, eps):
     """qkv [T, (nh + 2 nkv) hd]; kv_layer [2, num_slots, nkv, hd] written in place. Returns q [T, nh, hd]."""
     t = qkv.shape[0]
-    qkv = qkv.astype(np.float32)
+    qkv = qkv.astype(np.float32, copy=False)
     q = qkv[:, : nh * hd].reshape(t, nh, hd)
     k = qkv[:, nh * hd: (nh + nkv) * hd].reshape(t, nkv, hd)
     v = qkv[:, (nh + nkv) * hd:].reshape(t, nkv, hd)
@@ -51,7 +51,7 @@ def qk_norm_rope_cache(qkv, positions, slot_mapping, q_norm, k_norm, cos, sin, k
         q = rmsnorm(q, q_norm, eps)
         k = rmsnorm(k, k_norm, eps)
     pos = np.asarray(positions, dtype=np.int64)
-    c, s = cos[pos].astype(np.float32), sin[pos].astype(np.float32)
+    c, s = cos[pos].astype(np.float32, copy=False), sin[pos].astype(np.float32, copy=False)
     q, k = rope(q, c, s), rope(k, c, s)
     for r, slot in enumerate(np.asarray(slot_mapping)):
         if slot >= 0:
@@ -73,11 +73,11 @@ def attention(q, kv_layer, query_start_loc, seq_lens, block_tables, block_size, 
             continue
         p = np.arange(ctx)
         slots = np.asarray(block_tables[i])[p // block_size] * block_size + p % block_size
-        k = kv_layer[0, slots].astype(np.float32)                          # [ctx, nkv, hd]
-        v = kv_layer[1, slots].astype(np.float32)
+        k = kv_layer[0, slots].astype(np.float32, copy=False)                          # [ctx, nkv, hd]
+        v = kv_layer[1, slots].astype(np.float32, copy=False)
         k = np.repeat(k, group, axis=1)                                    # [ctx, nh, hd]
         v = np.repeat(v, group, axis=1)
-        qi = q[qs:qe].astype(np.float32)                                   # [n, nh, hd]
+        qi = q[qs:qe].astype(np.float32, copy=False)                                   # [n, nh, hd]
         scores = np.einsum("qhd,khd->hqk", qi, k) * np.float32(scale)     # [nh, n, ctx]
         qpos = ctx - n + np.arange(n)
         scores = np.where(p[None, None, :] <= qpos[None, :, None], scores, -np.inf)
@@ -90,7 +90,7 @@ def attention(q, kv_layer, query_start_loc, seq_lens, block_tables, block_size, 
 
 def silu_mul(x: np.ndarray) -> np.ndarray:
     inter = x.shape[-1] // 2
-    g, u = x[:, :inter].astype(np.float32), x[:, inter:].astype(np.float32)
+    g, u = x[:, :inter].astype(np.float32, copy=False), x[:, inter:].astype(np.float32, copy=False)
     return g / (1.0 + np.exp(-g)) * u
 
 
@@ -109,7 +109,7 @@ def uniform(seed: int, offset: int) -> float:
 
 
 def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float, seed: int, offset: int) -> int:
-    logits = logits.astype(np.float32)
+    logits = logits.astype(np.float32, copy=False)
     if temperature <= 0:
         return int(np.argmax(logits))
     order = np.argsort(-logits, kind="stable")                             # most likely first, ties: lower id

@@ -1,0 +1,41 @@
+"""Shared fixtures: the offline assets (fetched once by scripts/fetch_assets.sh; tests skip if that fails)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSETS = ROOT / "build" / "assets"
+SMOLLM2_GGUF = ASSETS / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def ensure_assets() -> Path:
+    if not SMOLLM2_GGUF.is_file() or not (ASSETS / "qwen3-tokenizer" / "tokenizer.json").is_file():
+        env = dict(os.environ, PYTHON=sys.executable)
+        r = subprocess.run(["bash", str(ROOT / "scripts" / "fetch_assets.sh")], env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"offline assets unavailable: {r.stderr.strip().splitlines()[-1:]}")
+    return ASSETS
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    ensure_assets()
+    return SMOLLM2_GGUF
+
+
+@pytest.fixture(scope="session")
+def smollm2_plan(smollm2_gguf, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct compiled for the CPU in float32 (exact dequantized weights)."""
+    from xserv_aot.config import BuildConfig
+    from xserv_aot.plan.builder import compile_plan
+
+    out = tmp_path_factory.mktemp("plans") / "smollm2"
+    build = BuildConfig(max_num_seqs=4, decode_buckets=[1, 2, 4], prefill_buckets=[16, 64], max_seq_len=512,
+                        dtype="float32", target="cpu")
+    compile_plan(smollm2_gguf, out, build)
+    return out

@@ -1,0 +1,225 @@
+"""The `xserv-aot` command line: compile, inspect, generate, chat, serve, profile, bench."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Ahead-of-time compiled LLM inference: compile a model into a static-shape plan, then serve it.")
+
+
+def fail(msg: str) -> None:
+    typer.secho(f"error: {msg}", fg="red", err=True)
+    raise typer.Exit(1)
+
+
+def _ints(text: Optional[str]) -> Optional[list[int]]:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        fail(f"expected a comma-separated list of integers, got {text!r}")
+
+
+def guarded(fn):
+    """Turn the project's one-line errors into `error: ...` + exit 1 (no traceback)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except (ValueError, OSError, RuntimeError) as e:
+            if isinstance(e, typer.Exit):
+                raise
+            fail(" ".join(str(e).split()) or type(e).__name__)
+    return wrapper
+
+
+@app.command()
+@guarded
+def compile(
+    model: Path = typer.Argument(..., help="HF model dir (config.json + safetensors), a .gguf file, or a config.json with --dummy-weights"),
+    out: Path = typer.Option(..., "-o", "--out", help="plan directory to write"),
+    build_config: Optional[Path] = typer.Option(None, help="JSON with build defaults, e.g. plans/h200.build.json"),
+    max_num_seqs: Optional[int] = typer.Option(None, help="largest decode batch"),
+    decode_buckets: Optional[str] = typer.Option(None, help="decode batch sizes, e.g. 1,2,4,8"),
+    prefill_buckets: Optional[str] = typer.Option(None, help="prefill token counts; the largest is the prefill chunk"),
+    max_seq_len: Optional[int] = typer.Option(None),
+    block_size: Optional[int] = typer.Option(None, help="KV block size in tokens"),
+    num_blocks: Optional[int] = typer.Option(None, help="KV blocks in the pool (default: max_num_seqs full sequences)"),
+    kv_memory_gib: Optional[float] = typer.Option(None, "--kv-memory", help="size the KV pool in GiB instead of --num-blocks"),
+    dtype: Optional[str] = typer.Option(None, help="bfloat16 | float32"),
+    target: Optional[str] = typer.Option(None, help="GPU arch for kernels (sm_90a) or cpu"),
+    dummy_weights: bool = typer.Option(False, help="random weights from the config alone (benchmarks)"),
+    seed: int = typer.Option(0, help="seed for --dummy-weights"),
+    force: bool = typer.Option(False, help="replace an existing plan"),
+):
+    """Compile MODEL into a plan directory (no GPU needed)."""
+    from rich.progress import Progress
+
+    from xserv_aot.config import BuildConfig
+    from xserv_aot.plan.builder import compile_plan
+
+    base = json.loads(build_config.read_text()) if build_config else {}
+    given = dict(max_num_seqs=max_num_seqs, decode_buckets=_ints(decode_buckets), prefill_buckets=_ints(prefill_buckets),
+                 max_seq_len=max_seq_len, block_size=block_size, num_blocks=num_blocks, dtype=dtype, target=target)
+    base.update({k: v for k, v in given.items() if v is not None})
+    if max_num_seqs and not decode_buckets and "decode_buckets" not in base:
+        base["decode_buckets"] = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_num_seqs] + [max_num_seqs]
+    build = BuildConfig.from_dict(base)
+    if kv_memory_gib is not None:
+        build.num_blocks = kv_blocks_for_memory(model, build, kv_memory_gib, dummy_weights)
+    with Progress(transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(stage: str, done: int, total: int):
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        plan = compile_plan(model, out, build, dummy_weights=dummy_weights, dummy_seed=seed, force=force,
+                            progress=progress)
+    typer.echo(f"wrote plan {out} ({plan.model.arch}, {len(plan.buckets)} buckets, "
+               f"weights {plan.manifest['weights']['size'] / 2**20:.1f} MiB, KV pool {plan.build.num_blocks} blocks)")
+
+
+def kv_blocks_for_memory(model: Path, build, gib: float, dummy: bool) -> int:
+    from xserv_aot.plan.builder import read_source
+
+    m, _, _ = read_source(model, dummy)
+    per_block = m.num_layers * 2 * build.block_size * m.num_kv_heads * m.head_dim * (2 if build.dtype == "bfloat16" else 4)
+    return max(1, int(gib * 2**30) // per_block)
+
+
+@app.command()
+@guarded
+def inspect(plan_dir: Path = typer.Argument(..., metavar="PLAN"),
+            ops: Optional[str] = typer.Option(None, help="print the op list of this bucket (e.g. decode_1)")):
+    """Print a plan's memory map, buckets, op list and the bytes each decode step reads."""
+    from xserv_aot.plan.inspect import describe
+
+    typer.echo(describe(plan_dir, ops))
+
+
+def load_runner(plan_dir: Path, backend: str):
+    from xserv_aot.plan.manifest import Plan
+    from xserv_aot.runtime.select import make_runner
+
+    plan = Plan.load(plan_dir)
+    return make_runner(plan, backend)
+
+
+def load_tokenizer(plan_dir: Path):
+    from xserv_aot.tokenizer import Tokenizer
+
+    if not (Path(plan_dir) / "tokenizer.json").is_file():
+        fail(f"{plan_dir}: plan has no tokenizer (compiled from a model without tokenizer.json)")
+    return Tokenizer.from_dir(plan_dir)
+
+
+@app.command()
+@guarded
+def generate(
+    plan_dir: Path = typer.Argument(..., metavar="PLAN"),
+    prompt: str = typer.Argument(...),
+    max_tokens: int = typer.Option(128),
+    temperature: float = typer.Option(0.0, help="0 = greedy"),
+    top_p: float = typer.Option(1.0),
+    top_k: int = typer.Option(0),
+    seed: int = typer.Option(0),
+    raw: bool = typer.Option(False, help="send the prompt as is, without the chat template"),
+    think: bool = typer.Option(False, help="Qwen3: enable_thinking in the chat template"),
+    backend: str = typer.Option("auto", help="cuda | cpu | auto"),
+):
+    """Generate from one prompt, streamed to the terminal; tok/s at the end."""
+    from xserv_aot.generate import stream_generate
+
+    runner = load_runner(plan_dir, backend)
+    tok = load_tokenizer(plan_dir)
+    ids = tok.encode(prompt) if raw else tok.encode_chat([{"role": "user", "content": prompt}], enable_thinking=think)
+    stats = stream_generate(runner, tok, ids, max_tokens, dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
+                            sys.stdout.write)
+    typer.secho(f"\n[{stats['tokens']} tokens, prefill {stats['ttft_s'] * 1e3:.0f} ms, "
+                f"decode {stats['tok_per_s']:.1f} tok/s, backend {type(runner).__name__}]", fg="cyan", err=True)
+
+
+@app.command()
+@guarded
+def chat(plan_dir: Path = typer.Argument(..., metavar="PLAN"), max_tokens: int = typer.Option(512),
+         temperature: float = typer.Option(0.7), system: Optional[str] = typer.Option(None),
+         think: bool = typer.Option(False, help="Qwen3: enable_thinking"), backend: str = typer.Option("auto")):
+    """Interactive multi-turn chat using the model's chat template (empty line or Ctrl-D quits)."""
+    from xserv_aot.generate import stream_generate
+
+    runner = load_runner(plan_dir, backend)
+    tok = load_tokenizer(plan_dir)
+    messages = [{"role": "system", "content": system}] if system else []
+    turn = 0
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        ids = tok.encode_chat(messages, enable_thinking=think)
+        sys.stdout.write("assistant> ")
+        parts: list[str] = []
+        stream_generate(runner, tok, ids, max_tokens, dict(temperature=temperature, seed=turn),
+                        lambda s: (parts.append(s), sys.stdout.write(s), sys.stdout.flush()))
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(parts)})
+        turn += 1
+
+
+@app.command()
+@guarded
+def serve(plan_dir: Path = typer.Argument(..., metavar="PLAN"), host: str = typer.Option("127.0.0.1"),
+          port: int = typer.Option(8000), api_key: Optional[str] = typer.Option(None, envvar="XSERV_API_KEY"),
+          max_waiting: int = typer.Option(256, help="waiting-queue bound; beyond it requests get 429"),
+          model_name: Optional[str] = typer.Option(None, help="name served in /v1/models (default: plan dir name)"),
+          max_request_bytes: int = typer.Option(1_000_000), backend: str = typer.Option("auto")):
+    """Serve PLAN with an OpenAI-compatible HTTP API."""
+    from xserv_aot.serve import launch
+
+    launch(plan_dir, host=host, port=port, api_key=api_key, max_waiting=max_waiting,
+           model_name=model_name or Path(plan_dir).resolve().name, max_request_bytes=max_request_bytes, backend=backend)
+
+
+@app.command()
+@guarded
+def bench(plan_dir: Path = typer.Argument(..., metavar="PLAN"), backend: str = typer.Option("auto"),
+          prompt_len: int = typer.Option(128), decode_steps: int = typer.Option(64),
+          batch: int = typer.Option(1)):
+    """Measure time to first token and decode tok/s on random prompts."""
+    from xserv_aot.bench import run_bench
+
+    runner = load_runner(plan_dir, backend)
+    typer.echo(json.dumps(run_bench(runner, prompt_len, decode_steps, batch), indent=1))
+
+
+@app.command()
+@guarded
+def profile(plan_dir: Path = typer.Argument(..., metavar="PLAN"), bucket: str = typer.Option("decode_1"),
+            context: int = typer.Option(128), trace: Optional[Path] = typer.Option(None, help="Chrome-trace JSON out")):
+    """Per-op timing of one bucket on the GPU (CUDA events) plus whole-graph step time."""
+    try:
+        from xserv_aot.runtime.cuda.profile import profile_plan
+    except ImportError as e:
+        fail(f"profile needs the CUDA backend ({e})")
+    typer.echo(profile_plan(plan_dir, bucket=bucket, context=context, trace=trace))
+
+
+def main():
+    app()
+
+
+if __name__ == "__main__":
+    main()

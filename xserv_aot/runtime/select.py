@@ -1,0 +1,34 @@
+"""Pick a backend for a plan: cuda (kernels in the plan + a GPU), cpu (NumPy), or auto."""
+from __future__ import annotations
+
+from xserv_aot.plan.manifest import Plan, PlanError
+
+
+def gpu_available() -> bool:
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        return False
+    try:
+        err, n = cudart.cudaGetDeviceCount()
+    except Exception:
+        return False
+    return int(err) == 0 and n > 0
+
+
+def make_runner(plan: Plan, backend: str = "auto"):
+    if backend not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"unknown backend {backend!r} (cuda | cpu | auto)")
+    has_kernels = plan.build.target != "cpu" and bool(plan.kernels.get("cubins"))
+    if backend == "auto":
+        backend = "cuda" if has_kernels and gpu_available() else "cpu"
+    if backend == "cpu":
+        from xserv_aot.runtime.numpy_backend import NumpyRunner
+        return NumpyRunner(plan)
+    if not has_kernels:
+        raise PlanError(f"{plan.dir}: plan was compiled for target {plan.build.target!r} without CUDA kernels; "
+                        "recompile with --target sm_90a")
+    if not gpu_available():
+        raise RuntimeError("--backend cuda: no CUDA GPU is visible")
+    from xserv_aot.runtime.cuda.runner import CudaRunner
+    return CudaRunner(plan)

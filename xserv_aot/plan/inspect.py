@@ -45,11 +45,10 @@ def describe(plan_dir: Path, ops_bucket: str | None = None) -> str:
         lines.append(f"  {bk.name:<14} {bk.kind:<8} tokens {bk.num_tokens:>5} seqs {bk.num_seqs:>4}  {len(bk.ops)} ops"
                      f"  ({', '.join(f'{k} x{v}' for k, v in kinds.items())})")
     lines += ["", "bytes read per decode step (batch 1):"]
-    for ctx in (128, 4096):
-        if ctx <= b.max_seq_len:
-            d = decode_step_bytes(plan, 1, ctx)
-            lines.append(f"  context {ctx:>5}: weights {mib(d['weights'])} + KV {mib(d['kv'])} ="
-                         f" {mib(d['total'])} -> roofline {d['roofline_tok_per_s']:.0f} tok/s at 4.28 TB/s")
+    for ctx in sorted({min(128, b.max_seq_len), min(4096, b.max_seq_len)}):
+        d = decode_step_bytes(plan, 1, ctx)
+        lines.append(f"  context {ctx:>5}: weights {mib(d['weights'])} + KV {mib(d['kv'])} ="
+                     f" {mib(d['total'])} -> roofline {d['roofline_tok_per_s']:.0f} tok/s at 4.28 TB/s")
     if ops_bucket:
         bk = next((x for x in plan.buckets if x.name == ops_bucket), None)
         if bk is None:

@@ -1,0 +1,36 @@
+"""`xserv-aot serve`: plan -> runner -> engine -> OpenAI-compatible HTTP server."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from xserv_aot.engine.async_engine import AsyncEngine
+from xserv_aot.engine.llm_engine import LLMEngine
+from xserv_aot.plan.manifest import Plan, PlanError
+from xserv_aot.runtime.select import make_runner
+from xserv_aot.tokenizer import Tokenizer
+
+log = logging.getLogger("xserv_aot.serve")
+
+
+def build_engine(plan_dir: Path, *, backend: str = "auto", max_waiting: int = 256, model_name: str | None = None,
+                 verify: str = "quick") -> AsyncEngine:
+    plan = Plan.load(plan_dir, verify=verify)
+    if not plan.has_tokenizer:
+        raise PlanError(f"{plan_dir}: plan has no tokenizer; serving needs one")
+    tokenizer = Tokenizer.from_dir(plan.dir)
+    runner = make_runner(plan, backend)
+    log.info("plan %s: %s on %s, %d buckets, max_seq_len %d", plan.dir, plan.model.arch, type(runner).__name__,
+             len(plan.buckets), plan.build.max_seq_len)
+    engine = LLMEngine(runner, tokenizer)
+    return AsyncEngine(engine, model_name=model_name or Path(plan_dir).resolve().name, max_waiting=max_waiting)
+
+
+def launch(plan_dir: Path, *, host: str, port: int, api_key: str | None, max_waiting: int, model_name: str,
+           max_request_bytes: int, backend: str) -> None:
+    from xserv_aot.server.run import run_server
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = build_engine(plan_dir, backend=backend, max_waiting=max_waiting, model_name=model_name)
+    run_server(engine, host=host, port=port, api_key=api_key, model_name=model_name,
+               max_request_bytes=max_request_bytes)

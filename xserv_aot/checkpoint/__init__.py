@@ -1,0 +1,49 @@
+"""Checkpoint readers: a HF model directory (safetensors) or a .gguf file, seen as float32 tensors with HF names."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from xserv_aot.config import ModelConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read; the message is one line naming the file or tensor."""
+
+
+class TensorSource(Protocol):
+    def names(self) -> list[str]:
+        """HF tensor names, e.g. model.layers.0.self_attn.q_proj.weight."""
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """HF layout shape ([out, in] for Linear)."""
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as a fresh float32 array in HF layout."""
+
+
+def one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def open_checkpoint(path: Path) -> tuple[ModelConfig, TensorSource, str]:
+    """(config, tensors, "safetensors" | "gguf") for a HF model directory or a .gguf file."""
+    path = Path(path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from xserv_aot.checkpoint.gguf_reader import GGUFCheckpoint
+
+        source = GGUFCheckpoint(path)
+        return source.config, source, "gguf"
+    if path.is_dir():
+        from xserv_aot.checkpoint.safetensors_reader import SafetensorsCheckpoint
+        from xserv_aot.config import read_hf_config
+
+        config = read_hf_config(path)
+        source = SafetensorsCheckpoint(path)
+        config.source_dtype = source.dtype_name() or config.source_dtype
+        return config, source, "safetensors"
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    raise CheckpointError(f"{path}: expected a Hugging Face model directory or a .gguf file")

@@ -16,6 +16,23 @@ def gpu_available() -> bool:
     return int(err) == 0 and n > 0
 
 
+def gpu_arch() -> str:
+    from cuda.bindings import runtime as cudart
+    err, major = cudart.cudaDeviceGetAttribute(cudart.cudaDeviceAttr.cudaDevAttrComputeCapabilityMajor, 0)
+    err2, minor = cudart.cudaDeviceGetAttribute(cudart.cudaDeviceAttr.cudaDevAttrComputeCapabilityMinor, 0)
+    if int(err) or int(err2):
+        raise RuntimeError(f"cannot read the GPU's compute capability ({err}, {err2})")
+    return f"sm_{major}{minor}"
+
+
+def check_arch(plan: Plan, arch: str) -> None:
+    """A plan's cubins run only on the arch they were built for (sm_90a needs exactly sm_90)."""
+    target = plan.build.target
+    if target.rstrip("a") != arch:
+        raise PlanError(f"{plan.dir}: plan was compiled for {target} but this GPU is {arch}; "
+                        f"recompile with --target {arch}{'a' if arch == 'sm_90' else ''}")
+
+
 def make_runner(plan: Plan, backend: str = "auto"):
     if backend not in ("auto", "cuda", "cpu"):
         raise ValueError(f"unknown backend {backend!r} (cuda | cpu | auto)")
@@ -30,5 +47,6 @@ def make_runner(plan: Plan, backend: str = "auto"):
                         "recompile with --target sm_90a")
     if not gpu_available():
         raise RuntimeError("--backend cuda: no CUDA GPU is visible")
+    check_arch(plan, gpu_arch())
     from xserv_aot.runtime.cuda.runner import CudaRunner
     return CudaRunner(plan)

@@ -83,3 +83,7 @@ class AsyncEngineProtocol:
     def start() -> None / def shutdown() -> None  engine thread lifecycle
     attributes: tokenizer (xserv_aot.tokenizer.Tokenizer), max_seq_len: int, model_name: str
     """
+
+
+class InvalidRequestError(ValueError):
+    """A request field out of range (prompt ids, sampling params); the message names the field (server: 400)."""

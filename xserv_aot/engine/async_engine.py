@@ -1,0 +1,172 @@
+"""AsyncEngine: the LLMEngine loop in its own thread, bridged to asyncio.
+
+asyncio -> engine: a thread-safe command queue ("add", "abort", "stop"), drained before every step.
+engine -> asyncio: each request's outputs go into its own asyncio.Queue through loop.call_soon_threadsafe.
+
+Failure policy: when a step raises, the requests of that step end with finish_reason "error" and a one-line
+error (no traceback; the traceback goes to the log), the other requests restart from their tokens so far on a
+reset KV pool, stats().healthy is False until a step succeeds again, and the loop keeps serving. If recovery
+itself fails, every open request ends with "error", the engine stops, and healthy stays False.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+from typing import AsyncIterator
+
+from xserv_aot.engine.api import (EngineStats, InvalidRequestError, QueueFullError, RequestOutput,
+                                  SamplingParams)
+from xserv_aot.engine.llm_engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+
+def _one_line(e: BaseException) -> str:
+    msg = " ".join(str(e).split())
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, *, model_name: str = "", max_waiting: int = 256):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_seq_len = engine.max_seq_len
+        self.model_name = model_name
+        self.max_waiting = max_waiting
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()                 # guards _streams, _pending_adds, _stats
+        self._pending_adds = 0
+        self._stats = engine.stats()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._dead: str | None = None                 # set when the engine could not recover
+        engine.on_scheduled = lambda: self._publish([])
+
+    # lifecycle
+
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="xserv-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread; open requests end with finish_reason "abort"."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._commands.put(("stop",))
+        self._thread.join(timeout)
+        self._thread = None
+
+    # requests
+
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        params = params if params is not None else SamplingParams()
+        self.engine.check_request(prompt_ids, params)
+        if self._dead is not None or self._thread is None or not self._thread.is_alive():
+            raise RuntimeError("engine is not running" + (f" ({self._dead})" if self._dead else ""))
+        loop, q = asyncio.get_running_loop(), asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            if self._stats.num_waiting + self._pending_adds >= self.max_waiting:
+                raise QueueFullError(f"too many waiting requests (max_waiting {self.max_waiting})")
+            self._streams[request_id] = (loop, q)
+            self._pending_adds += 1
+        self._commands.put(("add", request_id, list(prompt_ids), params))
+        finished = False
+        try:
+            while not finished:
+                out = await q.get()
+                finished = out.finish_reason is not None
+                yield out
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; the engine frees the request's blocks before its next step. Unknown ids are ignored."""
+        self._commands.put(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        """The engine's stats as of its last schedule; num_waiting also counts requests not yet picked up."""
+        with self._lock:
+            return dataclasses.replace(self._stats, num_waiting=self._stats.num_waiting + self._pending_adds)
+
+    # engine thread
+
+    def _loop(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not eng.has_unfinished())
+                if self._stop.is_set() or not eng.has_unfinished():
+                    continue
+                try:
+                    outputs = eng.step()
+                except Exception as e:
+                    log.exception("engine step failed")
+                    outputs = eng.recover(f"engine step failed: {_one_line(e)}")
+                self._publish(outputs)
+        except Exception as e:
+            log.exception("engine loop died")
+            self._dead = f"engine failed: {_one_line(e)}"
+            with self._lock:
+                rids = list(self._streams)
+            self._publish([RequestOutput(r, [], "", finish_reason="error", error=self._dead) for r in rids])
+            return
+        self._publish(eng.abort_all())
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        outputs, picked_up = [], 0
+        while True:
+            if cmd[0] == "add":
+                _, rid, prompt, params = cmd
+                picked_up += 1
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                except Exception as e:
+                    outputs.append(RequestOutput(rid, [], "", finish_reason="error", error=_one_line(e)))
+            elif cmd[0] == "abort":
+                out = self.engine.abort(cmd[1])
+                if out is not None:
+                    outputs.append(out)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self._publish(outputs, picked_up)
+
+    def _publish(self, outputs: list[RequestOutput], picked_up: int = 0) -> None:
+        """Refresh the stats snapshot (picked_up: add commands now in the engine) and deliver outputs."""
+        try:
+            stats = self.engine.stats()
+            stats.healthy = stats.healthy and self._dead is None
+        except Exception:
+            log.exception("engine.stats() failed")
+            stats = dataclasses.replace(self._stats, healthy=False)
+        with self._lock:
+            self._stats = stats
+            self._pending_adds -= picked_up
+            targets = [(self._streams.get(o.request_id), o) for o in outputs]
+        for stream, out in targets:
+            if stream is None:
+                continue
+            loop, q = stream
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, out)
+            except RuntimeError:                      # that event loop is closed; nobody is listening
+                pass

@@ -1,0 +1,238 @@
+"""The synchronous engine: requests in, one step at a time (schedule, run, postprocess), RequestOutput deltas out.
+
+Not thread-safe: one thread owns an LLMEngine (AsyncEngine runs it in its engine thread).
+Stop conditions, checked after each new token: EOS (unless ignore_eos) or a stop_token_id -> "stop" (the token
+is returned as an id but not detokenized); a stop string -> "stop" (text from the stop string on is dropped);
+max_tokens or max_seq_len -> "length".
+"""
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+import numpy as np
+
+from xserv_aot.config import BuildConfig
+from xserv_aot.engine.api import (EngineStats, InvalidRequestError, RequestOutput, RequestTooLongError,
+                                  SamplingParams, TokenLogprob)
+from xserv_aot.engine.sampler import MAX_LOGPROBS, sample_token
+from xserv_aot.engine.scheduler import Scheduler, SchedulerOutput
+from xserv_aot.engine.sequence import Sequence
+from xserv_aot.runtime.batch import StepResult
+
+MAX_STOP_STRINGS = 4
+
+
+def _default_detokenizer(tokenizer):
+    from xserv_aot.detokenizer import IncrementalDetokenizer
+    return IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, build: BuildConfig, vocab_size: int | None,
+                  can_detokenize: bool = True) -> None:
+    """Raise InvalidRequestError / RequestTooLongError (one line) for a request the engine cannot serve."""
+    def bad(msg):
+        raise InvalidRequestError(msg)
+    if not prompt_ids:
+        bad("prompt is empty: at least one prompt token is required")
+    if any(not isinstance(t, (int, np.integer)) or t < 0 or (vocab_size and t >= vocab_size) for t in prompt_ids):
+        bad(f"prompt token ids must be integers in [0, {vocab_size})")
+    p = params
+    if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
+        bad(f"max_tokens must be an integer >= 1, got {p.max_tokens!r}")
+    if not p.temperature >= 0:
+        bad(f"temperature must be >= 0, got {p.temperature}")
+    if not 0 < p.top_p <= 1:
+        bad(f"top_p must be in (0, 1], got {p.top_p}")
+    if not isinstance(p.top_k, int) or p.top_k < 0:
+        bad(f"top_k must be an integer >= 0 (0 = off), got {p.top_k!r}")
+    if not 0 <= p.min_p <= 1:
+        bad(f"min_p must be in [0, 1], got {p.min_p}")
+    if not p.repetition_penalty > 0:
+        bad(f"repetition_penalty must be > 0, got {p.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(p, name) <= 2:
+            bad(f"{name} must be in [-2, 2], got {getattr(p, name)}")
+    if p.logprobs is not None and not (isinstance(p.logprobs, int) and 0 <= p.logprobs <= MAX_LOGPROBS):
+        bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {p.logprobs!r}")
+    if p.seed is not None and not isinstance(p.seed, (int, np.integer)):
+        bad(f"seed must be an integer, got {p.seed!r}")
+    if len(p.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in p.stop):
+        bad(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
+    if p.stop and not can_detokenize:
+        bad("stop strings need a tokenizer, and this engine has none")
+    n = len(prompt_ids)
+    if n + p.max_tokens > build.max_seq_len:
+        raise RequestTooLongError(f"prompt has {n} tokens and max_tokens is {p.max_tokens}: {n + p.max_tokens} "
+                                  f"exceeds the model's max_seq_len {build.max_seq_len}")
+    capacity = build.num_blocks * build.block_size
+    if n > capacity:
+        raise RequestTooLongError(f"prompt has {n} tokens but the KV cache holds at most {capacity} tokens")
+
+
+class LLMEngine:
+    def __init__(self, runner, tokenizer=None, *, build: BuildConfig | None = None,
+                 eos_token_ids: list[int] | None = None, vocab_size: int | None = None,
+                 enable_prefix_caching: bool = True, detokenizer_factory: Callable | None = None,
+                 seed: int | None = None):
+        """build and vocab_size default to runner.plan's; eos_token_ids to the model's plus the tokenizer's.
+        tokenizer None: ids only, no text. detokenizer_factory(tokenizer) -> object with add(id) -> str, flush() -> str
+        (default: xserv_aot.detokenizer.IncrementalDetokenizer)."""
+        plan = getattr(runner, "plan", None)
+        model = getattr(plan, "model", None)
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.build = build if build is not None else plan.build
+        if eos_token_ids is None:
+            eos_token_ids = [*(getattr(model, "eos_token_ids", None) or []),
+                             *(getattr(tokenizer, "eos_token_ids", None) or [])]
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.vocab_size = vocab_size if vocab_size is not None else getattr(model, "vocab_size", None)
+        self.max_seq_len = self.build.max_seq_len
+        self.scheduler = Scheduler(self.build, enable_prefix_caching)
+        self.healthy = True
+        self._detokenizer_factory = detokenizer_factory or _default_detokenizer
+        self._seqs: dict[str, Sequence] = {}
+        self._rng = random.Random(seed)
+        self._num_added = 0
+        self._inflight: SchedulerOutput | None = None
+        self.on_scheduled: Callable[[], None] | None = None    # called between schedule and run (stats)
+
+    # requests
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        check_request(prompt_ids, params, self.build, self.vocab_size, self.tokenizer is not None)
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+        params = params if params is not None else SamplingParams()
+        if request_id in self._seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        self.check_request(prompt_ids, params)
+        seed = self._rng.getrandbits(63) if params.seed is None else int(params.seed) % 2 ** 63
+        detok = self._detokenizer_factory(self.tokenizer) if self.tokenizer is not None else None
+        seq = Sequence(request_id, prompt_ids, params, seed, detok)
+        self._num_added += 1
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish the request now (its blocks are freed at once); None when it is unknown or already finished."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._output(seq, [], "")
+
+    def abort_all(self) -> list[RequestOutput]:
+        return [o for o in (self.abort(rid) for rid in list(self._seqs)) if o is not None]
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    # steps
+
+    def step(self) -> list[RequestOutput]:
+        self._inflight = out = self.scheduler.schedule()
+        if self.on_scheduled is not None:
+            self.on_scheduled()
+        result = self.runner.run(out.batch) if not out.is_empty else None
+        outputs = self.postprocess(out, result)
+        self._inflight, self.healthy = None, True
+        return outputs
+
+    def postprocess(self, out: SchedulerOutput, result: StepResult | None) -> list[RequestOutput]:
+        self.scheduler.commit(out)
+        outputs = [self._finish(seq, [], seq.flush_text(), seq.finish_reason, None) for seq in out.failed]
+        if result is None:
+            return outputs
+        sampled = np.asarray(result.sampled_ids).reshape(-1)
+        for i, seq in enumerate(out.seqs):
+            if not out.samples[i] or seq.is_finished:
+                continue                                   # mid-prefill chunk: its sampled id is not a token
+            if seq.params.needs_host_sampling:
+                if result.logits is None:
+                    raise RuntimeError("runner returned no logits for a batch with need_logits set")
+                token, lp = sample_token(np.asarray(result.logits[i]), seq.params, seq.prompt_ids,
+                                         seq.output_ids, seq.seed, seq.num_output_tokens)
+            else:
+                token, lp = int(sampled[i]), None
+            outputs.append(self._append(seq, token, lp))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
+        seq.append_token(token)
+        p = seq.params
+        text, reason = "", None
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+            text = seq.flush_text()
+        else:
+            text, hit = seq.feed_text(seq.detokenizer.add(token) if seq.detokenizer is not None else "")
+            if hit:
+                reason = "stop"
+            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_seq_len:
+                reason = "length"
+                text += seq.flush_text()
+        lps = [lp] if lp is not None else None
+        if reason is not None:
+            return self._finish(seq, [token], text, reason, lps)
+        return self._output(seq, [token], text, lps)
+
+    def _finish(self, seq: Sequence, tokens: list[int], text: str, reason: str, lps) -> RequestOutput:
+        self._seqs.pop(seq.request_id, None)
+        self.scheduler.finish(seq, reason, seq.error)
+        return self._output(seq, tokens, text, lps)
+
+    def _output(self, seq: Sequence, tokens: list[int], text: str, lps=None) -> RequestOutput:
+        return RequestOutput(seq.request_id, tokens, text, seq.finish_reason, lps, seq.num_prompt_tokens,
+                             seq.num_output_tokens, seq.num_prompt_cached_tokens or 0, seq.error)
+
+    def recover(self, error: str) -> list[RequestOutput]:
+        """After step() raised: the requests of the failed step end with finish_reason "error" (all requests when
+        scheduling itself failed); the others restart from their tokens so far on a reset KV pool."""
+        out, self._inflight = self._inflight, None
+        affected = (out.seqs + out.failed) if out is not None else list(self._seqs.values())
+        outputs, seen = [], set()
+        for seq in affected:
+            if seq.request_id in seen:
+                continue
+            seen.add(seq.request_id)
+            if self._seqs.get(seq.request_id) is seq:
+                del self._seqs[seq.request_id]
+            seq.finish_reason, seq.error = "error", error
+            outputs.append(self._output(seq, [], ""))
+        self.scheduler.recover(affected)
+        self.healthy = False
+        return outputs
+
+    # reporting
+
+    def stats(self) -> EngineStats:
+        s, bm = self.scheduler, self.scheduler.block_manager
+        return EngineStats(len(s.running), len(s.waiting), bm.num_used_blocks, bm.num_blocks,
+                           bm.prefix_cache_queries, bm.prefix_cache_hits, s.num_preemptions, self.healthy)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion; one merged RequestOutput per prompt (all ids, full text), in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        plist = [p if p is not None else SamplingParams() for p in plist]
+        for prompt, p in zip(prompts, plist):
+            self.check_request(prompt, p)
+        ids = [f"generate-{self._num_added + i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        merged = {rid: RequestOutput(rid, [], "", logprobs=None) for rid in ids}
+        while any(merged[r].finish_reason is None for r in ids):
+            for o in self.step():
+                m = merged.get(o.request_id)
+                if m is None:
+                    continue
+                m.new_token_ids += o.new_token_ids
+                m.text += o.text
+                if o.logprobs is not None:
+                    m.logprobs = (m.logprobs or []) + o.logprobs
+                m.finish_reason, m.error = o.finish_reason, o.error
+                m.num_prompt_tokens, m.num_generated_tokens = o.num_prompt_tokens, o.num_generated_tokens
+                m.num_cached_tokens = o.num_cached_tokens
+        return [merged[r] for r in ids]

@@ -1,0 +1,166 @@
+"""Iteration-level continuous batching with chunked prefill and recompute preemption.
+
+Each step: (1) running sequences with one uncomputed token (decodes), oldest first; when one cannot get a KV
+block, the newest running sequence not yet scheduled this step is preempted (blocks freed, back to the front of
+the waiting queue, recomputed later), possibly itself. (2) running sequences still prefilling, oldest first, and
+(3) waiting sequences in arrival order (none when this step preempted), each taking a chunk of what is left of
+the token budget `prefill_chunk`, with at most `max_num_seqs` running. A sequence that cannot get its blocks
+while it is the only one holding any can never run: it finishes with an error instead of deadlocking.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from xserv_aot.config import BuildConfig
+from xserv_aot.engine.block_manager import BlockManager
+from xserv_aot.engine.sequence import Sequence, SequenceStatus
+from xserv_aot.runtime.batch import BatchDescription
+
+
+@dataclass
+class SchedulerOutput:
+    batch: BatchDescription
+    seqs: list[Sequence]                 # row i of the batch
+    num_new_tokens: list[int]
+    samples: list[bool]                  # row i completes its sequence's tokens, so its sampled id is a new token
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)   # finished with an error by the scheduler
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, build: BuildConfig, enable_prefix_caching: bool = True):
+        self.max_num_seqs = build.max_num_seqs
+        self.token_budget = build.prefill_chunk
+        self.block_size = build.block_size
+        self.block_manager = BlockManager(build.num_blocks, build.block_size, enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []          # admission order, newest last
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Mark seq finished and release its blocks (no-op when already finished)."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.error = reason, error
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput:
+        bm = self.block_manager
+        rows: list[tuple[Sequence, int]] = []
+        preempted: list[Sequence] = []
+        failed: list[Sequence] = []
+        budget = self.token_budget
+        scheduled: set[int] = set()
+
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+                continue
+            while not bm.can_append(seq):
+                victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
+                if victim is seq and len(self.running) == 1:
+                    self._fail_too_big(seq, failed)
+                    break
+                self.preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            bm.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            rows.append((seq, n))
+            scheduled.add(id(seq))
+            budget -= n
+
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not bm.can_allocate(seq):
+                if self.running:
+                    break
+                self._fail_too_big(seq, failed)
+                continue
+            self.waiting.popleft()
+            bm.allocate(seq)
+            if seq.num_prompt_cached_tokens is None:
+                seq.num_prompt_cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            rows.append((seq, n))
+            budget -= n
+        return self._build(rows, preempted, failed)
+
+    def _fail_too_big(self, seq: Sequence, failed: list[Sequence]) -> None:
+        need = self.block_manager.blocks_needed(seq.num_tokens)
+        self.finish(seq, "error", f"KV cache too small: request {seq.request_id} needs {need} blocks of "
+                                  f"{self.block_size} tokens, the pool has {self.block_manager.num_blocks}")
+        failed.append(seq)
+
+    def _build(self, rows, preempted, failed) -> SchedulerOutput:
+        bs = self.block_size
+        b = BatchDescription(input_ids=[], positions=[], slot_mapping=[], query_start_loc=[0], seq_lens=[],
+                             block_tables=[])
+        samples = []
+        for seq, n in rows:
+            start = seq.num_computed_tokens
+            b.input_ids += seq.token_ids[start:start + n]
+            b.positions += range(start, start + n)
+            b.slot_mapping += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            b.query_start_loc.append(b.query_start_loc[-1] + n)
+            b.seq_lens.append(start + n)
+            b.block_tables.append(list(seq.block_table))
+            p = seq.params
+            b.temperature.append(float(p.temperature))
+            b.top_k.append(int(p.top_k))
+            b.top_p.append(float(p.top_p))
+            b.seeds.append(seq.seed)
+            b.sample_offsets.append(seq.num_output_tokens)
+            samples.append(start + n == seq.num_tokens)
+            b.need_logits |= samples[-1] and p.needs_host_sampling
+        return SchedulerOutput(b, [s for s, _ in rows], [n for _, n in rows], samples, preempted, failed)
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """After the runner ran out.batch: advance computed tokens and register newly full blocks."""
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens += n
+                self.block_manager.cache_blocks(seq)
+
+    def recover(self, failed: list[Sequence]) -> None:
+        """After a failed step: `failed` end (status only, their finish_reason is the caller's); every other
+        sequence goes back to waiting (running ones first, in order) to be recomputed on a reset block pool."""
+        dead = {id(s) for s in failed}
+        for seq in failed:
+            seq.status = SequenceStatus.FINISHED
+        survivors = [s for s in self.running + list(self.waiting) if id(s) not in dead and not s.is_finished]
+        for seq in survivors:
+            seq.status = SequenceStatus.WAITING
+            seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
+        self.running, self.waiting = [], deque(survivors)
+        self.block_manager.reset()

@@ -1,0 +1,115 @@
+// CUTLASS 3 sm90a TMA warp-specialized bf16 "TN" GEMM: D[M,N] = A[M,K] @ B[N,K]^T (+ bias[N]).
+// A, B, D row-major; fp32 accumulation; D is bf16 or fp32; bias is bf16 (nullptr = no bias).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+
+namespace xserv {
+
+using namespace cute;
+
+struct Cooperative {
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
+struct Pingpong {
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+};
+
+template <int TM, int TN, int TK, int CM, int CN, class Schedule, class ElementD>
+struct GemmSm90 {
+  using ElementA = cutlass::bfloat16_t;
+  using ElementB = cutlass::bfloat16_t;
+  using ElementBias = cutlass::bfloat16_t;
+  using ElementAcc = float;
+  using LayoutA = cutlass::layout::RowMajor;     // [M, K], K contiguous
+  using LayoutB = cutlass::layout::ColumnMajor;  // [N, K] row-major == K x N column-major
+  using LayoutD = cutlass::layout::RowMajor;     // [M, N]
+  static constexpr int kAlignAB = 8;             // 16 bytes of bf16
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
+
+  using TileShape = Shape<Int<TM>, Int<TN>, Int<TK>>;
+  using ClusterShape = Shape<Int<CM>, Int<CN>, _1>;
+
+  // D = acc + bias[n]; a null bias pointer broadcasts 0 and skips the load.
+  using BiasRow = cutlass::epilogue::fusion::Sm90RowBroadcast<
+      0, TileShape, ElementBias, ElementAcc, Stride<_0, _1, int64_t>, 8>;
+  using Fusion = cutlass::epilogue::fusion::Sm90EVT<
+      cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, ElementAcc,
+                                             cutlass::FloatRoundStyle::round_to_nearest>,
+      cutlass::epilogue::fusion::Sm90AccFetch, BiasRow>;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, ElementAcc,
+      void, LayoutD, kAlignD, ElementD, LayoutD, kAlignD,
+      typename Schedule::Epilogue, Fusion>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA, kAlignAB,
+      ElementB, LayoutB, kAlignAB, ElementAcc, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Schedule::Kernel>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
+                                                      CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  static typename Gemm::Arguments arguments(const void* A, const void* B, void* D, const void* bias,
+                                            int M, int N, int K, int device, int sm_count) {
+    auto sA = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, make_shape(M, K, 1));
+    auto sB = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, make_shape(N, K, 1));
+    auto sD = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, make_shape(M, N, 1));
+    typename Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {M, N, K, 1},
+        {static_cast<const ElementA*>(A), sA, static_cast<const ElementB*>(B), sB},
+        {{}, nullptr, sD, static_cast<ElementD*>(D), sD}};
+    args.epilogue.thread = {
+        {},                                                                   // acc
+        {static_cast<const ElementBias*>(bias), ElementBias(0), {_0{}, _1{}, 0}},  // bias
+        {}};                                                                  // plus
+    args.hw_info.device_id = device;
+    args.hw_info.sm_count = sm_count;
+    return args;
+  }
+
+  // Returns 0 or a cutlass::Status value; never allocates.
+  static int run(const void* A, const void* B, void* D, const void* bias, int M, int N, int K,
+                 cudaStream_t stream) {
+    int device = 0, sm_count = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      return static_cast<int>(cutlass::Status::kErrorInternal);
+    }
+    auto args = arguments(A, B, D, bias, M, N, K, device, sm_count);
+    Gemm gemm;
+    cutlass::Status st = gemm.can_implement(args);
+    if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
+    if (Gemm::get_workspace_size(args) != 0) {
+      return static_cast<int>(cutlass::Status::kErrorWorkspaceNull);
+    }
+    st = gemm.initialize(args, nullptr, stream);
+    if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
+    st = gemm.run(stream);
+    return static_cast<int>(st);
+  }
+
+  static size_t workspace_size(int M, int N, int K) {
+    auto args = arguments(nullptr, nullptr, nullptr, nullptr, M, N, K, 0, 132);
+    return Gemm::get_workspace_size(args);
+  }
+};
+
+}  // namespace xserv

@@ -1,0 +1,136 @@
+"""Builds libxserv_gemm.so with nvcc on this (GPU-less) machine and checks its ABI and the build cache."""
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from xserv_aot.plan import cutlass_build as cb
+from xserv_aot.runtime.cuda.cutlass_gemm import CutlassGemm, CutlassGemmError
+
+EXPORTS = ("xserv_gemm_bf16", "xserv_gemm_num_configs", "xserv_gemm_config_name", "xserv_gemm_config_out_bytes",
+           "xserv_gemm_workspace_size", "xserv_gemm_status_string")
+HAS_GPU = Path("/dev/nvidiactl").exists()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Path, dict, list[str]]:
+    try:
+        cb.find_nvcc()
+    except cb.GemmBuildError as e:
+        pytest.skip(str(e))
+    out = tmp_path_factory.mktemp("plan")
+    log: list[str] = []
+    info = cb.build_gemm_library(out, progress=log.append)
+    return out, info, log
+
+
+def test_build_writes_library_with_hash_and_configs(built):
+    out, info, _ = built
+    lib = out / info["file"]
+    assert info["file"] == "kernels/libxserv_gemm.so" and lib.is_file()
+    assert info["hash"] == "sha256:" + hashlib.sha256(lib.read_bytes()).hexdigest()
+    assert info["configs"] == list(cb.GEMM_CONFIGS)
+
+
+def test_exports_and_no_dynamic_cuda_dependency(built):
+    out, info, _ = built
+    lib = out / info["file"]
+    if shutil.which("nm"):
+        syms = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True).stdout
+        for name in EXPORTS:
+            assert f" T {name}\n" in syms, name
+    if shutil.which("readelf"):
+        needed = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True).stdout
+        assert "libcudart" not in needed and "libcuda.so" not in needed
+
+
+def test_config_table_through_ctypes(built):
+    out, info, _ = built
+    g = CutlassGemm(out / info["file"])
+    assert g.configs == list(cb.GEMM_CONFIGS)
+    for i, name in enumerate(g.configs):
+        assert g.out_bytes(i) == (4 if "f32out" in name else 2)
+        for m, n, k in ((1, 4096, 4096), (2048, 24576, 4096), (300, 4096, 12288)):
+            assert g.workspace_size(i, m, n, k) == 0
+    with pytest.raises(CutlassGemmError):
+        g.out_bytes(len(g.configs))
+
+
+def test_host_side_validation_without_gpu(built):
+    out, info, _ = built
+    g = CutlassGemm(out / info["file"])
+    with pytest.raises(CutlassGemmError, match="status 100"):
+        g.gemm(7, 256, 256, 256, 0, 16, 64, 64)
+    with pytest.raises(CutlassGemmError, match="status 1:"):
+        g.gemm(0, 256 + 8, 256, 256, 0, 16, 64, 64)           # A not 16-byte aligned
+    with pytest.raises(CutlassGemmError, match="status 1:"):
+        g.gemm(0, 256, 256, 256, 0, 16, 60, 64)               # N not a multiple of 8
+    with pytest.raises(CutlassGemmError, match="status 1:"):
+        g.gemm(0, 256, 256, 256, 256 + 2, 16, 64, 64)         # bias misaligned
+    with pytest.raises(CutlassGemmError, match="status 4:"):
+        g.gemm(0, 0, 256, 256, 0, 16, 64, 64)                 # null A
+    g.gemm(0, 256, 256, 256, 0, 0, 64, 64)                    # M == 0 launches nothing
+    if not HAS_GPU:
+        with pytest.raises(CutlassGemmError, match="status 7:"):
+            g.gemm(0, 256, 256, 256, 0, 16, 64, 64)           # no CUDA device
+
+
+def test_rebuild_is_a_cache_hit(built, tmp_path):
+    _, info, log = built
+    t0 = time.monotonic()
+    log2: list[str] = []
+    again = cb.build_gemm_library(tmp_path, progress=log2.append)
+    assert time.monotonic() - t0 < 10
+    assert again["hash"] == info["hash"] and again["build_key"] == info["build_key"]
+    assert any("cached" in m for m in log2)
+
+
+def test_build_key_tracks_sources_compiler_and_headers(tmp_path):
+    inc = tmp_path / "include"
+    (inc / "cutlass").mkdir(parents=True)
+    (inc / "cutlass" / "version.h").write_text("#define CUTLASS_MAJOR 4\n")
+    src = tmp_path / "gemm_sm90.cu"
+    src.write_text("int x;\n")
+    k1 = cb.build_key([src], "nvcc 13.0", [inc])
+    assert k1 == cb.build_key([src], "nvcc 13.0", [inc])
+    assert k1 != cb.build_key([src], "nvcc 13.1", [inc])
+    src.write_text("int y;\n")
+    k2 = cb.build_key([src], "nvcc 13.0", [inc])
+    (inc / "cutlass" / "version.h").write_text("#define CUTLASS_MAJOR 5\n")
+    assert len({k1, k2, cb.build_key([src], "nvcc 13.0", [inc])}) == 3
+
+
+def test_missing_tools_give_one_line_errors(monkeypatch, tmp_path):
+    monkeypatch.setenv("XSERV_NVCC", str(tmp_path / "no-nvcc"))
+    with pytest.raises(cb.GemmBuildError, match="XSERV_NVCC") as e:
+        cb.build_gemm_library(tmp_path)
+    assert "\n" not in str(e.value)
+    monkeypatch.delenv("XSERV_NVCC")
+    monkeypatch.setattr(cb.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(cb.GemmBuildError, match="CUTLASS headers not found"):
+        cb.find_cutlass_includes()
+    with pytest.raises(cb.GemmBuildError, match="unsupported target"):
+        cb.build_gemm_library(tmp_path, target="sm_80")
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 65, 128, 300, 2048, 8192])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)])
+def test_choose_gemm_config_is_valid(m, n, k):
+    i = cb.choose_gemm_config(m, n, k)
+    assert 0 <= i < len(cb.GEMM_CONFIGS) and "f32out" not in cb.GEMM_CONFIGS[i]
+    assert "f32out" in cb.GEMM_CONFIGS[cb.choose_gemm_config(m, n, k, out_dtype="float32")]
+    if m <= 64:
+        assert "_64x" in cb.GEMM_CONFIGS[i]
+
+
+def test_choose_gemm_config_rejects_bad_shapes():
+    for m, n, k in ((0, 64, 64), (4, 60, 64), (4, 64, 60)):
+        with pytest.raises(cb.GemmBuildError):
+            cb.choose_gemm_config(m, n, k)
+    with pytest.raises(cb.GemmBuildError):
+        cb.choose_gemm_config(4, 64, 64, out_dtype="float16")

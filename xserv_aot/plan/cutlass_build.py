@@ -1,0 +1,178 @@
+"""Build libxserv_gemm.so (CUTLASS 3 sm90a bf16 GEMMs, kernels/cutlass/) with nvcc, cached by content hash.
+
+The library's C ABI is documented in kernels/cutlass/gemm_sm90.cu and wrapped by
+xserv_aot/runtime/cuda/cutlass_gemm.py. Building needs nvcc and the nvidia-cutlass wheel's headers, no GPU.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+LIBRARY_NAME = "libxserv_gemm.so"
+SOURCE_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cutlass"
+# Index = the library's config argument; must match kernels/cutlass/gemm_sm90_configs.h (checked by the tests).
+GEMM_CONFIGS = (
+    "sm90_bf16_128x128x64_c2x1_coop",
+    "sm90_bf16_128x256x64_c2x1_coop",
+    "sm90_bf16_64x128x64_c1x1_pingpong",
+    "sm90_f32out_128x128x64_c2x1_coop",
+)
+CFG_128x128, CFG_128x256, CFG_64x128_PINGPONG, CFG_F32OUT = range(4)
+NUM_SMS_H200 = 132
+SUPPORTED_TARGETS = ("sm_90a", "sm_90")  # both build sm_90a machine code: wgmma needs the "a" target
+
+COMPILE_FLAGS = (
+    "-gencode=arch=compute_90a,code=sm_90a",
+    "-std=c++17",
+    "-O3",
+    "--expt-relaxed-constexpr",
+    "-Xcompiler", "-fPIC",
+    "-DNDEBUG",
+)
+LINK_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-shared", "-cudart", "static", "-Xcompiler", "-fPIC")
+
+
+class GemmBuildError(ValueError):
+    """The GEMM library cannot be built (missing nvcc/CUTLASS, unsupported target, compiler error)."""
+
+
+def find_nvcc() -> Path:
+    env = os.environ.get("XSERV_NVCC")
+    if env:
+        if not (Path(env).is_file() and os.access(env, os.X_OK)):
+            raise GemmBuildError(f"XSERV_NVCC={env} is not an executable nvcc")
+        return Path(env)
+    for cand in (shutil.which("nvcc"), "/usr/local/bin/nvcc", "/usr/local/cuda/bin/nvcc"):
+        if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
+            return Path(cand)
+    raise GemmBuildError("nvcc not found (set XSERV_NVCC or put CUDA 12.4+ nvcc on PATH)")
+
+
+def find_cutlass_includes() -> list[Path]:
+    """[cutlass/include (with cute/), tools/util/include] from the installed nvidia-cutlass wheel."""
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or spec.origin is None:
+        raise GemmBuildError("CUTLASS headers not found: pip install nvidia-cutlass==4.2.0.0")
+    src = Path(spec.origin).parent / "source"
+    dirs = [src / "include", src / "tools" / "util" / "include"]
+    if not (dirs[0] / "cute" / "tensor.hpp").is_file() or not (dirs[1] / "cutlass" / "util" / "packed_stride.hpp").is_file():
+        raise GemmBuildError(f"CUTLASS headers not found under {src} (nvidia-cutlass wheel without source/include?)")
+    return dirs
+
+
+def nvcc_version(nvcc: Path) -> str:
+    out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, check=False).stdout
+    return out.strip().splitlines()[-1] if out.strip() else "unknown"
+
+
+def source_files(src_dir: Path = SOURCE_DIR) -> list[Path]:
+    files = sorted(p for p in src_dir.iterdir() if p.suffix in (".cu", ".cuh", ".h"))
+    if not any(p.name == "gemm_sm90.cu" for p in files):
+        raise GemmBuildError(f"GEMM sources not found: {src_dir}/gemm_sm90.cu")
+    return files
+
+
+def build_key(sources: list[Path], nvcc_ver: str, includes: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in sources:
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    h.update((includes[0] / "cutlass" / "version.h").read_bytes())
+    h.update("\0".join((nvcc_ver, *COMPILE_FLAGS, *LINK_FLAGS)).encode())
+    return h.hexdigest()[:32]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XSERV_AOT_CACHE", "~/.cache/xserv-aot")).expanduser() / "cutlass"
+
+
+def _run(cmd: list[str]) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        errs = [ln for ln in (r.stderr + r.stdout).splitlines() if "error" in ln.lower()] or r.stderr.splitlines()[-1:]
+        raise GemmBuildError(f"nvcc failed ({Path(cmd[-1]).name}): {errs[0].strip() if errs else 'no output'}")
+
+
+def _compile(nvcc: Path, includes: list[Path], src_dir: Path, work: Path, jobs: int, progress) -> Path:
+    inc = [f"-I{d}" for d in (src_dir, *includes)]
+    base = [str(nvcc), *COMPILE_FLAGS, *inc, "-c"]
+    units = [(base + [str(src_dir / "gemm_sm90.cu"), "-o", str(work / "gemm_sm90.o")])]
+    for i in range(len(GEMM_CONFIGS)):
+        units.append(base + [f"-DXSERV_GEMM_CONFIG={i}", str(src_dir / "gemm_sm90_config.cu"),
+                             "-o", str(work / f"gemm_config_{i}.o")])
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(_run, cmd): cmd[-1] for cmd in units}
+        for fut in concurrent.futures.as_completed(futures):
+            fut.result()
+            progress(f"compiled {Path(futures[fut]).name}")
+    lib = work / LIBRARY_NAME
+    _run([str(nvcc), *LINK_FLAGS, *(cmd[-1] for cmd in units), "-o", str(lib)])
+    return lib
+
+
+def library_config_names(lib: Path) -> list[str]:
+    """Config names exported by a built library (loads without a GPU: cudart is linked statically)."""
+    so = ctypes.CDLL(str(lib))
+    so.xserv_gemm_config_name.restype = ctypes.c_char_p
+    so.xserv_gemm_config_name.argtypes = [ctypes.c_int]
+    return [so.xserv_gemm_config_name(i).decode() for i in range(so.xserv_gemm_num_configs())]
+
+
+def build_gemm_library(out_dir: Path, target: str = "sm_90a", progress: Callable[[str], None] | None = None,
+                       cache_dir: Path | None = None, jobs: int | None = None) -> dict:
+    """Write out_dir/kernels/libxserv_gemm.so; returns {file (relative to out_dir), hash, configs, build_key}."""
+    progress = progress or (lambda msg: None)
+    if target not in SUPPORTED_TARGETS:
+        raise GemmBuildError(f"CUTLASS GEMM library: unsupported target {target!r} (supported: sm_90a)")
+    nvcc, includes, sources = find_nvcc(), find_cutlass_includes(), source_files()
+    key = build_key(sources, nvcc_version(nvcc), includes)
+    cached = (cache_dir or default_cache_dir()) / key / LIBRARY_NAME
+    if cached.is_file():
+        progress(f"gemm library: cached {key}")
+    else:
+        t0 = time.monotonic()
+        cached.parent.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cached.parent.parent, prefix=f"{key}.tmp-") as tmp:
+            lib = _compile(nvcc, includes, SOURCE_DIR, Path(tmp), jobs or max(1, os.cpu_count() or 1), progress)
+            cached.parent.mkdir(exist_ok=True)
+            os.replace(lib, cached)
+        progress(f"gemm library: built {key} in {time.monotonic() - t0:.0f}s")
+    dest = Path(out_dir) / "kernels" / LIBRARY_NAME
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(cached, dest)
+    names = library_config_names(dest)
+    if tuple(names) != GEMM_CONFIGS:
+        raise GemmBuildError(f"{dest}: config table {names} does not match cutlass_build.GEMM_CONFIGS")
+    return {"file": f"kernels/{LIBRARY_NAME}", "hash": "sha256:" + hashlib.sha256(dest.read_bytes()).hexdigest(),
+            "configs": names, "build_key": key}
+
+
+# (tile_m, tile_n, TFLOP/s with every SM busy) per bf16-output config, from the H200 sweep in docs/cutlass-notes.md.
+_TILE_MODEL = {CFG_128x128: (128, 128, 740.0), CFG_128x256: (128, 256, 780.0), CFG_64x128_PINGPONG: (64, 128, 640.0)}
+
+
+def _predicted_rate(cfg: int, M: int, N: int, num_sms: int) -> float:
+    """Full-tile rate scaled by the useful fraction of the SM slots the tile waves occupy."""
+    tm, tn, rate = _TILE_MODEL[cfg]
+    tiles = -(-M // tm) * -(-N // tn)
+    waves = -(-tiles // num_sms)
+    return rate * (M * N / (tm * tn)) / (waves * num_sms)
+
+
+def choose_gemm_config(M: int, N: int, K: int, out_dtype: str = "bfloat16", num_sms: int = NUM_SMS_H200) -> int:
+    """Config index for a [M,K] x [N,K]^T GEMM (wave-quantization model; see docs/cutlass-notes.md)."""
+    if N % 8 or K % 8 or M < 1:
+        raise GemmBuildError(f"gemm M={M} N={N} K={K}: needs M >= 1 and N, K multiples of 8")
+    if out_dtype == "float32":
+        return CFG_F32OUT
+    if out_dtype != "bfloat16":
+        raise GemmBuildError(f"gemm output dtype {out_dtype!r}: expected bfloat16 or float32")
+    return max(_TILE_MODEL, key=lambda cfg: _predicted_rate(cfg, M, N, num_sms))

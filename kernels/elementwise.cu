@@ -1,0 +1,126 @@
+// Row-wise memory-bound ops on bf16 rows of H elements (H % 8 == 0): one block per row, 16-byte accesses.
+#include "common.cuh"
+
+// out[r] = table[ids[r]]; ids clamped into [0, vocab).
+extern "C" __global__ void embedding(const int* __restrict__ ids, const bf16* __restrict__ table,
+                                     bf16* __restrict__ out, int H, int vocab) {
+    pdl_entry();
+    int r = blockIdx.x;
+    int id = ids[r];
+    id = id < 0 ? 0 : (id >= vocab ? vocab - 1 : id);
+    const bf16* src = table + (size_t)id * H;
+    bf16* dst = out + (size_t)r * H;
+    for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) st16(dst + c, ld_cached(src + c));
+}
+
+// Row norms keep the row in registers: thread t holds chunks t, t + blockDim, ... (at most NORM_NC of them),
+// so H <= blockDim * 8 * NORM_NC; blockDim is a multiple of 32.
+#define NORM_NC 4
+
+// out = x * rsqrt(mean(x^2) + eps) * w, x = inp[r] (float32 math).
+extern "C" __global__ void rmsnorm(const bf16* __restrict__ inp, const bf16* __restrict__ w,
+                                   bf16* __restrict__ out, int H, float eps) {
+    pdl_entry();
+    __shared__ float scratch[32];
+    const int r = blockIdx.x;
+    const bf16* x = inp + (size_t)r * H;
+    float f[NORM_NC][8];
+    vec16 wv[NORM_NC];                                   // weights loaded up front: off the critical path
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < NORM_NC; j++) {
+        int c = (threadIdx.x + j * blockDim.x) * 8;
+        if (c < H) {
+            wv[j] = ld16(w + c);
+            unpack8(ld16(x + c), f[j]);
+#pragma unroll
+            for (int i = 0; i < 8; i++) ss += f[j][i] * f[j][i];
+        }
+    }
+    const float inv = rsqrtf(block_sum(ss, scratch) / (float)H + eps);
+#pragma unroll
+    for (int j = 0; j < NORM_NC; j++) {
+        int c = (threadIdx.x + j * blockDim.x) * 8;
+        if (c < H) {
+            float g[8]; unpack8(wv[j], g);
+#pragma unroll
+            for (int i = 0; i < 8; i++) g[i] = f[j][i] * inv * g[i];
+            st16(out + (size_t)r * H + c, pack8(g));
+        }
+    }
+}
+
+// residual += delta (rounded to bf16), then out = rmsnorm(residual) * w.
+extern "C" __global__ void add_rmsnorm(bf16* __restrict__ residual, const bf16* __restrict__ delta,
+                                       const bf16* __restrict__ w, bf16* __restrict__ out, int H, float eps) {
+    pdl_entry();
+    __shared__ float scratch[32];
+    const int r = blockIdx.x;
+    bf16* x = residual + (size_t)r * H;
+    const bf16* d = delta + (size_t)r * H;
+    float f[NORM_NC][8];
+    vec16 wv[NORM_NC];
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < NORM_NC; j++) {
+        int c = (threadIdx.x + j * blockDim.x) * 8;
+        if (c < H) {
+            wv[j] = ld16(w + c);
+            float g[8]; unpack8(ld16(x + c), f[j]); unpack8(ld16(d + c), g);
+#pragma unroll
+            for (int i = 0; i < 8; i++) { f[j][i] = round_bf(f[j][i] + g[i]); ss += f[j][i] * f[j][i]; }
+            st16(x + c, pack8(f[j]));
+        }
+    }
+    const float inv = rsqrtf(block_sum(ss, scratch) / (float)H + eps);
+#pragma unroll
+    for (int j = 0; j < NORM_NC; j++) {
+        int c = (threadIdx.x + j * blockDim.x) * 8;
+        if (c < H) {
+            float g[8]; unpack8(wv[j], g);
+#pragma unroll
+            for (int i = 0; i < 8; i++) g[i] = f[j][i] * inv * g[i];
+            st16(out + (size_t)r * H + c, pack8(g));
+        }
+    }
+}
+
+// out[r, j] = silu(inp[r, j]) * inp[r, I + j]; grid covers rows * I / 8 chunks.
+extern "C" __global__ void silu_mul(const bf16* __restrict__ inp, bf16* __restrict__ out, int rows, int I) {
+    pdl_entry();
+    int chunks = I / 8;
+    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < rows * chunks; t += gridDim.x * blockDim.x) {
+        int r = t / chunks, c = (t % chunks) * 8;
+        float g[8], u[8];
+        unpack8(ld16(inp + (size_t)r * 2 * I + c), g);
+        unpack8(ld16(inp + (size_t)r * 2 * I + I + c), u);
+#pragma unroll
+        for (int i = 0; i < 8; i++) g[i] = silu(g[i]) * u[i];
+        st16(out + (size_t)r * I + c, pack8(g));
+    }
+}
+
+// out[r] = inp[idx[r]]; idx clamped into [0, src_rows).
+extern "C" __global__ void gather_rows(const bf16* __restrict__ inp, const int* __restrict__ idx,
+                                       bf16* __restrict__ out, int H, int src_rows) {
+    pdl_entry();
+    int r = blockIdx.x;
+    int s = idx[r];
+    s = s < 0 ? 0 : (s >= src_rows ? src_rows - 1 : s);
+    for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8)
+        st16(out + (size_t)r * H + c, ld16(inp + (size_t)s * H + c));
+}
+
+// Seeded dummy weights: approximately normal(mean, std) from four 16-bit uniforms of splitmix64(seed, i).
+extern "C" __global__ void fill_normal_bf16(bf16* __restrict__ p, u64 n, u64 seed, float mean, float std) {
+    pdl_entry();
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        u64 z = seed + (i + 1ull) * 0x9E3779B97F4A7C15ull;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z = z ^ (z >> 31);
+        float s = (float)(z & 0xffff) + (float)((z >> 16) & 0xffff) + (float)((z >> 32) & 0xffff) + (float)(z >> 48);
+        float g = (s * (1.f / 65536.f) - 2.f) * 1.7320508f;
+        p[i] = f2bf(mean + g * std);
+    }
+}

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Run the GPU tests (pytest -m gpu) on the device machine. Logs go to $OUT (or /tmp/xserv-gpu-out).
+# Carried extras, when present: .whl/*.whl (missing Python packages), .xcache/ (prebuilt NVRTC cubins).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/xserv-gpu-out}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+[ -d .xcache ] && export XSERV_AOT_CACHE=$PWD/.xcache
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import cuda.bindings.nvrtc as n, cuda.core, cuda.bindings; print('nvrtc', n.nvrtcVersion()[1:], 'cuda.core', cuda.core.__version__, 'cuda.bindings', cuda.bindings.__version__)" | tee -a "$OUT/gpu.txt"
+python3 -m pytest -m gpu -o addopts="" -p no:cacheprovider -rA -q "${@:-tests}" 2>&1 | tee "$OUT/gpu_tests.log"

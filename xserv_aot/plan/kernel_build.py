@@ -1,0 +1,301 @@
+"""CUDA kernels of a plan: NVRTC-compile kernels/*.cu to cubins (cached by hash of source + options + NVRTC
+version), choose one kernel (and its launch geometry) for every op of every bucket, add workspace buffers.
+
+Called by plan.builder when target != "cpu". The runtime (runtime/cuda/launch.py) turns each op's
+`launch` entries into kernel arguments; the geometry is decided here so the manifest shows what runs.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import Callable
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+KERNEL_SOURCES = ("elementwise.cu", "gemv.cu", "gemm_mma.cu", "rope_cache.cu", "attention_decode.cu",
+                  "attention_prefill.cu", "sample.cu")
+SUPPORTED_TARGETS = ("sm_90a", "sm_90")
+GEMV_MAX_ROWS = 2            # above this the x re-reads make the GEMV L1/ALU-bound: tensor cores instead
+CUTLASS_MIN_ROWS = 128
+SPLITK_TARGET_BLOCKS = 264   # 2 blocks per SM on 132 SMs
+SPLITK_MAX = 8
+DECODE_SPLIT = 128            # keys per split-KV partition: P_KEYS in kernels/attention_decode.cu
+ELEMWISE_THREADS = 256
+
+
+class KernelBuildError(ValueError):
+    """The plan cannot get CUDA kernels (unsupported shape/dtype/target, NVRTC error); one line."""
+
+
+def nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+    err, major, minor = nvrtc.nvrtcVersion()
+    return f"{major}.{minor}"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XSERV_AOT_CACHE", "~/.cache/xserv-aot")).expanduser() / "nvrtc"
+
+
+def expand_source(path: Path) -> str:
+    """The .cu text with `#include "x.cuh"` inlined (so the hash covers headers and NVRTC needs no paths)."""
+    def repl(m):
+        return (KERNEL_DIR / m.group(1)).read_text()
+    return re.sub(r'^#include "([\w.]+)"\s*$', repl, path.read_text(), flags=re.M)
+
+
+def compile_options(target: str) -> dict:
+    return {"arch": "sm_90a" if target in ("sm_90a", "sm_90") else target, "std": "c++17",
+            "ptxas_options": ["-v"]}
+
+
+def compile_source(name: str, target: str) -> tuple[bytes, str, str]:
+    """-> (cubin bytes, hash, ptxas log). Uses the on-disk cache when source, options and NVRTC agree."""
+    from cuda.core import Program, ProgramOptions
+
+    src = expand_source(KERNEL_DIR / name)
+    opts = compile_options(target)
+    key = hashlib.sha256(repr((src, sorted(opts.items()), nvrtc_version())).encode()).hexdigest()
+    cached = cache_dir() / f"{Path(name).stem}-{key[:24]}.cubin"
+    if cached.is_file():
+        log_file = cached.with_suffix(".log")
+        return cached.read_bytes(), key, log_file.read_text() if log_file.is_file() else ""
+
+    class Log:
+        def __init__(self):
+            self.text = ""
+
+        def write(self, s):
+            self.text += s if isinstance(s, str) else s.decode(errors="replace")
+
+    try:
+        prog = Program(src, "c++", ProgramOptions(name=Path(name).stem, **opts))
+        log = Log()
+        code = bytes(prog.compile("cubin", logs=log).code)
+    except Exception as e:
+        first = str(e).strip().splitlines()
+        msg = next((l for l in first if "error" in l), first[0] if first else type(e).__name__)
+        raise KernelBuildError(f"kernels/{name}: NVRTC failed: {msg}") from None
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(code)
+    os.replace(tmp, cached)
+    cached.with_suffix(".log").write_text(log.text)
+    return code, key, log.text
+
+
+def compile_all(out_dir: Path, target: str, progress=None) -> dict:
+    """Write out_dir/kernels/<stem>.cubin for every source. Returns {source: {file, hash, functions}}."""
+    (out_dir / "kernels").mkdir(parents=True, exist_ok=True)
+    import cuda.core  # noqa: F401  (import once here: concurrent first imports race)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        results = dict(zip(KERNEL_SOURCES, pool.map(lambda n: compile_source(n, target), KERNEL_SOURCES)))
+    cubins = {}
+    for name, (code, key, log) in results.items():
+        rel = f"kernels/{Path(name).stem}.cubin"
+        (out_dir / rel).write_bytes(code)
+        resources = ptxas_summary(log)
+        if not resources:
+            raise KernelBuildError(f"kernels/{name}: no entry functions in the ptxas report")
+        cubins[name] = {"file": rel, "hash": "sha256:" + key, "functions": sorted(resources), "resources": resources}
+        if progress:
+            progress("kernels", len(cubins), len(results))
+    return cubins
+
+
+def ptxas_summary(log: str) -> dict:
+    """{function: "R regs, S B smem[, X B spill]"} from the ptxas -v log."""
+    out, fn, spill = {}, None, 0
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            fn, spill = m.group(1), 0
+        m = re.search(r"(\d+) bytes spill stores", line)
+        if m:
+            spill = int(m.group(1))
+        m = re.search(r"Used (\d+) registers", line)
+        if m and fn:
+            smem = re.search(r"(\d+) bytes smem", line)
+            out[fn] = f"{m.group(1)} regs, {smem.group(1) if smem else 0} B smem" + (f", {spill} B spill" if spill else "")
+    return out
+
+
+def add_arena_buffer(manifest: dict, name: str, shape: list[int], dtype: str, align: int = 256) -> None:
+    """Append a workspace buffer at the end of the arena (existing offsets stay valid)."""
+    itemsize = {"bfloat16": 2, "float32": 4, "int32": 4, "int64": 8}[dtype]
+    arena = manifest["arena"]
+    if name in arena["buffers"]:
+        return
+    off = -(-int(arena["size"]) // align) * align
+    n = 1
+    for s in shape:
+        n *= int(s)
+    arena["buffers"][name] = {"offset": off, "shape": [int(s) for s in shape], "dtype": dtype}
+    arena["size"] = off + -(-n * itemsize // align) * align
+
+
+def launch(fn: str, grid, block, smem: int = 0) -> dict:
+    g = list(grid) + [1] * (3 - len(grid))
+    b = list(block) + [1] * (3 - len(block))
+    return {"fn": fn, "grid": [int(x) for x in g], "block": [int(x) for x in b], "smem": int(smem)}
+
+
+def gemm_smem(tile: str) -> int:
+    bm, bn = (int(x) for x in tile.split("x"))
+    stages = 3 if bm == 128 else 4
+    return stages * (bm + bn) * 40 * 2
+
+
+def plan_linear(op: dict, out_dtype: str, fuse_into: str | None, cutlass: dict | None) -> None:
+    """fuse_into: the silu_mul output buffer when the next op is silu_mul of this op's output."""
+    rows, n, k = int(op["rows"]), int(op["n"]), int(op["k"])
+    if k % 8 or n % 2:
+        raise KernelBuildError(f"linear {op['weight']}: n={n}, k={k} (CUDA kernels need k % 8 == 0, n even)")
+    suffix = "f32" if out_dtype == "float32" else "bf16"
+    if rows <= GEMV_MAX_ROWS:
+        mt = next(m for m in (1, 2, 4, 8) if m >= rows)
+        if fuse_into:
+            inter = n // 2
+            op["fused_silu_out"] = fuse_into
+            op["launch"] = [launch(f"gemv_gate_m{mt}", [-(-inter // 8)], [256])]
+        else:
+            op["launch"] = [launch(f"gemv_m{mt}_{suffix}", [-(-n // 16)], [256])]
+        op["kernel"] = op["launch"][0]["fn"]
+        return
+    if cutlass is not None and rows >= CUTLASS_MIN_ROWS and n % 8 == 0:
+        from xserv_aot.plan.cutlass_build import choose_gemm_config
+        cfg = choose_gemm_config(rows, n, k, out_dtype)
+        op["kernel"] = "cutlass"
+        op["gemm_config"] = cfg
+        op["launch"] = []
+        cutlass.setdefault("used", {})[f"{rows}x{n}x{k}"] = cutlass["configs"][cfg]
+        return
+    tile = "128x128" if rows >= 128 and -(-rows // 128) * -(-n // 128) >= 132 else "64x64"
+    bm, bn = (int(x) for x in tile.split("x"))
+    blocks = -(-n // bn) * -(-rows // bm)
+    splits = min(SPLITK_MAX, -(-SPLITK_TARGET_BLOCKS // blocks), max(1, k // 32 // 8))
+    if tile == "64x64" and splits > 1:
+        op["launch"] = [launch("gemm_64x64_splitk", [-(-n // bn), -(-rows // bm), splits], [128], gemm_smem(tile)),
+                        launch("splitk_reduce", [min(-(-rows * n // 2 // 256), 4096)], [256])]
+        op["splits"] = splits
+        op["kernel"] = "gemm_64x64_splitk"
+        return
+    fn = f"gemm_{tile}_{suffix}"
+    op["launch"] = [launch(fn, [-(-n // bn), -(-rows // bm)], [256 if bm == 128 else 128], gemm_smem(tile))]
+    op["kernel"] = fn
+
+
+def norm_threads(hidden: int) -> int:
+    return min(1024, -(-(hidden // 8) // 32) * 32)
+
+
+def plan_bucket(bucket: dict, manifest: dict, cutlass: dict | None, attn: dict) -> None:
+    m, b = manifest["model"], manifest["build"]
+    hidden, hd = m["hidden_size"], m["head_dim"]
+    arena = manifest["arena"]["buffers"]
+    ops = bucket["ops"]
+    for idx, op in enumerate(ops):
+        kind, rows = op["op"], int(op.get("rows", 0))
+        if kind == "embedding":
+            op["launch"] = [launch("embedding", [rows], [min(ELEMWISE_THREADS, hidden // 8)])]
+        elif kind in ("rmsnorm", "add_rmsnorm"):
+            op["launch"] = [launch(kind, [rows], [norm_threads(hidden)])]
+        elif kind == "gather_rows":
+            op["launch"] = [launch("gather_rows", [rows], [min(ELEMWISE_THREADS, hidden // 8)])]
+        elif kind == "silu_mul":
+            prev = ops[idx - 1] if idx else {}
+            if prev.get("fused_silu_out") == op["out"] and prev.get("out") == op["inp"]:
+                op["launch"] = []
+                op["kernel"] = "fused_into_previous"
+                continue
+            chunks = rows * int(op["inter"]) // 8
+            op["launch"] = [launch("silu_mul", [min(-(-chunks // 256), 4096)], [256])]
+        elif kind == "linear":
+            nxt = ops[idx + 1] if idx + 1 < len(ops) else {}
+            fuse = nxt["out"] if nxt.get("op") == "silu_mul" and nxt.get("inp") == op["out"] else None
+            plan_linear(op, arena[op["out"]]["dtype"], fuse, cutlass)
+            continue
+        elif kind == "qk_norm_rope_cache":
+            heads = m["num_heads"] + 2 * m["num_kv_heads"]
+            op["launch"] = [launch(f"qk_norm_rope_cache_hd{hd}", [rows, -(-heads // 4)], [128])]
+        elif kind == "attention":
+            if bucket["kind"] == "decode":
+                s_max = attn["splits"]
+                op["launch"] = [launch(f"attn_decode_hd{hd}", [op["num_seqs"], m["num_kv_heads"], s_max], [128])]
+                op["split"] = attn["split"]
+                op["splits"] = s_max
+            else:
+                op["launch"] = [launch(f"attn_prefill_hd{hd}", [-(-rows // 64) + op["num_seqs"], m["num_heads"]],
+                                       [128])]
+        elif kind == "sample":
+            op["launch"] = [launch("sample_rows", [rows], [1024])]
+        else:
+            raise KernelBuildError(f"bucket {bucket['name']}: op {kind!r} has no CUDA kernel")
+        op["kernel"] = op["launch"][0]["fn"]
+
+
+def check_model(manifest: dict) -> None:
+    m, b = manifest["model"], manifest["build"]
+    if b["dtype"] != "bfloat16":
+        raise KernelBuildError(f"CUDA kernels need build dtype bfloat16, got {b['dtype']!r} (use --dtype bfloat16)")
+    if m["head_dim"] not in (64, 128):
+        raise KernelBuildError(f"CUDA attention supports head_dim 64 or 128, got {m['head_dim']}")
+    if m["num_heads"] // m["num_kv_heads"] > 8:
+        raise KernelBuildError(f"CUDA decode attention supports up to 8 query heads per kv head, "
+                               f"got {m['num_heads'] // m['num_kv_heads']}")
+    for f in ("hidden_size", "intermediate_size"):
+        if m[f] % 8:
+            raise KernelBuildError(f"CUDA kernels need {f} % 8 == 0, got {m[f]}")
+    if m["hidden_size"] > 1024 * 8 * 4:
+        raise KernelBuildError(f"CUDA row norms support hidden_size <= 32768, got {m['hidden_size']}")
+
+
+def try_cutlass(manifest: dict, out_dir: Path, target: str, progress) -> dict | None:
+    if os.environ.get("XSERV_NO_CUTLASS"):
+        return None
+    if not any(int(op.get("rows", 0)) >= CUTLASS_MIN_ROWS for bk in manifest["buckets"] for op in bk["ops"]
+               if op["op"] == "linear"):
+        return None
+    try:
+        from xserv_aot.plan.cutlass_build import GemmBuildError, build_gemm_library
+    except ImportError:
+        return None
+    try:
+        return build_gemm_library(out_dir, target, progress=(lambda msg: progress("gemm", 0, 1)) if progress else None)
+    except GemmBuildError:
+        return None
+
+
+def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable | None = None) -> dict:
+    """Annotate every op with `kernel` + `launch`, add workspaces, write cubins; return the kernels section."""
+    if target not in SUPPORTED_TARGETS:
+        raise KernelBuildError(f"unsupported CUDA target {target!r} (supported: {', '.join(SUPPORTED_TARGETS)})")
+    check_model(manifest)
+    out_dir = Path(out_dir)
+    m, b = manifest["model"], manifest["build"]
+    cubins = compile_all(out_dir, target, progress)
+    cutlass = try_cutlass(manifest, out_dir, target, progress)
+    attn = {"split": DECODE_SPLIT, "splits": -(-b["max_seq_len"] // DECODE_SPLIT)}
+    if attn["splits"] > 1024:
+        raise KernelBuildError(f"max_seq_len {b['max_seq_len']} needs {attn['splits']} decode splits (max 1024)")
+    for bucket in manifest["buckets"]:
+        plan_bucket(bucket, manifest, cutlass, attn)
+    t_dec = max([bk["num_tokens"] for bk in manifest["buckets"] if bk["kind"] == "decode"] or [1])
+    nh, hd = m["num_heads"], m["head_dim"]
+    add_arena_buffer(manifest, "attn_part_o", [t_dec, nh, attn["splits"], hd], "float32")
+    add_arena_buffer(manifest, "attn_part_ml", [t_dec, nh, attn["splits"], 2], "float32")
+    add_arena_buffer(manifest, "attn_counters", [b["max_num_seqs"], m["num_kv_heads"]], "int32")  # zeroed at start
+    add_arena_buffer(manifest, "sample_scaled", [b["max_num_seqs"], m["vocab_size"]], "float32")
+    ws = max([op["splits"] * int(op["rows"]) * int(op["n"]) for bk in manifest["buckets"] for op in bk["ops"]
+              if op.get("kernel") == "gemm_64x64_splitk"] or [0])
+    if ws:
+        add_arena_buffer(manifest, "gemm_splitk_ws", [ws], "float32")
+    section = {"target": target, "nvrtc": nvrtc_version(), "cubins": cubins,
+               "functions": {fn: name for name, c in cubins.items() for fn in c["functions"]},
+               "attention": attn, "gemm_library": None, "gemm_configs": {}}
+    if cutlass is not None:
+        section["gemm_library"] = {k: cutlass[k] for k in ("file", "hash", "configs", "build_key") if k in cutlass}
+        section["gemm_configs"] = cutlass.get("used", {})
+    return section

@@ -1,0 +1,201 @@
+"""Thin layer over the CUDA driver API (cuda.bindings.driver): context, memory, modules, launches, graphs.
+
+Every call is checked; a failure raises CudaError naming the call. Device pointers are plain ints.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed."""
+
+
+def _cu():
+    from cuda.bindings import driver
+    return driver
+
+
+def check(result, what: str = "CUDA call"):
+    cu = _cu()
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, name = cu.cuGetErrorName(err)
+        raise CudaError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+C_TYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int, "u32": ctypes.c_uint, "f32": ctypes.c_float,
+           "u64": ctypes.c_ulonglong}
+
+
+def pdl_enabled() -> bool:
+    """Programmatic dependent launch (kernels overlap their launch with the previous kernel's tail; every kernel
+    waits for its predecessor before touching memory: kernels/common.cuh pdl_entry). Off unless XSERV_PDL=1:
+    measured no faster at batch 1 and slower at batch 8-64 on H200 (docs/cuda-notes.md)."""
+    return os.environ.get("XSERV_PDL", "0") == "1"
+
+
+@dataclass
+class Launch:
+    """One prepared kernel launch: the packed parameter block is built once and reused for every replay."""
+    name: str
+    func: object
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int
+    args: list[tuple[str, object]]
+    pdl: bool = field(default_factory=pdl_enabled)
+    _vals: list = field(default_factory=list, repr=False)
+    _ptrs: object = field(default=None, repr=False)
+    _config: object = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self._vals = [C_TYPES[t](v if t != "ptr" else (v or None)) for t, v in self.args]
+        self._ptrs = (ctypes.c_void_p * max(1, len(self._vals)))(*[ctypes.addressof(v) for v in self._vals])
+
+    def _launch_config(self, stream):
+        cu = _cu()
+        c = cu.CUlaunchConfig()
+        c.gridDimX, c.gridDimY, c.gridDimZ = self.grid
+        c.blockDimX, c.blockDimY, c.blockDimZ = self.block
+        c.sharedMemBytes = self.smem
+        c.hStream = stream
+        a = cu.CUlaunchAttribute()
+        a.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        a.value.programmaticStreamSerializationAllowed = 1
+        c.attrs = [a]
+        c.numAttrs = 1
+        return c
+
+    def __call__(self, stream) -> None:
+        cu = _cu()
+        if self.pdl:
+            if self._config is None or self._config[0] is not stream:
+                self._config = (stream, self._launch_config(stream))
+            check(cu.cuLaunchKernelEx(self._config[1], self.func, ctypes.addressof(self._ptrs), 0),
+                  f"launch {self.name}")
+            return
+        check(cu.cuLaunchKernel(self.func, *self.grid, *self.block, self.smem, stream,
+                                ctypes.addressof(self._ptrs), 0), f"launch {self.name}")
+
+
+@dataclass
+class HostCall:
+    """A host-library launch (e.g. the CUTLASS GEMM) that enqueues work on the given stream."""
+    name: str
+    fn: object
+
+    def __call__(self, stream) -> None:
+        self.fn(int(stream))
+
+
+class Device:
+    def __init__(self, ordinal: int = 0):
+        cu = _cu()
+        check(cu.cuInit(0), "cuInit")
+        self.dev = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+        self.ctx = check(cu.cuDevicePrimaryCtxRetain(self.dev), "cuDevicePrimaryCtxRetain")
+        check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self.name = check(cu.cuDeviceGetName(256, self.dev), "cuDeviceGetName").split(b"\0")[0].decode()
+        attr = cu.CUdevice_attribute
+        self.num_sms = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.dev), "attr")
+        self._allocs: list[int] = []
+        self._host: list[int] = []
+
+    def make_current(self) -> None:
+        check(_cu().cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+
+    def mem_info(self) -> tuple[int, int]:
+        return check(_cu().cuMemGetInfo(), "cuMemGetInfo")
+
+    def alloc(self, nbytes: int) -> int:
+        ptr = int(check(_cu().cuMemAlloc(max(256, int(nbytes))), f"cuMemAlloc({nbytes})"))
+        self._allocs.append(ptr)
+        return ptr
+
+    def alloc_host(self, nbytes: int, dtype=np.uint8) -> np.ndarray:
+        """Pinned host memory as a NumPy array (valid until close())."""
+        nbytes = max(256, int(nbytes))
+        ptr = int(check(_cu().cuMemHostAlloc(nbytes, 0), f"cuMemHostAlloc({nbytes})"))
+        self._host.append(ptr)
+        buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
+        return np.frombuffer(buf, dtype=np.uint8).view(dtype)
+
+    def memset(self, ptr: int, value: int, nbytes: int) -> None:
+        check(_cu().cuMemsetD8Async(ptr, value, nbytes, self.stream), "cuMemsetD8Async")
+
+    def htod(self, dst: int, src: np.ndarray, stream=None) -> None:
+        src = np.ascontiguousarray(src)
+        check(_cu().cuMemcpyHtoDAsync(dst, src.ctypes.data, src.nbytes, stream or self.stream), "cuMemcpyHtoDAsync")
+        if stream is None:
+            self.sync()
+
+    def htod_async(self, dst: int, src_ptr: int, nbytes: int) -> None:
+        check(_cu().cuMemcpyHtoDAsync(dst, src_ptr, nbytes, self.stream), "cuMemcpyHtoDAsync")
+
+    def dtoh_async(self, dst_ptr: int, src: int, nbytes: int) -> None:
+        check(_cu().cuMemcpyDtoHAsync(dst_ptr, src, nbytes, self.stream), "cuMemcpyDtoHAsync")
+
+    def dtoh(self, src: int, shape, dtype) -> np.ndarray:
+        out = np.empty(shape, dtype=dtype)
+        check(_cu().cuMemcpyDtoHAsync(out.ctypes.data, src, out.nbytes, self.stream), "cuMemcpyDtoHAsync")
+        self.sync()
+        return out
+
+    def sync(self) -> None:
+        check(_cu().cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    def load_module(self, cubin: bytes):
+        return check(_cu().cuModuleLoadData(cubin), "cuModuleLoadData")
+
+    def function(self, module, name: str, max_smem: int = 0):
+        cu = _cu()
+        fn = check(cu.cuModuleGetFunction(module, name.encode()), f"cuModuleGetFunction({name})")
+        if max_smem > 48 * 1024:
+            check(cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                        max_smem), f"cuFuncSetAttribute({name})")
+        return fn
+
+    def capture(self, body) -> object:
+        """Run body(stream) under stream capture; returns the instantiated graph exec."""
+        cu = _cu()
+        check(cu.cuStreamBeginCapture(self.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+              "cuStreamBeginCapture")
+        try:
+            body(self.stream)
+        except BaseException:
+            cu.cuStreamEndCapture(self.stream)
+            raise
+        graph = check(cu.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
+        gexec = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
+        return gexec
+
+    def graph_launch(self, gexec) -> None:
+        check(_cu().cuGraphLaunch(gexec, self.stream), "cuGraphLaunch")
+
+    def event(self):
+        return check(_cu().cuEventCreate(0), "cuEventCreate")
+
+    def record(self, ev) -> None:
+        check(_cu().cuEventRecord(ev, self.stream), "cuEventRecord")
+
+    def elapsed_ms(self, start, end) -> float:
+        check(_cu().cuEventSynchronize(end), "cuEventSynchronize")
+        return float(check(_cu().cuEventElapsedTime(start, end), "cuEventElapsedTime"))
+
+    def close(self) -> None:
+        cu = _cu()
+        for p in self._allocs:
+            cu.cuMemFree(p)
+        for p in self._host:
+            cu.cuMemFreeHost(p)
+        self._allocs, self._host = [], []

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Run the GPU tests (pytest -m gpu) on the device machine. Logs go to $OUT (or /tmp/xserv-gpu-out).
-# Carried extras, when present: .whl/*.whl (missing Python packages), .xcache/ (prebuilt NVRTC cubins).
+# Default: tests/test_cuda_*.py (the server tests need packages the device lacks). Carried extras, when present:
+# .whl/*.whl (missing Python packages), .xcache/ (prebuilt NVRTC cubins); XSERV_GEMM_LIB=PLAN/kernels/libxserv_gemm.so
+# lets the CUTLASS tests run where nvidia-cutlass is not installed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/xserv-gpu-out}
@@ -14,4 +16,4 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import cuda.bindings.nvrtc as n, cuda.core, cuda.bindings; print('nvrtc', n.nvrtcVersion()[1:], 'cuda.core', cuda.core.__version__, 'cuda.bindings', cuda.bindings.__version__)" | tee -a "$OUT/gpu.txt"
-python3 -m pytest -m gpu -o addopts="" -p no:cacheprovider -rA -q "${@:-tests}" 2>&1 | tee "$OUT/gpu_tests.log"
+python3 -m pytest -m gpu -o addopts="" -p no:cacheprovider -rA -q "${@:-$(ls tests/test_cuda_*.py)}" 2>&1 | tee "$OUT/gpu_tests.log"

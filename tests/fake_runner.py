@@ -126,3 +126,33 @@ class FakeDetokenizer:
 
     def flush(self) -> str:
         return ""
+
+
+class FaultyRunner:
+    """Wraps a runner and raises RuntimeError("injected fault at run k") instead of running chosen calls.
+
+    Calls are counted from 0. A call fails when its index is in fail_calls, when `always` is set, or while
+    `fail_next` > 0 (decremented per failure; settable from another thread while the engine is idle).
+    bad_result_calls: run normally but return a StepResult without logits, so postprocess fails mid-way.
+    """
+
+    def __init__(self, inner, fail_calls=(), always: bool = False, bad_result_calls=()):
+        self.inner, self.plan = inner, inner.plan
+        self.fail_calls, self.bad_result_calls = set(fail_calls), set(bad_result_calls)
+        self.always, self.fail_next = always, 0
+        self.calls = self.failures = 0
+
+    def run(self, batch: BatchDescription) -> StepResult:
+        k = self.calls
+        self.calls += 1
+        if self.always or k in self.fail_calls or self.fail_next > 0:
+            self.fail_next = max(0, self.fail_next - 1)
+            self.failures += 1
+            raise RuntimeError(f"injected fault at run {k}")
+        result = self.inner.run(batch)
+        if k in self.bad_result_calls:
+            return StepResult(result.sampled_ids, None)
+        return result
+
+    def reset_kv(self) -> None:
+        self.inner.reset_kv()

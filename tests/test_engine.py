@@ -255,9 +255,13 @@ def test_runner_failure_fails_that_step_and_the_engine_recovers():
         eng.step()
     outs = eng.recover("engine step failed: RuntimeError: injected runner failure")
     assert sorted(o.request_id for o in outs) == ["a", "b"] and all(o.finish_reason == "error" for o in outs)
-    assert not eng.stats().healthy and eng.stats().kv_blocks_used == 0 and not eng.has_unfinished()
+    st = eng.stats()
+    assert st.healthy and st.kv_blocks_used == 0 and not eng.has_unfinished()
+    assert (st.consecutive_failures, st.num_step_failures) == (1, 1) and "injected" in st.last_error
     again = eng.generate([[7, 8, 9]], p)[0]
-    assert again.new_token_ids == expected([7, 8, 9], p) and eng.stats().healthy
+    st = eng.stats()
+    assert again.new_token_ids == expected([7, 8, 9], p) and st.healthy and st.consecutive_failures == 0
+    assert st.num_step_failures == 1 and "injected" in st.last_error
 
 
 def test_default_detokenizer_is_used_with_a_tokenizer():
@@ -368,10 +372,11 @@ def test_async_queue_full_too_long_and_error_recovery():
         bad = asyncio.run(collect(ae, "bad", [5, 6], p))
         assert bad[-1].finish_reason == "error" and "injected runner failure" in bad[-1].error
         assert "Traceback" not in bad[-1].error and "\n" not in bad[-1].error
-        assert not ae.stats().healthy
+        assert ae.stats().healthy and ae.stats().consecutive_failures == 1
         runner.fail_when = None
         good = asyncio.run(collect(ae, "good", [5, 6], p))
         assert [t for o in good for t in o.new_token_ids] == expected([5, 6], p) and ae.stats().healthy
+        assert ae.stats().consecutive_failures == 0
     finally:
         runner.gate.set()
         ae.shutdown()

@@ -56,6 +56,10 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at --max-waiting; the server answers 429."""
 
 
+class EngineFailedError(RuntimeError):
+    """The engine failed permanently (or is not running) and refuses new requests (server: 503)."""
+
+
 class RequestTooLongError(ValueError):
     """prompt + max_tokens exceeds the plan's max_seq_len; the message states both numbers (server: 400)."""
 
@@ -69,14 +73,18 @@ class EngineStats:
     prefix_cache_queries: int           # prompt blocks looked up
     prefix_cache_hits: int              # of which found cached
     num_preemptions: int = 0
-    healthy: bool = True                # False after an engine failure it could not recover from
+    healthy: bool = True                # False once the engine has failed permanently (it then refuses requests)
+    consecutive_failures: int = 0       # failed steps since the last successful one
+    num_step_failures: int = 0          # failed steps over the engine's lifetime
+    last_error: str | None = None       # one-line error of the most recent failed step (kept after recovery)
 
 
 class AsyncEngineProtocol:
     """What the server and CLI use. Implemented by xserv_aot.engine.async_engine.AsyncEngine.
 
     async def generate(request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]
-        raises QueueFullError / RequestTooLongError before yielding anything; the last output has finish_reason set.
+        raises QueueFullError / RequestTooLongError / EngineFailedError before yielding anything; the last output
+        has finish_reason set.
         Cancelling the consuming task (client disconnect) aborts the request.
     def abort(request_id: str) -> None            frees the request's KV blocks within one step
     def stats() -> EngineStats

@@ -3,10 +3,15 @@
 asyncio -> engine: a thread-safe command queue ("add", "abort", "stop"), drained before every step.
 engine -> asyncio: each request's outputs go into its own asyncio.Queue through loop.call_soon_threadsafe.
 
-Failure policy: when a step raises, the requests of that step end with finish_reason "error" and a one-line
-error (no traceback; the traceback goes to the log), the other requests restart from their tokens so far on a
-reset KV pool, stats().healthy is False until a step succeeds again, and the loop keeps serving. If recovery
-itself fails, every open request ends with "error", the engine stops, and healthy stays False.
+Failure policy (see llm_engine): when a step raises, the requests of that step end with finish_reason "error"
+and a one-line error (no traceback; the traceback goes to the log), the other requests restart from their tokens
+so far on a reset KV pool, and the loop keeps serving; stats().healthy stays True, stats().last_error and
+consecutive_failures record the failure. After max_consecutive_failures failed steps in a row, or when recovery
+itself fails, the engine has failed permanently: every open request ends with "error", the engine thread stops,
+healthy is False for good and generate raises EngineFailedError.
+
+Every stream gets a final output: when the thread stops (shutdown or failure) it closes the engine under the
+stream lock, so no generate() can register after the last outputs were sent.
 """
 from __future__ import annotations
 
@@ -17,8 +22,8 @@ import queue
 import threading
 from typing import AsyncIterator
 
-from xserv_aot.engine.api import (EngineStats, InvalidRequestError, QueueFullError, RequestOutput,
-                                  SamplingParams)
+from xserv_aot.engine.api import (EngineFailedError, EngineStats, InvalidRequestError, QueueFullError,
+                                  RequestOutput, SamplingParams)
 from xserv_aot.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
@@ -43,15 +48,18 @@ class AsyncEngine:
         self._stats = engine.stats()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._dead: str | None = None                 # set when the engine could not recover
+        self._dead: str | None = None                 # set when the engine failed permanently
+        self._closed = True                           # no thread serving streams (guarded by _lock)
         engine.on_scheduled = lambda: self._publish([])
 
     # lifecycle
 
     def start(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
+        if (self._thread is not None and self._thread.is_alive()) or self._dead is not None:
             return
         self._stop.clear()
+        with self._lock:
+            self._closed = False
         self._thread = threading.Thread(target=self._loop, name="xserv-engine", daemon=True)
         self._thread.start()
 
@@ -70,17 +78,17 @@ class AsyncEngine:
                        params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
         params = params if params is not None else SamplingParams()
         self.engine.check_request(prompt_ids, params)
-        if self._dead is not None or self._thread is None or not self._thread.is_alive():
-            raise RuntimeError("engine is not running" + (f" ({self._dead})" if self._dead else ""))
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
         with self._lock:
+            if self._closed or self._dead is not None or self._thread is None:
+                raise EngineFailedError("engine is not running" + (f" ({self._dead})" if self._dead else ""))
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             if self._stats.num_waiting + self._pending_adds >= self.max_waiting:
                 raise QueueFullError(f"too many waiting requests (max_waiting {self.max_waiting})")
             self._streams[request_id] = (loop, q)
             self._pending_adds += 1
-        self._commands.put(("add", request_id, list(prompt_ids), params))
+            self._commands.put(("add", request_id, list(prompt_ids), params))
         finished = False
         try:
             while not finished:
@@ -107,7 +115,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         eng = self.engine
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and eng.failed is None:
                 self._drain(block=not eng.has_unfinished())
                 if self._stop.is_set() or not eng.has_unfinished():
                     continue
@@ -117,14 +125,33 @@ class AsyncEngine:
                     log.exception("engine step failed")
                     outputs = eng.recover(f"engine step failed: {_one_line(e)}")
                 self._publish(outputs)
+            if eng.failed is not None:
+                log.error("%s", eng.failed)
+                self._dead = eng.failed
         except Exception as e:
             log.exception("engine loop died")
             self._dead = f"engine failed: {_one_line(e)}"
-            with self._lock:
-                rids = list(self._streams)
-            self._publish([RequestOutput(r, [], "", finish_reason="error", error=self._dead) for r in rids])
-            return
-        self._publish(eng.abort_all())
+            eng.failed = eng.failed or self._dead
+        self._close()
+
+    def _close(self) -> None:
+        """Refuse new streams, then end every open one: "abort" on shutdown, "error" after a failure."""
+        with self._lock:
+            self._closed = True
+            rids = list(self._streams)
+            self._pending_adds = 0
+            while not self._commands.empty():             # adds never picked up: their streams end below
+                self._commands.get_nowait()
+        try:
+            aborted = self.engine.abort_all()             # frees every block: no request stays inside
+        except Exception:
+            log.exception("abort_all failed while closing the engine")
+            aborted = []
+        outputs = aborted if self._dead is None else []
+        done = {o.request_id for o in outputs}
+        reason = "abort" if self._dead is None else "error"
+        outputs += [RequestOutput(r, [], "", finish_reason=reason, error=self._dead) for r in rids if r not in done]
+        self._publish(outputs)
 
     def _drain(self, block: bool) -> None:
         try:

@@ -4,6 +4,13 @@ Not thread-safe: one thread owns an LLMEngine (AsyncEngine runs it in its engine
 Stop conditions, checked after each new token: EOS (unless ignore_eos) or a stop_token_id -> "stop" (the token
 is returned as an id but not detokenized); a stop string -> "stop" (text from the stop string on is dropped);
 max_tokens or max_seq_len -> "length".
+
+Failures: when step() raises, the caller calls recover(error). The requests of the failed step end with
+finish_reason "error", the others restart from their tokens so far on a reset KV pool. A successful step resets
+the failure count; after `max_consecutive_failures` failed steps in a row (with no success in between, idle time
+included) the engine has failed permanently: every open request ends with "error", add_request raises
+EngineFailedError, and healthy is False for good. A single failed step leaves healthy True (stats().last_error
+and consecutive_failures say what happened).
 """
 from __future__ import annotations
 
@@ -13,8 +20,8 @@ from typing import Callable
 import numpy as np
 
 from xserv_aot.config import BuildConfig
-from xserv_aot.engine.api import (EngineStats, InvalidRequestError, RequestOutput, RequestTooLongError,
-                                  SamplingParams, TokenLogprob)
+from xserv_aot.engine.api import (EngineFailedError, EngineStats, InvalidRequestError, RequestOutput,
+                                  RequestTooLongError, SamplingParams, TokenLogprob)
 from xserv_aot.engine.sampler import MAX_LOGPROBS, sample_token
 from xserv_aot.engine.scheduler import Scheduler, SchedulerOutput
 from xserv_aot.engine.sequence import Sequence
@@ -74,10 +81,13 @@ class LLMEngine:
     def __init__(self, runner, tokenizer=None, *, build: BuildConfig | None = None,
                  eos_token_ids: list[int] | None = None, vocab_size: int | None = None,
                  enable_prefix_caching: bool = True, detokenizer_factory: Callable | None = None,
-                 seed: int | None = None):
+                 seed: int | None = None, max_consecutive_failures: int = 3):
         """build and vocab_size default to runner.plan's; eos_token_ids to the model's plus the tokenizer's.
         tokenizer None: ids only, no text. detokenizer_factory(tokenizer) -> object with add(id) -> str, flush() -> str
-        (default: xserv_aot.detokenizer.IncrementalDetokenizer)."""
+        (default: xserv_aot.detokenizer.IncrementalDetokenizer).
+        max_consecutive_failures: failed steps in a row after which the engine gives up for good (>= 1)."""
+        if not (isinstance(max_consecutive_failures, int) and max_consecutive_failures >= 1):
+            raise ValueError(f"max_consecutive_failures must be an integer >= 1, got {max_consecutive_failures!r}")
         plan = getattr(runner, "plan", None)
         model = getattr(plan, "model", None)
         self.runner = runner
@@ -90,7 +100,11 @@ class LLMEngine:
         self.vocab_size = vocab_size if vocab_size is not None else getattr(model, "vocab_size", None)
         self.max_seq_len = self.build.max_seq_len
         self.scheduler = Scheduler(self.build, enable_prefix_caching)
-        self.healthy = True
+        self.max_consecutive_failures = max_consecutive_failures
+        self.failed: str | None = None                 # set when the engine has failed permanently
+        self.consecutive_failures = 0
+        self.num_step_failures = 0
+        self.last_error: str | None = None
         self._detokenizer_factory = detokenizer_factory or _default_detokenizer
         self._seqs: dict[str, Sequence] = {}
         self._rng = random.Random(seed)
@@ -105,6 +119,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
         params = params if params is not None else SamplingParams()
+        if self.failed is not None:
+            raise EngineFailedError(self.failed)
         if request_id in self._seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         self.check_request(prompt_ids, params)
@@ -137,7 +153,7 @@ class LLMEngine:
             self.on_scheduled()
         result = self.runner.run(out.batch) if not out.is_empty else None
         outputs = self.postprocess(out, result)
-        self._inflight, self.healthy = None, True
+        self._inflight, self.consecutive_failures = None, 0
         return outputs
 
     def postprocess(self, out: SchedulerOutput, result: StepResult | None) -> list[RequestOutput]:
@@ -189,7 +205,8 @@ class LLMEngine:
 
     def recover(self, error: str) -> list[RequestOutput]:
         """After step() raised: the requests of the failed step end with finish_reason "error" (all requests when
-        scheduling itself failed); the others restart from their tokens so far on a reset KV pool."""
+        scheduling itself failed); the others restart from their tokens so far on a reset KV pool, unless this was
+        the max_consecutive_failures-th failure in a row: then every open request ends with "error" too."""
         out, self._inflight = self._inflight, None
         affected = (out.seqs + out.failed) if out is not None else list(self._seqs.values())
         outputs, seen = [], set()
@@ -202,15 +219,29 @@ class LLMEngine:
             seq.finish_reason, seq.error = "error", error
             outputs.append(self._output(seq, [], ""))
         self.scheduler.recover(affected)
-        self.healthy = False
+        self.num_step_failures += 1
+        self.consecutive_failures += 1
+        self.last_error = error
+        if self.consecutive_failures >= self.max_consecutive_failures:
+            self.failed = (f"engine failed permanently after {self.consecutive_failures} consecutive step "
+                           f"failures; last: {error}")
+            for seq in list(self._seqs.values()):
+                del self._seqs[seq.request_id]
+                self.scheduler.finish(seq, "error", self.failed)
+                outputs.append(self._output(seq, [], ""))
         return outputs
+
+    @property
+    def healthy(self) -> bool:
+        return self.failed is None
 
     # reporting
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.scheduler.block_manager
         return EngineStats(len(s.running), len(s.waiting), bm.num_used_blocks, bm.num_blocks,
-                           bm.prefix_cache_queries, bm.prefix_cache_hits, s.num_preemptions, self.healthy)
+                           bm.prefix_cache_queries, bm.prefix_cache_hits, s.num_preemptions, self.healthy,
+                           self.consecutive_failures, self.num_step_failures, self.last_error)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:

@@ -4,8 +4,9 @@ FakeTokenizer: one token per character (id = code point + 3; 1 = BOS, 2 = EOS).
 FakeEngine: a tiny hash-based "language model" over a-z and space. A prompt containing `say:TEXT` (to the end of
 its line; a literal backslash-n stands for a newline) makes the model emit TEXT then EOS almost surely;
 `boom:raise` makes generate raise, `boom:error` ends the request with finish_reason "error" after two tokens
-(with a secret in RequestOutput.error that must not reach the client). Honours max_tokens, stop strings (held back while they may still
-match), stop_token_ids, ignore_eos, seeds, top-k/top-p, logprobs, abort, max_waiting and max_seq_len.
+(with a secret in RequestOutput.error that must not reach the client). Honours max_tokens, stop strings (held back
+while they may still match), stop_token_ids, ignore_eos, seeds, top-k/top-p, logprobs, abort, max_waiting and
+max_seq_len.
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import threading
 import time
 
 import numpy as np
-import uvicorn
 
 from xserv_aot.engine.api import (EngineStats, QueueFullError, RequestOutput, RequestTooLongError, SamplingParams,
                                   TokenLogprob)
@@ -215,17 +215,19 @@ def scrape(base_url: str, headers: dict | None = None) -> dict[tuple[str, frozen
 
 
 class LiveServer:
-    """uvicorn on 127.0.0.1 (ephemeral port) in a background thread; `with LiveServer(app) as base_url:`."""
+    """uvicorn on 127.0.0.1 (ephemeral port) in a background thread; `with LiveServer(app) as base_url:`.
+    begin_shutdown() does what SIGTERM does to `xserv-aot serve` (drain for shutdown_grace seconds, then stop)."""
 
-    def __init__(self, app, start_timeout: float = 10.0):
-        from xserv_aot.server.run import server_config
+    def __init__(self, app, start_timeout: float = 10.0, shutdown_grace: float = 5.0):
+        from xserv_aot.server.run import DrainingServer, server_config
         self.config = server_config(app, "127.0.0.1", 0, log_level="warning", access_log=False,
                                     timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(self.config)
+        self.server = DrainingServer(self.config, shutdown_grace=shutdown_grace)
         self.start_timeout = start_timeout
 
     def __enter__(self) -> str:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)   # proto set: asyncio
+        # then gives accepted connections TCP_NODELAY, as with uvicorn's own listener (no 40 ms Nagle stalls)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
@@ -237,8 +239,23 @@ class LiveServer:
             time.sleep(0.01)
         return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
 
+    def begin_shutdown(self) -> None:
+        self.server.request_shutdown()
+
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
         with contextlib.suppress(OSError):
             self.sock.close()
+
+
+def tiny_plan(tmp_path_factory, num_blocks: int = 256):
+    """The e2e tiny Qwen3 plan (real Qwen3 tokenizer, max_seq_len 256), compiled once per test session and pool
+    size (the same directory tests/test_storm.py uses)."""
+    from tests.test_serve_e2e import make_plan
+    root = tmp_path_factory.getbasetemp() / "tiny-qwen3"
+    out = root / f"plan{num_blocks}"
+    if not (out / "manifest.json").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        make_plan(root, num_blocks)
+    return out

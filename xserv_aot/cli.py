@@ -181,16 +181,24 @@ def chat(plan_dir: Path = typer.Argument(..., metavar="PLAN"), max_tokens: int =
 
 @app.command()
 @guarded
-def serve(plan_dir: Path = typer.Argument(..., metavar="PLAN"), host: str = typer.Option("127.0.0.1"),
-          port: int = typer.Option(8000), api_key: Optional[str] = typer.Option(None, envvar="XSERV_API_KEY"),
+def serve(plan_dir: Path = typer.Argument(..., metavar="PLAN"),
+          host: str = typer.Option("127.0.0.1", help="bind address (loopback by default)"),
+          port: int = typer.Option(8000),
+          api_key: Optional[str] = typer.Option(None, envvar="XSERV_API_KEY", help="bearer key for all but /health"),
           max_waiting: int = typer.Option(256, help="waiting-queue bound; beyond it requests get 429"),
           model_name: Optional[str] = typer.Option(None, help="name served in /v1/models (default: plan dir name)"),
-          max_request_bytes: int = typer.Option(1_000_000), backend: str = typer.Option("auto")):
+          max_request_bytes: int = typer.Option(1_000_000, help="request body limit; larger bodies get 413"),
+          backend: str = typer.Option("auto"),
+          request_timeout: Optional[float] = typer.Option(None, help="seconds from arrival before a request is "
+                                                          "aborted (504 / an error event); default: none"),
+          shutdown_grace: float = typer.Option(30.0, help="on SIGTERM, seconds in-flight requests get to finish "
+                                               "before they are aborted")):
     """Serve PLAN with an OpenAI-compatible HTTP API."""
     from xserv_aot.serve import launch
 
     launch(plan_dir, host=host, port=port, api_key=api_key, max_waiting=max_waiting,
-           model_name=model_name or Path(plan_dir).resolve().name, max_request_bytes=max_request_bytes, backend=backend)
+           model_name=model_name or Path(plan_dir).resolve().name, max_request_bytes=max_request_bytes, backend=backend,
+           request_timeout=request_timeout, shutdown_grace=shutdown_grace)
 
 
 @app.command()

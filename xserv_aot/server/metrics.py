@@ -65,6 +65,8 @@ class ServerMetrics:
                                 ["finish_reason"], registry=r)
         self.aborted = Counter("xserv_requests_aborted", "Generation requests aborted (client gone or engine).",
                                registry=r)
+        self.timeouts = Counter("xserv_request_timeouts", "Generation requests ended by --request-timeout.",
+                                registry=r)
         self.ttft = Histogram("xserv_time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("xserv_time_per_output_token_seconds",

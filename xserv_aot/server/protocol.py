@@ -1,22 +1,30 @@
-"""OpenAI API request parsing/validation and response/chunk builders (chat and legacy completions).
+"""OpenAI API request parsing and validation (chat and legacy completions).
 
-Parsing turns a JSON body into a GenerateRequest or raises RequestError (status, one-line message, param);
-unknown fields are ignored, fields that would change the meaning of a request and are unsupported are refused.
+Parsing turns a JSON body into a GenerateRequest or raises RequestError (status, one-line message, param).
+Unknown fields are ignored; fields that would change the meaning of a request and are unsupported are refused.
+The scalar-field tables below drive both the parser and the published OpenAPI schema (openapi.py).
+Messages are data: their text never becomes template source, and only the known message keys reach the template.
 """
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from xserv_aot.engine.api import SamplingParams, TokenLogprob
+from xserv_aot.engine.api import SamplingParams
 
 MAX_STOP = 4
 MAX_LOGPROBS = 20
 INT64 = 2 ** 63
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 431: "invalid_request_error", 429: "rate_limit_error",
-               500: "server_error", 503: "server_error"}
+INT32_MAX = 2 ** 31 - 1
+GREEDY_BELOW = 1e-5                             # temperatures under this sample greedily (1/T would overflow)
+ROLES = ("system", "user", "assistant", "tool")
+MESSAGE_TEXT_KEYS = ("name", "tool_call_id", "reasoning_content", "reasoning", "thinking")
+TEMPLATE_KWARG_NAME = "^[A-Za-z][A-Za-z0-9_]*$"
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "documents", "bos_token",
+                                      "eos_token", "unk_token", "pad_token", "chat_template", "raise_exception",
+                                      "strftime_now"})
 
 
 class RequestError(ValueError):
@@ -27,9 +35,41 @@ class RequestError(ValueError):
         self.message, self.status, self.param, self.code = message, status, param, code
 
 
-def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+@dataclass(frozen=True)
+class Scalar:
+    type: str                                   # "number" | "integer" | "boolean"
+    default: object = None
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False                       # lo itself is excluded
+    doc: str = ""
+
+
+SAMPLING_FIELDS = {
+    "temperature": Scalar("number", 1.0, 0.0, 2.0, doc=f"below {GREEDY_BELOW:g}: greedy"),
+    "top_p": Scalar("number", 1.0, 0.0, 1.0, lo_open=True),
+    "top_k": Scalar("integer", 0, -1, INT32_MAX, doc="0 or -1 = off"),
+    "min_p": Scalar("number", 0.0, 0.0, 1.0),
+    "seed": Scalar("integer", None, -INT64, INT64 - 1),
+    "presence_penalty": Scalar("number", 0.0, -2.0, 2.0),
+    "frequency_penalty": Scalar("number", 0.0, -2.0, 2.0),
+    "repetition_penalty": Scalar("number", 1.0, 0.0, 2.0, lo_open=True),
+    "ignore_eos": Scalar("boolean", False),
+}
+COMMON_FIELDS = {
+    "stream": Scalar("boolean", False),
+    "n": Scalar("integer", 1, 1, 1, doc="one choice per request"),
+    "max_tokens": Scalar("integer", None, 1, doc="default: up to the context length"),
+}
+CHAT_FIELDS = {
+    "max_completion_tokens": Scalar("integer", None, 1, doc="alias of max_tokens; wins when both are set"),
+    "logprobs": Scalar("boolean", False),
+    "top_logprobs": Scalar("integer", None, 0, MAX_LOGPROBS, doc="needs logprobs: true"),
+}
+COMPLETION_FIELDS = {
+    "logprobs": Scalar("integer", None, 0, MAX_LOGPROBS),
+    "best_of": Scalar("integer", 1, 1, 1),
+}
 
 
 @dataclass
@@ -45,50 +85,59 @@ class GenerateRequest:
     prompt: str | list[int] | None = None       # completions: text or token ids
 
 
-def _present(body: dict, name: str) -> bool:
-    return body.get(name) is not None
+def _num_text(x) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
-def _int(body: dict, name: str, default, lo: int | None = None, hi: int | None = None):
+def _bounds(s: Scalar) -> str:
+    if s.lo is not None and s.lo == s.hi:
+        return _num_text(s.lo)
+    lo = "" if s.lo is None else (f"> {_num_text(s.lo)}" if s.lo_open else f">= {_num_text(s.lo)}")
+    hi = "" if s.hi is None else f"<= {_num_text(s.hi)}"
+    return " and ".join(t for t in (lo, hi) if t)
+
+
+def _as_int(v) -> int | None:
+    """JSON integers, including integral numbers like 5.0 (as JSON Schema counts them); None for anything else."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    return int(v) if isinstance(v, float) and v.is_integer() else None
+
+
+def scalar(body: dict, name: str, s: Scalar):
+    """body[name] checked against s; s.default when absent or null."""
     v = body.get(name)
     if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise RequestError(f"'{name}' must be an integer, got {type(v).__name__}", param=name)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        bounds = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise RequestError(f"'{name}' must be {bounds}, got {v}", param=name)
-    return v
-
-
-def _num(body: dict, name: str, default: float, lo: float | None = None, hi: float | None = None,
-         lo_open: bool = False) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise RequestError(f"'{name}' must be a number, got {type(v).__name__}", param=name)
-    v = float(v)
-    ok = math.isfinite(v) and (lo is None or (v > lo if lo_open else v >= lo)) and (hi is None or v <= hi)
+        return s.default
+    if s.type == "boolean":
+        if not isinstance(v, bool):
+            raise RequestError(f"'{name}' must be a boolean, got {type(v).__name__}", param=name)
+        return v
+    if s.type == "integer":
+        x = _as_int(v)
+        if x is None:
+            raise RequestError(f"'{name}' must be an integer, got {type(v).__name__}", param=name)
+        ok = (s.lo is None or x >= s.lo) and (s.hi is None or x <= s.hi)
+    else:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise RequestError(f"'{name}' must be a number, got {type(v).__name__}", param=name)
+        try:
+            x = float(v)
+        except OverflowError:                                   # an integer beyond the float range
+            x = math.inf
+        ok = math.isfinite(x) and (s.lo is None or (x > s.lo if s.lo_open else x >= s.lo)) \
+            and (s.hi is None or x <= s.hi)
     if not ok:
-        lo_txt = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
-        hi_txt = "" if hi is None else f"<= {hi}"
-        raise RequestError(f"'{name}' must be finite and {' and '.join(t for t in (lo_txt, hi_txt) if t)}, "
-                           f"got {body.get(name)}", param=name)
-    return v
-
-
-def _bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise RequestError(f"'{name}' must be a boolean, got {type(v).__name__}", param=name)
-    return v
+        shown = v if isinstance(v, float) or abs(v) < 10 ** 30 else f"an integer of {len(str(abs(v)))} digits"
+        raise RequestError(f"'{name}' must be {'finite and ' if s.type == 'number' else ''}{_bounds(s)}, "
+                           f"got {shown}", param=name)
+    return x
 
 
 def _refuse(body: dict, name: str, ok: Callable[[object], bool], why: str) -> None:
-    if _present(body, name) and not ok(body[name]):
+    if body.get(name) is not None and not ok(body[name]):
         raise RequestError(f"'{name}' {why}", param=name)
 
 
@@ -105,90 +154,101 @@ def _stop(body: dict) -> list[str]:
 
 
 def _token_ids(v, name: str) -> list[int]:
-    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
+    ids = [_as_int(t) for t in v] if isinstance(v, list) else None
+    if ids is None or not all(t is not None and 0 <= t < INT64 for t in ids):
         raise RequestError(f"'{name}' must be a list of non-negative integer token ids", param=name)
-    return v
+    return ids
 
 
-def _common(body: dict) -> tuple[dict, SamplingParams]:
+def _common(body, fields: dict[str, Scalar]) -> tuple[dict, SamplingParams, dict]:
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("'model' must be a string", param="model")
-    _int(body, "n", 1, lo=1)
-    _refuse(body, "n", lambda n: n == 1, "> 1 is not supported (one choice per request)")
-    _refuse(body, "logit_bias", lambda b: not b, "is not supported")
+    values = {name: scalar(body, name, s) for name, s in {**COMMON_FIELDS, **fields}.items()}
+    _refuse(body, "logit_bias", lambda b: b == {}, "is not supported")
     _refuse(body, "echo", lambda e: e is False, "is not supported")
-    stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
-    if opts is not None and (not isinstance(opts, dict) or not stream):
+    if opts is not None and (not isinstance(opts, dict) or not values["stream"]):
         raise RequestError("'stream_options' must be an object and needs 'stream': true", param="stream_options")
-    include_usage = _bool(opts or {}, "include_usage", False)
-    top_k = _int(body, "top_k", 0, lo=-1)
-    params = SamplingParams(
-        temperature=_num(body, "temperature", 1.0, lo=0.0),
-        top_p=_num(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
-        top_k=max(top_k, 0),
-        min_p=_num(body, "min_p", 0.0, lo=0.0, hi=1.0),
-        seed=_int(body, "seed", None, lo=-INT64, hi=INT64 - 1),
-        presence_penalty=_num(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
-        frequency_penalty=_num(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
-        repetition_penalty=_num(body, "repetition_penalty", 1.0, lo=0.0, lo_open=True),
-        stop=_stop(body),
-        stop_token_ids=_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"),
-        ignore_eos=_bool(body, "ignore_eos", False),
-    )
+    include_usage = scalar(opts or {}, "include_usage", Scalar("boolean", False))
+    p = {name: scalar(body, name, s) for name, s in SAMPLING_FIELDS.items()}
+    if p["temperature"] < GREEDY_BELOW:
+        p["temperature"] = 0.0
+    stop_ids = body.get("stop_token_ids")
+    params = SamplingParams(**{**p, "top_k": max(p["top_k"], 0)}, stop=_stop(body),
+                            stop_token_ids=[] if stop_ids is None else _token_ids(stop_ids, "stop_token_ids"))
     if params.seed is not None and params.seed < 0:
         params.seed += 2 ** 64                                   # same 64 bits, as an unsigned seed
-    return dict(model=model, stream=stream, include_usage=include_usage), params
+    return dict(model=model, stream=values["stream"], include_usage=include_usage), params, values
 
 
 def _message(m, i: int) -> dict:
+    where = f"messages[{i}]"
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise RequestError(f"messages[{i}] must be an object with a string 'role'", param="messages")
+        raise RequestError(f"{where} must be an object with a string 'role'", param="messages")
+    if m["role"] not in ROLES:
+        raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}", param="messages")
     content = m.get("content")
     if isinstance(content, list):
         parts = []
         for p in content:
             if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise RequestError(f"messages[{i}].content: only text parts are supported", param="messages")
+                raise RequestError(f"{where}.content: only text parts are supported", param="messages")
             parts.append(p["text"])
         content = "\n".join(parts)
     elif content is not None and not isinstance(content, str):
-        raise RequestError(f"messages[{i}].content must be a string, a list of text parts or null",
-                           param="messages")
-    return {**m, "content": content}
+        raise RequestError(f"{where}.content must be a string, a list of text parts or null", param="messages")
+    out = {"role": m["role"], "content": content}
+    for key in MESSAGE_TEXT_KEYS:
+        if m.get(key) is not None:
+            if not isinstance(m[key], str):
+                raise RequestError(f"{where}.{key} must be a string", param="messages")
+            out[key] = m[key]
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+            raise RequestError(f"{where}.tool_calls must be a list of objects", param="messages")
+        out["tool_calls"] = calls
+    return out
 
 
-def parse_chat_request(body: dict) -> GenerateRequest:
-    common, params = _common(body)
+def _template_kwargs(body: dict) -> dict:
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise RequestError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    for k in kwargs:
+        if not re.fullmatch(TEMPLATE_KWARG_NAME[1:-1], k) or k in RESERVED_TEMPLATE_KWARGS:
+            raise RequestError(f"'chat_template_kwargs' may not set {k[:40]!r}", param="chat_template_kwargs")
+    return kwargs
+
+
+def parse_chat_request(body) -> GenerateRequest:
+    common, params, values = _common(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", param="messages")
-    _refuse(body, "tools", lambda t: not t, "are not supported")
+    _refuse(body, "chat_template", lambda t: False,
+            "is not accepted: the server always uses the model's own chat template")
+    _refuse(body, "tools", lambda t: t == [], "are not supported")
     _refuse(body, "response_format", lambda f: isinstance(f, dict) and f.get("type") == "text",
             "other than {'type': 'text'} is not supported")
-    if _bool(body, "logprobs", False):
-        params.logprobs = _int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
-    elif _present(body, "top_logprobs"):
+    if values["logprobs"]:
+        params.logprobs = values["top_logprobs"] or 0
+    elif values["top_logprobs"] is not None:
         raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise RequestError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    max_tokens = _int(body, "max_completion_tokens", None, lo=1)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", None, lo=1)
+    max_tokens = values["max_completion_tokens"] or values["max_tokens"]
     return GenerateRequest(kind="chat", max_tokens=max_tokens, params=params,
                            messages=[_message(m, i) for i, m in enumerate(messages)],
-                           chat_template_kwargs=kwargs, **common)
+                           chat_template_kwargs=_template_kwargs(body), **common)
 
 
-def parse_completion_request(body: dict) -> GenerateRequest:
-    common, params = _common(body)
-    _int(body, "best_of", 1, lo=1)
-    _refuse(body, "best_of", lambda n: n == 1, "> 1 is not supported")
-    _refuse(body, "suffix", lambda s: not s, "is not supported")
+def parse_completion_request(body) -> GenerateRequest:
+    common, params, values = _common(body, COMPLETION_FIELDS)
+    _refuse(body, "suffix", lambda s: s == "", "is not supported")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]                                        # a batch of one
@@ -200,71 +260,6 @@ def parse_completion_request(body: dict) -> GenerateRequest:
         raise RequestError("'prompt' must be a string or a list of token ids", param="prompt")
     if not prompt:
         raise RequestError("'prompt' must not be empty", param="prompt")
-    params.logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
-    return GenerateRequest(kind="completion", max_tokens=_int(body, "max_tokens", None, lo=1), params=params,
-                           prompt=prompt, **common)
-
-
-# ---- responses -------------------------------------------------------------------------------------------------
-
-def _lp(x: float) -> float:
-    return x if math.isfinite(x) else -9999.0                   # JSON has no -inf
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def chat_logprobs(lps: list[TokenLogprob], text_of: Callable[[int], str]) -> dict:
-    def entry(tid: int, lp: float) -> dict:
-        t = text_of(tid)
-        return {"token": t, "logprob": _lp(lp), "bytes": list(t.encode("utf-8"))}
-    return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, l) for t, l in x.top]}
-                        for x in lps]}
-
-
-def completion_logprobs(lps: list[TokenLogprob], text_of: Callable[[int], str], offset: int) -> dict:
-    tokens, offsets = [], []
-    for x in lps:
-        offsets.append(offset)
-        tokens.append(text_of(x.token_id))
-        offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [_lp(x.logprob) for x in lps],
-            "top_logprobs": [{text_of(t): _lp(l) for t, l in x.top} for x in lps], "text_offset": offsets}
-
-
-def chat_response(rid: str, created: int, model: str, message: dict, logprobs: dict | None,
-                  finish_reason: str | None, usage_: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", **message}, "logprobs": logprobs,
-                         "finish_reason": finish_reason}], "usage": usage_}
-
-
-def chat_chunk(rid: str, created: int, model: str, delta: dict, logprobs: dict | None = None,
-               finish_reason: str | None = None, with_usage: bool = False) -> dict:
-    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
-    if with_usage:
-        chunk["usage"] = None
-    return chunk
-
-
-def completion_response(rid: str, created: int, model: str, text: str, logprobs: dict | None,
-                        finish_reason: str | None, usage_: dict) -> dict:
-    return {**completion_chunk(rid, created, model, text, logprobs, finish_reason), "usage": usage_}
-
-
-def completion_chunk(rid: str, created: int, model: str, text: str, logprobs: dict | None = None,
-                     finish_reason: str | None = None, with_usage: bool = False) -> dict:
-    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
-    if with_usage:
-        chunk["usage"] = None
-    return chunk
-
-
-def usage_chunk(rid: str, created: int, model: str, kind: str, usage_: dict) -> dict:
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_}
+    params.logprobs = values["logprobs"]
+    return GenerateRequest(kind="completion", max_tokens=values["max_tokens"], params=params, prompt=prompt,
+                           **common)

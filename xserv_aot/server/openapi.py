@@ -1,0 +1,168 @@
+"""The server's OpenAPI 3.1 document (GET /openapi.json), built from protocol.py's field tables and limits so the
+published request schema is the one the parser enforces."""
+from __future__ import annotations
+
+from xserv_aot import __version__
+from xserv_aot.server import protocol as P
+from xserv_aot.server.body import MAX_JSON_DEPTH
+
+NULL = {"type": "null"}
+TEMPLATE_KWARG_NAME = P.TEMPLATE_KWARG_NAME
+
+
+def scalar_schema(s: P.Scalar) -> dict:
+    out: dict = {"type": [s.type, "null"]}
+    if s.lo is not None:
+        out["exclusiveMinimum" if s.lo_open else "minimum"] = s.lo
+    if s.hi is not None:
+        out["maximum"] = s.hi
+    if s.default is not None:
+        out["default"] = s.default
+    if s.doc:
+        out["description"] = s.doc
+    return out
+
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, NULL]}
+
+
+TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": P.INT64 - 1}}
+TEXT = {"type": "string"}
+
+
+def _common_properties(fields: dict[str, P.Scalar]) -> dict:
+    props = {name: scalar_schema(s) for name, s in {**P.SAMPLING_FIELDS, **P.COMMON_FIELDS, **fields}.items()}
+    props.update({
+        "model": _nullable({"type": "string", "description": "must be the served model's name when set"}),
+        "stop": _nullable({"anyOf": [{"type": "string", "minLength": 1},
+                                     {"type": "array", "maxItems": P.MAX_STOP,
+                                      "items": {"type": "string", "minLength": 1}}]}),
+        "stop_token_ids": _nullable(TOKEN_IDS),
+        "stream_options": _nullable({"type": "object", "description": "needs stream: true",
+                                     "properties": {"include_usage": {"type": ["boolean", "null"]}}}),
+        "logit_bias": _nullable({"type": "object", "maxProperties": 0, "description": "not supported"}),
+        "echo": {"enum": [False, None], "description": "not supported"},
+    })
+    return props
+
+
+MESSAGE = {
+    "type": "object", "required": ["role"],
+    "properties": {
+        "role": {"enum": list(P.ROLES)},
+        "content": {"anyOf": [TEXT, NULL, {"type": "array", "items": {
+            "type": "object", "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": TEXT}}}]},
+        **{k: _nullable(TEXT) for k in P.MESSAGE_TEXT_KEYS},
+        "tool_calls": _nullable({"type": "array", "items": {"type": "object"}}),
+    },
+    "description": "other keys are ignored; message text is data, never template source",
+}
+
+CHAT_REQUEST = {
+    "type": "object", "required": ["messages"],
+    "properties": {
+        **_common_properties(P.CHAT_FIELDS),
+        "messages": {"type": "array", "minItems": 1, "items": MESSAGE},
+        "chat_template_kwargs": _nullable({
+            "type": "object", "description": "extra variables for the model's chat template",
+            "propertyNames": {"pattern": TEMPLATE_KWARG_NAME,
+                              "not": {"enum": sorted(P.RESERVED_TEMPLATE_KWARGS)}}}),
+        "chat_template": {"type": "null", "description": "not accepted: the model's own template is always used"},
+        "tools": _nullable({"type": "array", "maxItems": 0, "description": "not supported"}),
+        "response_format": _nullable({"type": "object", "required": ["type"],
+                                      "properties": {"type": {"const": "text"}}}),
+    },
+}
+
+COMPLETION_REQUEST = {
+    "type": "object", "required": ["prompt"],
+    "properties": {
+        **_common_properties(P.COMPLETION_FIELDS),
+        "prompt": {"anyOf": [{"type": "string", "minLength": 1}, {**TOKEN_IDS, "minItems": 1},
+                             {"type": "array", "minItems": 1, "maxItems": 1,
+                              "items": {"anyOf": [{"type": "string", "minLength": 1}, {**TOKEN_IDS, "minItems": 1}]}}]},
+        "suffix": {"anyOf": [NULL, {"type": "string", "maxLength": 0}], "description": "not supported"},
+    },
+}
+
+ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": TEXT, "type": TEXT, "param": _nullable(TEXT), "code": _nullable(TEXT)}}}}
+
+USAGE = {"type": "object", "properties": {k: {"type": "integer"} for k in
+                                          ("prompt_tokens", "completion_tokens", "total_tokens")}}
+MODEL = {"type": "object", "required": ["id", "object"],
+         "properties": {"id": TEXT, "object": {"const": "model"}, "max_model_len": {"type": "integer"}}}
+
+ERROR_STATUSES = {"400": "invalid request", "401": "missing or wrong API key", "404": "unknown model or route",
+                  "413": "body above --max-request-bytes", "429": "waiting queue full (see Retry-After)",
+                  "431": "request headers too large", "500": "generation failed",
+                  "503": "draining for shutdown, or the engine is unavailable",
+                  "504": "the request ran past --request-timeout"}
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _errors(*codes: str) -> dict:
+    return {c: {"description": ERROR_STATUSES[c], "content": {"application/json": {"schema": _ref("Error")}}}
+            for c in codes}
+
+
+def _generate_op(summary: str, request: str) -> dict:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {"200": {"description": "a response object, or server-sent events when stream is true",
+                              "content": {"application/json": {"schema": {"type": "object"}},
+                                          "text/event-stream": {"schema": TEXT}}},
+                      **_errors("400", "401", "404", "413", "429", "431", "500", "503", "504")}}}
+
+
+def _get_op(summary: str, media: str = "application/json", schema: dict | None = None, secured: bool = True,
+            extra: tuple[str, ...] = ()) -> dict:
+    op = {"summary": summary, "responses": {
+        "200": {"description": "ok", "content": {media: {"schema": schema or {"type": "object"}}}},
+        **_errors(*(("401",) if secured else ()), *extra)}}
+    if not secured:
+        op["security"] = []
+    return {"get": op}
+
+
+def openapi_document(model_name: str, max_request_bytes: int, secured: bool) -> dict:
+    """secured: an API key is configured (every operation but /health needs a bearer token)."""
+    doc = {
+        "openapi": "3.1.0",
+        "info": {"title": "xserv-aot OpenAI-compatible API", "version": __version__,
+                 "description": f"Serves '{model_name}'. Request bodies: at most {max_request_bytes} bytes of "
+                                f"UTF-8 JSON, nested at most {MAX_JSON_DEPTH} levels, no lone surrogates."},
+        "paths": {
+            "/v1/chat/completions": _generate_op("Chat completion", "ChatCompletionRequest"),
+            "/v1/completions": _generate_op("Text completion", "CompletionRequest"),
+            "/v1/models": _get_op("List models", schema={"type": "object", "properties": {
+                "object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}}),
+            "/v1/models/{model}": {**_get_op("Retrieve a model", schema=_ref("Model"), extra=("404",)),
+                                   "parameters": [{"name": "model", "in": "path", "required": True,
+                                                   "schema": TEXT}]},
+            "/health": _get_op("Liveness and readiness (503 while draining or when the engine is unhealthy)",
+                               secured=False, extra=("503",)),
+            "/version": _get_op("Server version"),
+            "/metrics": _get_op("Prometheus metrics", media="text/plain", schema=TEXT),
+            "/openapi.json": _get_op("This document"),
+        },
+        "components": {"schemas": {"ChatCompletionRequest": CHAT_REQUEST, "CompletionRequest": COMPLETION_REQUEST,
+                                   "Error": ERROR, "Usage": USAGE, "Model": MODEL}},
+    }
+    if secured:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+    else:
+        for path in doc["paths"].values():
+            for op in path.values():
+                if isinstance(op, dict):
+                    op.pop("security", None)
+                    op["responses"].pop("401", None)
+    return doc

@@ -260,3 +260,14 @@ def test_server_reports_a_permanently_failed_engine(plan):
         r = completion(url, ids)                    # refused at once, never queued
         assert r.status_code >= 500 and "error" in r.json()
         assert not ae.stats().healthy and ae.engine.runner.failures == ae.engine.max_consecutive_failures
+
+
+def test_health_reports_a_stopped_engine():
+    """An engine loop that was shut down (not failed) is reported by /health as 503, not ok."""
+    eng = AsyncEngine(mkengine())
+    with LiveServer(create_app(eng, model_name="m")) as url:
+        eng.start()
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        eng.shutdown()
+        r = httpx.get(url + "/health", timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"

@@ -77,6 +77,7 @@ class EngineStats:
     consecutive_failures: int = 0       # failed steps since the last successful one
     num_step_failures: int = 0          # failed steps over the engine's lifetime
     last_error: str | None = None       # one-line error of the most recent failed step (kept after recovery)
+    accepting: bool = True              # the engine loop is running and takes new requests
 
 
 class AsyncEngineProtocol:

@@ -108,7 +108,9 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The engine's stats as of its last schedule; num_waiting also counts requests not yet picked up."""
         with self._lock:
-            return dataclasses.replace(self._stats, num_waiting=self._stats.num_waiting + self._pending_adds)
+            accepting = not self._closed and self._dead is None and self._thread is not None and self._thread.is_alive()
+            return dataclasses.replace(self._stats, num_waiting=self._stats.num_waiting + self._pending_adds,
+                                       accepting=accepting)
 
     # engine thread
 

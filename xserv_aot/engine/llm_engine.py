@@ -47,16 +47,16 @@ def check_request(prompt_ids: list[int], params: SamplingParams, build: BuildCon
     p = params
     if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
         bad(f"max_tokens must be an integer >= 1, got {p.max_tokens!r}")
-    if not p.temperature >= 0:
-        bad(f"temperature must be >= 0, got {p.temperature}")
+    if not 0 <= p.temperature <= 100:
+        bad(f"temperature must be in [0, 100], got {p.temperature}")
     if not 0 < p.top_p <= 1:
         bad(f"top_p must be in (0, 1], got {p.top_p}")
-    if not isinstance(p.top_k, int) or p.top_k < 0:
-        bad(f"top_k must be an integer >= 0 (0 = off), got {p.top_k!r}")
+    if not isinstance(p.top_k, int) or not 0 <= p.top_k < 2**31:
+        bad(f"top_k must be an integer in [0, 2**31) (0 = off), got {p.top_k!r}")
     if not 0 <= p.min_p <= 1:
         bad(f"min_p must be in [0, 1], got {p.min_p}")
-    if not p.repetition_penalty > 0:
-        bad(f"repetition_penalty must be > 0, got {p.repetition_penalty}")
+    if not 0.01 <= p.repetition_penalty <= 100:
+        bad(f"repetition_penalty must be in [0.01, 100], got {p.repetition_penalty}")
     for name in ("presence_penalty", "frequency_penalty"):
         if not -2 <= getattr(p, name) <= 2:
             bad(f"{name} must be in [-2, 2], got {getattr(p, name)}")

@@ -18,6 +18,13 @@ import numpy as np
 
 from xserv_aot.engine.api import SamplingParams, TokenLogprob
 
+MIN_TEMPERATURE = 1e-5
+
+
+def effective_temperature(t: float) -> float:
+    """Temperatures too small for float32 logits / t are greedy (the device sampler treats 0 as argmax)."""
+    return float(t) if t >= MIN_TEMPERATURE else 0.0
+
 MAX_LOGPROBS = 20
 _M64 = (1 << 64) - 1
 
@@ -80,7 +87,7 @@ def sample_token(logits: np.ndarray, params: SamplingParams, prompt_ids: list[in
     """Sample one token from a float32 [vocab] logits row; also its logprobs when params.logprobs is set."""
     x = apply_penalties(logits, prompt_ids, output_ids, params.presence_penalty, params.frequency_penalty,
                         params.repetition_penalty)
-    token = draw(x, params.temperature, params.top_k, params.top_p, params.min_p, seed, offset)
+    token = draw(x, effective_temperature(params.temperature), params.top_k, params.top_p, params.min_p, seed, offset)
     if params.logprobs is None:
         return token, None
     lp = log_softmax(x)

@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 
 from xserv_aot.config import BuildConfig
 from xserv_aot.engine.block_manager import BlockManager
+from xserv_aot.engine.sampler import effective_temperature
 from xserv_aot.engine.sequence import Sequence, SequenceStatus
 from xserv_aot.runtime.batch import BatchDescription
 
 
 @dataclass
+
 class SchedulerOutput:
     batch: BatchDescription
     seqs: list[Sequence]                 # row i of the batch
@@ -136,7 +138,7 @@ class Scheduler:
             b.seq_lens.append(start + n)
             b.block_tables.append(list(seq.block_table))
             p = seq.params
-            b.temperature.append(float(p.temperature))
+            b.temperature.append(effective_temperature(p.temperature))
             b.top_k.append(int(p.top_k))
             b.top_p.append(float(p.top_p))
             b.seeds.append(seq.seed)

@@ -153,6 +153,8 @@ class OpenAIServer:
             return error_response(503, "engine stats are unavailable", code="engine_unhealthy")
         if not stats.healthy:
             return error_response(503, "the inference engine has failed and refuses requests", code="engine_unhealthy")
+        if not getattr(stats, "accepting", True):
+            return error_response(503, "the inference engine is not running", code="engine_stopped")
         failures = getattr(stats, "consecutive_failures", 0)
         if failures:
             return JSONResponse({"status": "degraded", "consecutive_step_failures": failures})

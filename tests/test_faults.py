@@ -13,10 +13,10 @@ import random
 import httpx
 import pytest
 
-from tests.fake_engine import LiveServer, scrape
+from tests.fake_engine import LiveServer, scrape, tiny_plan
 from tests.fake_runner import FakeRunner, FaultyRunner
 from tests.test_engine import VOCAB, expected, mkbuild, mkengine, random_requests
-from tests.test_storm import alone_ids, tiny_plan
+from tests.test_storm import alone_ids
 from xserv_aot.engine.api import EngineFailedError, SamplingParams
 from xserv_aot.engine.async_engine import AsyncEngine
 from xserv_aot.serve import build_engine

@@ -16,24 +16,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.fake_engine import LiveServer, scrape
-from tests.test_serve_e2e import make_plan, prompts
+from tests.fake_engine import LiveServer, scrape, tiny_plan
+from tests.test_serve_e2e import prompts
 from xserv_aot.engine.api import SamplingParams
 from xserv_aot.serve import build_engine
 from xserv_aot.server import create_app
 
 NUM_BLOCKS = 64                                      # 256 token slots, block_size 4: four long requests overflow it
 SETTLE_S = 30.0
-
-
-def tiny_plan(tmp_path_factory, num_blocks: int) -> Path:
-    """The e2e tiny Qwen3 plan, compiled once per test session and pool size."""
-    root = tmp_path_factory.getbasetemp() / "tiny-qwen3"
-    out = root / f"plan{num_blocks}"
-    if not (out / "manifest.json").is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        make_plan(root, num_blocks)
-    return out
 
 
 def alone_ids(plan: Path, ids: list[int], max_tokens: int) -> list[int]:

@@ -364,12 +364,13 @@ def hostile_cases():
                 valid = lit == b"-1" and name in ("presence_penalty", "frequency_penalty", "top_k", "seed")
                 yield path, raw, 200 if valid else 400
         for extreme in ({"temperature": 1e-40}, {"temperature": 5e-324, "top_p": 5e-324}, {"temperature": 2},
-                        {"repetition_penalty": 5e-324}, {"repetition_penalty": 2, "presence_penalty": -2,
+                        {"repetition_penalty": 0.01}, {"repetition_penalty": 2, "presence_penalty": -2,
                                                          "frequency_penalty": 2}, {"min_p": 1, "temperature": 1},
                         {"top_k": 2 ** 31 - 1, "temperature": 1}, {"seed": -2 ** 63}, {"seed": 2 ** 63 - 1},
                         {"stop_token_ids": [0, 151668]}, {"stop": ["\u0000", "\U0001f600"]}):
             yield path, _with(path, **extreme), 200                       # extreme but valid
         yield path, _with(path, **{text_field: []}), 400
+        yield path, _with(path, repetition_penalty=5e-324), 400            # under the engine's 0.01 bound
         yield path, _with(path, **{"prompt": long_ids} if path == COMP else
                           {"messages": [{"role": "user", "content": "river " * 300}]}), 400
         yield path, _with(path, max_tokens=256), 400                      # prompt + max_tokens > 256

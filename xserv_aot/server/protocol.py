@@ -53,7 +53,7 @@ SAMPLING_FIELDS = {
     "seed": Scalar("integer", None, -INT64, INT64 - 1),
     "presence_penalty": Scalar("number", 0.0, -2.0, 2.0),
     "frequency_penalty": Scalar("number", 0.0, -2.0, 2.0),
-    "repetition_penalty": Scalar("number", 1.0, 0.0, 2.0, lo_open=True),
+    "repetition_penalty": Scalar("number", 1.0, 0.01, 2.0),
     "ignore_eos": Scalar("boolean", False),
 }
 COMMON_FIELDS = {

@@ -5,6 +5,7 @@
 # lets the CUTLASS tests run where nvidia-cutlass is not installed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+[ $# -gt 0 ] || set -- tests/test_cuda_*.py
 OUT=${OUT:-/tmp/xserv-gpu-out}
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -16,4 +17,4 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import cuda.bindings.nvrtc as n, cuda.core, cuda.bindings; print('nvrtc', n.nvrtcVersion()[1:], 'cuda.core', cuda.core.__version__, 'cuda.bindings', cuda.bindings.__version__)" | tee -a "$OUT/gpu.txt"
-python3 -m pytest -m gpu -o addopts="" -p no:cacheprovider -rA -q "${@:-$(ls tests/test_cuda_*.py)}" 2>&1 | tee "$OUT/gpu_tests.log"
+python3 -m pytest -m gpu -o addopts="" -p no:cacheprovider -rA -q "$@" 2>&1 | tee "$OUT/gpu_tests.log"

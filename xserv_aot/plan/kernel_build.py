@@ -14,11 +14,15 @@ from pathlib import Path
 from typing import Callable
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
-KERNEL_SOURCES = ("elementwise.cu", "gemv.cu", "gemm_mma.cu", "rope_cache.cu", "attention_decode.cu",
+KERNEL_SOURCES = ("elementwise.cu", "gemv.cu", "gemm_mma.cu", "gemm_skinny.cu", "rope_cache.cu", "attention_decode.cu",
                   "attention_prefill.cu", "sample.cu")
 SUPPORTED_TARGETS = ("sm_90a", "sm_90")
 GEMV_MAX_ROWS = 2            # above this the x re-reads make the GEMV L1/ALU-bound: tensor cores instead
 CUTLASS_MIN_ROWS = 128
+SKINNY_MAX_ROWS = 64         # decode rows 3..64: kernels/gemm_skinny.cu (weights streamed once, tensor cores)
+SKINNY_WIDE_MIN_BLOCKS = 264 # 64-row blocks (half the activation re-reads) only when they still fill 2 per SM
+SKINNY_STAGES = 3            # SK_STAGES in kernels/gemm_skinny.cu (64-k steps of 4 KB a warp)
+SKINNY_FUSE_GATE = False     # gate_up + silu_mul in one skinny kernel (tests/test_kernel_build.py expects it off)
 SPLITK_TARGET_BLOCKS = 264   # 2 blocks per SM on 132 SMs
 SPLITK_MAX = 8
 DECODE_SPLIT = 128            # keys per split-KV partition: P_KEYS in kernels/attention_decode.cu
@@ -148,7 +152,23 @@ def gemm_smem(tile: str) -> int:
     return stages * (bm + bn) * 40 * 2
 
 
-def plan_linear(op: dict, out_dtype: str, fuse_into: str | None, cutlass: dict | None) -> None:
+def plan_skinny(op: dict, suffix: str, fuse_into: str | None, bn: int | None = None) -> None:
+    """Rows 3..64: one block per 32 (or 64) weight rows, all of K split over its 8 warps (kernels/gemm_skinny.cu).
+    bn: force the block width (tests); by default 64 only where that still gives SKINNY_WIDE_MIN_BLOCKS blocks."""
+    rows, n = int(op["rows"]), int(op["n"])
+    mt = next(m for m in (8, 16, 32, 64) if m >= rows)
+    bn = bn or (64 if -(-n // 64) >= SKINNY_WIDE_MIN_BLOCKS else 32)
+    smem = max(8 * SKINNY_STAGES * 4096, 8 * 2 * (mt // 8) * 4 * 32 * 4)   # weight rings / partial sums
+    if fuse_into:
+        op["fused_silu_out"] = fuse_into
+        fn, grid = f"skinny{bn}_gate_m{mt}", -(-(n // 2) // (bn // 2))
+    else:
+        fn, grid = f"skinny{bn}_m{mt}_{suffix}", -(-n // bn)
+    op["launch"] = [launch(fn, [grid], [256], smem)]
+    op["kernel"] = fn
+
+
+def plan_linear(op: dict, out_dtype: str, fuse_into: str | None, cutlass: dict | None, decode: bool = False) -> None:
     """fuse_into: the silu_mul output buffer when the next op is silu_mul of this op's output."""
     rows, n, k = int(op["rows"]), int(op["n"]), int(op["k"])
     if k % 8 or n % 2:
@@ -163,6 +183,9 @@ def plan_linear(op: dict, out_dtype: str, fuse_into: str | None, cutlass: dict |
         else:
             op["launch"] = [launch(f"gemv_m{mt}_{suffix}", [-(-n // 16)], [256])]
         op["kernel"] = op["launch"][0]["fn"]
+        return
+    if decode and rows <= SKINNY_MAX_ROWS:
+        plan_skinny(op, suffix, fuse_into if SKINNY_FUSE_GATE else None)
         return
     if cutlass is not None and rows >= CUTLASS_MIN_ROWS and n % 8 == 0:
         from xserv_aot.plan.cutlass_build import choose_gemm_config
@@ -215,7 +238,7 @@ def plan_bucket(bucket: dict, manifest: dict, cutlass: dict | None, attn: dict) 
         elif kind == "linear":
             nxt = ops[idx + 1] if idx + 1 < len(ops) else {}
             fuse = nxt["out"] if nxt.get("op") == "silu_mul" and nxt.get("inp") == op["out"] else None
-            plan_linear(op, arena[op["out"]]["dtype"], fuse, cutlass)
+            plan_linear(op, arena[op["out"]]["dtype"], fuse, cutlass, bucket["kind"] == "decode")
             continue
         elif kind == "qk_norm_rope_cache":
             heads = m["num_heads"] + 2 * m["num_kv_heads"]

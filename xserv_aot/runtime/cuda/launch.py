@@ -81,7 +81,7 @@ def op_launches(op: dict, buf: Buffers, funcs: Callable[[str], object], gemm=Non
                 out_f32 = int(plan.arena[op["out"]].dtype == "float32")
                 return [(P, buf("gemm_splitk_ws")), (P, buf(op.get("bias"))), (P, buf(op["out"])), (I32, rows),
                         (I32, n), (I32, op["splits"]), (I32, out_f32)]
-            if fn.startswith("gemv_gate"):
+            if fn.startswith("gemv_gate") or (fn.startswith("skinny") and "_gate_" in fn):
                 return [(P, buf(op["inp"])), (P, buf(op["weight"])), (P, buf(op["fused_silu_out"])), (I32, rows),
                         (I32, n // 2), (I32, k)]
             return [(P, buf(op["inp"])), (P, buf(op["weight"])), (P, buf(op.get("bias"))), (P, buf(op["out"])),

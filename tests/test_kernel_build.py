@@ -35,9 +35,10 @@ def test_cache_key_changes_with_source(tmp_path, monkeypatch):
     _, key2, _ = kb.compile_source("elementwise.cu", "sm_90a")
     assert key1 == key2
     assert len(list((tmp_path / "cache" / "nvrtc").glob("elementwise-*.cubin"))) == 1
-    original = kb.expand_source
-    monkeypatch.setattr(kb, "expand_source", lambda p: "// changed\n" + original(p))
-    _, key3, _ = kb.compile_source("elementwise.cu", "sm_90a")
+    from xserv_aot.plan import nvrtc_build
+    original = nvrtc_build.expand_source
+    monkeypatch.setattr(nvrtc_build, "expand_source", lambda p: "// changed\n" + original(p))
+    _, key3, _ = nvrtc_build.compile_source("elementwise.cu", "sm_90a")
     assert key3 != key1
 
 

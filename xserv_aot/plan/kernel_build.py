@@ -6,17 +6,13 @@ Called by plan.builder when target != "cpu". The runtime (runtime/cuda/launch.py
 """
 from __future__ import annotations
 
-import concurrent.futures
-import hashlib
 import os
-import re
 from pathlib import Path
 from typing import Callable
 
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
-KERNEL_SOURCES = ("elementwise.cu", "gemv.cu", "gemm_mma.cu", "gemm_skinny.cu", "rope_cache.cu", "attention_decode.cu",
-                  "attention_prefill.cu", "sample.cu")
-SUPPORTED_TARGETS = ("sm_90a", "sm_90")
+from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
+                                        compile_all, compile_source, expand_source, nvrtc_version)
+
 GEMV_MAX_ROWS = 2            # above this the x re-reads make the GEMV L1/ALU-bound: tensor cores instead
 CUTLASS_MIN_ROWS = 128
 SKINNY_MAX_ROWS = 64         # decode rows 3..64: kernels/gemm_skinny.cu (weights streamed once, tensor cores)
@@ -27,103 +23,6 @@ SPLITK_TARGET_BLOCKS = 264   # 2 blocks per SM on 132 SMs
 SPLITK_MAX = 8
 DECODE_SPLIT = 128            # keys per split-KV partition: P_KEYS in kernels/attention_decode.cu
 ELEMWISE_THREADS = 256
-
-
-class KernelBuildError(ValueError):
-    """The plan cannot get CUDA kernels (unsupported shape/dtype/target, NVRTC error); one line."""
-
-
-def nvrtc_version() -> str:
-    from cuda.bindings import nvrtc
-    err, major, minor = nvrtc.nvrtcVersion()
-    return f"{major}.{minor}"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("XSERV_AOT_CACHE", "~/.cache/xserv-aot")).expanduser() / "nvrtc"
-
-
-def expand_source(path: Path) -> str:
-    """The .cu text with `#include "x.cuh"` inlined (so the hash covers headers and NVRTC needs no paths)."""
-    def repl(m):
-        return (KERNEL_DIR / m.group(1)).read_text()
-    return re.sub(r'^#include "([\w.]+)"\s*$', repl, path.read_text(), flags=re.M)
-
-
-def compile_options(target: str) -> dict:
-    return {"arch": "sm_90a" if target in ("sm_90a", "sm_90") else target, "std": "c++17",
-            "ptxas_options": ["-v"]}
-
-
-def compile_source(name: str, target: str) -> tuple[bytes, str, str]:
-    """-> (cubin bytes, hash, ptxas log). Uses the on-disk cache when source, options and NVRTC agree."""
-    from cuda.core import Program, ProgramOptions
-
-    src = expand_source(KERNEL_DIR / name)
-    opts = compile_options(target)
-    key = hashlib.sha256(repr((src, sorted(opts.items()), nvrtc_version())).encode()).hexdigest()
-    cached = cache_dir() / f"{Path(name).stem}-{key[:24]}.cubin"
-    if cached.is_file():
-        log_file = cached.with_suffix(".log")
-        return cached.read_bytes(), key, log_file.read_text() if log_file.is_file() else ""
-
-    class Log:
-        def __init__(self):
-            self.text = ""
-
-        def write(self, s):
-            self.text += s if isinstance(s, str) else s.decode(errors="replace")
-
-    try:
-        prog = Program(src, "c++", ProgramOptions(name=Path(name).stem, **opts))
-        log = Log()
-        code = bytes(prog.compile("cubin", logs=log).code)
-    except Exception as e:
-        first = str(e).strip().splitlines()
-        msg = next((l for l in first if "error" in l), first[0] if first else type(e).__name__)
-        raise KernelBuildError(f"kernels/{name}: NVRTC failed: {msg}") from None
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(code)
-    os.replace(tmp, cached)
-    cached.with_suffix(".log").write_text(log.text)
-    return code, key, log.text
-
-
-def compile_all(out_dir: Path, target: str, progress=None) -> dict:
-    """Write out_dir/kernels/<stem>.cubin for every source. Returns {source: {file, hash, functions}}."""
-    (out_dir / "kernels").mkdir(parents=True, exist_ok=True)
-    import cuda.core  # noqa: F401  (import once here: concurrent first imports race)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        results = dict(zip(KERNEL_SOURCES, pool.map(lambda n: compile_source(n, target), KERNEL_SOURCES)))
-    cubins = {}
-    for name, (code, key, log) in results.items():
-        rel = f"kernels/{Path(name).stem}.cubin"
-        (out_dir / rel).write_bytes(code)
-        resources = ptxas_summary(log)
-        if not resources:
-            raise KernelBuildError(f"kernels/{name}: no entry functions in the ptxas report")
-        cubins[name] = {"file": rel, "hash": "sha256:" + key, "functions": sorted(resources), "resources": resources}
-        if progress:
-            progress("kernels", len(cubins), len(results))
-    return cubins
-
-
-def ptxas_summary(log: str) -> dict:
-    """{function: "R regs, S B smem[, X B spill]"} from the ptxas -v log."""
-    out, fn, spill = {}, None, 0
-    for line in log.splitlines():
-        m = re.search(r"Compiling entry function '(\w+)'", line)
-        if m:
-            fn, spill = m.group(1), 0
-        m = re.search(r"(\d+) bytes spill stores", line)
-        if m:
-            spill = int(m.group(1))
-        m = re.search(r"Used (\d+) registers", line)
-        if m and fn:
-            smem = re.search(r"(\d+) bytes smem", line)
-            out[fn] = f"{m.group(1)} regs, {smem.group(1) if smem else 0} B smem" + (f", {spill} B spill" if spill else "")
-    return out
 
 
 def add_arena_buffer(manifest: dict, name: str, shape: list[int], dtype: str, align: int = 256) -> None:

@@ -4,10 +4,7 @@ A tiny random Qwen3 with the real Qwen3 tokenizer (vocab 151936) keeps every ste
 """
 from __future__ import annotations
 
-import asyncio
-import json
 import shutil
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 

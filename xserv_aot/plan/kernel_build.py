@@ -114,7 +114,7 @@ def norm_threads(hidden: int) -> int:
 
 
 def plan_bucket(bucket: dict, manifest: dict, cutlass: dict | None, attn: dict) -> None:
-    m, b = manifest["model"], manifest["build"]
+    m = manifest["model"]
     hidden, hd = m["hidden_size"], m["head_dim"]
     arena = manifest["arena"]["buffers"]
     ops = bucket["ops"]

@@ -48,7 +48,7 @@ def op_launches(op: dict, buf: Buffers, funcs: Callable[[str], object], gemm=Non
     if specs is None:
         raise LaunchError(f"op {kind} has no CUDA launch in the plan; recompile the plan for a GPU target")
     rows = int(op.get("rows", 0))
-    P, I32, F32, U64 = "ptr", "i32", "f32", "u64"
+    P, I32, F32 = "ptr", "i32", "f32"
 
     if kind == "linear" and op.get("kernel") == "cutlass":
         if gemm is None:

@@ -10,29 +10,11 @@ import re
 import numpy as np
 import pytest
 
-from xserv_aot.dtypes import round_to
+from tests.cuda_fixtures import bf, lib, rng  # noqa: F401  (fixtures)
 from xserv_aot.plan import kernel_build as kb
 from xserv_aot.runtime import numpy_ops as ref
 
 TOL = 1e-2
-
-
-@pytest.fixture(scope="module")
-def lib():
-    from xserv_aot.runtime.select import gpu_available
-    if not gpu_available():
-        pytest.skip("no CUDA GPU")
-    from xserv_aot.runtime.cuda.kernel_lib import KernelLib
-    return KernelLib()
-
-
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
-
-
-def bf(x):
-    return round_to(np.asarray(x, np.float32), "bfloat16")
 
 
 def check(out, want):

@@ -214,6 +214,15 @@ def scrape(base_url: str, headers: dict | None = None) -> dict[tuple[str, frozen
             for fam in text_string_to_metric_families(r.text) for s in fam.samples}
 
 
+def wait_until(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
 class LiveServer:
     """uvicorn on 127.0.0.1 (ephemeral port) in a background thread; `with LiveServer(app) as base_url:`.
     begin_shutdown() does what SIGTERM does to `xserv-aot serve` (drain for shutdown_grace seconds, then stop)."""

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import httpx
 import openai
 import pytest
 
-from tests.fake_engine import FakeEngine, FakeTokenizer, LiveServer, scrape
+from tests.fake_engine import FakeEngine, FakeTokenizer, LiveServer, scrape, wait_until
 from xserv_aot.server import create_app
 
 TIMEOUT = 20.0
@@ -284,15 +283,6 @@ def test_metrics_move(client, base_url, engine):
         assert (name, frozenset()) in after
 
 
-def _wait_for(cond, timeout=5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
-
-
 def test_fake_disconnect_mid_stream_aborts():
     eng = FakeEngine(step_s=0.01)
     with LiveServer(create_app(eng, model_name="m")) as url:
@@ -304,8 +294,8 @@ def test_fake_disconnect_mid_stream_aborts():
             rid = json.loads(first[6:])["id"]
             for _ in range(3):
                 next(lines)
-        assert _wait_for(lambda: rid in eng.aborted), "engine never saw the abort"
-        assert _wait_for(lambda: not eng._running)
+        assert wait_until(lambda: rid in eng.aborted, 5.0), "engine never saw the abort"
+        assert wait_until(lambda: not eng._running, 5.0)
         assert len(eng.requests) == 1
         m = scrape(url)
         assert m[("xserv_requests_aborted_total", frozenset())] == 1
@@ -318,8 +308,8 @@ def test_fake_disconnect_while_waiting_non_streaming_aborts():
         body = {"model": "m", "prompt": "x", "max_tokens": 200, "ignore_eos": True}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url + "/v1/completions", json=body, timeout=0.3)
-        assert _wait_for(lambda: len(eng.aborted) == 1 and not eng._running)
-        assert _wait_for(lambda: scrape(url)[("xserv_requests_aborted_total", frozenset())] == 1)
+        assert wait_until(lambda: len(eng.aborted) == 1 and not eng._running, 5.0)
+        assert wait_until(lambda: scrape(url)[("xserv_requests_aborted_total", frozenset())] == 1, 5.0)
 
 
 def test_concurrent_requests(client, engine):

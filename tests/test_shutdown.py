@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.fake_engine import FakeEngine, LiveServer, tiny_plan
+from tests.fake_engine import FakeEngine, LiveServer, tiny_plan, wait_until
 from xserv_aot.server import create_app
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,15 +60,6 @@ class Stream(threading.Thread):
         finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]]
         assert len(finals) == 1 and chunks[-1]["choices"][0]["finish_reason"] == finals[0], chunks[-3:]
         return finals[0], "".join(c["choices"][0]["text"] for c in chunks)
-
-
-def wait_until(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def assert_draining(url: str) -> None:

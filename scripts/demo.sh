@@ -5,7 +5,7 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 bash scripts/setup.sh
-PYTHON=.venv/bin/python bash scripts/fetch_assets.sh >/dev/null
+PYTHON=.venv/bin/python bash scripts/fetch_assets.sh smollm2 >/dev/null
 if nvidia-smi -L >/dev/null 2>&1; then
   plan=build/plans/smollm2-sm90a; flags=(--build-config plans/cpu-demo.build.json --target sm_90a --dtype bfloat16)
 else

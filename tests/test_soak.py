@@ -10,7 +10,8 @@ import subprocess
 import sys
 
 from tests.conftest import ROOT
-from tests.test_storm import NUM_BLOCKS, tiny_plan
+from tests.fake_engine import tiny_plan
+from tests.test_storm import NUM_BLOCKS
 
 
 def test_short_soak_passes(tmp_path_factory, tmp_path):

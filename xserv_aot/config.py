@@ -142,7 +142,9 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
 
 
 def read_hf_config(model_dir: Path) -> ModelConfig:
-    path = Path(model_dir) / "config.json"
+    """model_dir: a Hugging Face model directory, or a config.json file itself."""
+    model_dir = Path(model_dir)
+    path = model_dir if model_dir.is_file() else model_dir / "config.json"
     if not path.is_file():
         raise ConfigError(f"{model_dir}: no config.json (expected a Hugging Face model directory or a .gguf file)")
     try:

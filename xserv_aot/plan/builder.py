@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -10,6 +11,7 @@ from typing import Callable
 
 from xserv_aot import __version__
 from xserv_aot.config import BuildConfig, ConfigError, ModelConfig, read_hf_config
+from xserv_aot.dtypes import ITEMSIZE
 from xserv_aot.plan.manifest import SCHEMA_VERSION, Plan, layout, quick_fingerprint
 from xserv_aot.plan.ops import arena_buffers, bucket_ops, bucket_shapes
 from xserv_aot.plan.weights import weight_specs, write_weights, plan_tensors
@@ -25,19 +27,11 @@ def read_source(source: Path, dummy: bool):
     if source.suffix == ".json" and source.is_file():
         if not dummy:
             raise ConfigError(f"{source}: a bare config has no weights; pass --dummy-weights")
-        return read_hf_config_file(source), None, "config"
+        return read_hf_config(source), None, "config"
     if dummy and source.is_dir():
         return read_hf_config(source), None, "config"
     from xserv_aot.checkpoint import open_checkpoint
     return open_checkpoint(source)
-
-
-def read_hf_config_file(path: Path) -> ModelConfig:
-    from xserv_aot.config import model_config_from_hf
-    try:
-        return model_config_from_hf(json.loads(path.read_text()))
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
 
 
 def save_tokenizer(source: Path, fmt: str, out: Path) -> bool:
@@ -103,10 +97,7 @@ def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress) -> di
     has_tok = save_tokenizer(source, fmt, tmp) if fmt != "config" else False
     arena, arena_size = layout(arena_buffers(model, build))
     kv_shape = [model.num_layers, 2, build.num_blocks, build.block_size, model.num_kv_heads, model.head_dim]
-    kv_bytes = 1
-    for s in kv_shape:
-        kv_bytes *= s
-    kv_bytes *= 2 if build.dtype == "bfloat16" else 4
+    kv_bytes = math.prod(kv_shape) * ITEMSIZE[build.dtype]
     buckets = [{"name": n, "kind": k, "num_tokens": t, "num_seqs": s, "ops": bucket_ops(model, t, s)}
                for n, k, t, s in bucket_shapes(build)]
     manifest = {

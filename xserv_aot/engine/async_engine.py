@@ -126,6 +126,9 @@ class AsyncEngine:
                 except Exception as e:
                     log.exception("engine step failed")
                     outputs = eng.recover(f"engine step failed: {_one_line(e)}")
+                    if eng.failed is not None:        # refuse new requests before anyone sees these errors
+                        with self._lock:
+                            self._dead, self._closed = eng.failed, True
                 self._publish(outputs)
             if eng.failed is not None:
                 log.error("%s", eng.failed)

@@ -134,6 +134,9 @@ extern "C" __global__ void __launch_bounds__(SM_THREADS) sample_rows(
     const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float* lg = logits + (size_t)row * V;
     const float temp = temperature[row];
+    int bad = 0;                                                // a NaN/Inf logit: no token (-1)
+    for (int i = tid; i < V; i += SM_THREADS) bad |= !isfinite(lg[i]);
+    if (__syncthreads_or(bad)) { if (tid == 0) out[row] = -1; return; }
     if (!(temp > 0.f)) {                                        // greedy: max value, lowest index
         float best = -__int_as_float(0x7f800000); int bi = V;
         for (int i = tid; i < V; i += SM_THREADS) { float v = lg[i]; if (v > best) { best = v; bi = i; } }

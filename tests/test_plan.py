@@ -1,6 +1,7 @@
-"""Plan integrity: fingerprints, schema, arch checks, atomic replacement."""
+"""Plan integrity: chunk hashes, layout, paths, kernel hashes, schema, arch checks, atomic replacement."""
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
@@ -9,6 +10,7 @@ import pytest
 
 from tests.tiny_models import make_tiny_model
 from xserv_aot.config import BuildConfig
+from xserv_aot.plan import builder
 from xserv_aot.plan.builder import compile_plan
 from xserv_aot.plan.manifest import Plan, PlanError
 from xserv_aot.runtime.select import check_arch
@@ -33,14 +35,107 @@ def test_weights_changed_are_refused(plan_dir, tmp_path):
     p = copy(plan_dir, tmp_path)
     Plan.load(p, verify="full")
     raw = bytearray((p / "weights.bin").read_bytes())
-    rng = np.random.default_rng()
-    for _ in range(3):                                   # flip bytes somewhere in the first sampled chunk
-        raw[int(rng.integers(0, 1 << 16))] ^= 0xFF
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    pos = int(np.random.default_rng(seed).integers(0, len(raw)))      # anywhere: every byte is covered
+    raw[pos] ^= 0x01
     (p / "weights.bin").write_bytes(bytes(raw))
-    with pytest.raises(PlanError, match="fingerprint"):
+    with pytest.raises(PlanError, match="chunk hash 0"):
         Plan.load(p)
-    with pytest.raises(PlanError, match="fingerprint"):
-        Plan.load(p, verify="full")
+    Plan.load(p, verify="none")                                      # layout checks only, for inspect
+
+
+@pytest.fixture(scope="module")
+def chunked_plan(tmp_path_factory):
+    """The same model with 4 KiB chunks, so weights.bin spans many chunks."""
+    root = tmp_path_factory.mktemp("c")
+    hf = make_tiny_model(root / "hf", "llama", seed=3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(builder, "CHUNK_BYTES", 4096)
+        return compile_plan(hf, root / "plan", BuildConfig(**BUILD)).dir
+
+
+def test_chunk_hashes_name_the_overwritten_region(chunked_plan, tmp_path):
+    p = copy(chunked_plan, tmp_path)
+    m = json.loads((p / "manifest.json").read_text())
+    size = m["weights"]["size"]
+    assert m["weights"]["chunks"]["size"] == 4096 and len(m["weights"]["chunks"]["sha256"]) == -(-size // 4096)
+    name, info = list(m["weights"]["tensors"].items())[5]                # a tensor in the middle of the file
+    with open(p / "weights.bin", "r+b") as f:                            # overwrite its first 300 bytes
+        f.seek(info["offset"])
+        f.write(b"\x7f" * 300)
+    with pytest.raises(PlanError) as e:
+        Plan.load(p)
+    msg = str(e.value)
+    assert f"chunk hash {info['offset'] // 4096} " in msg and name in msg.split("tensors ")[1] and "\n" not in msg
+
+
+def test_swapped_offsets_are_refused(plan_dir, tmp_path):
+    p = copy(plan_dir, tmp_path)
+    m = json.loads((p / "manifest.json").read_text())
+    t = m["weights"]["tensors"]
+    a, b = "layers.0.input_norm", "layers.0.post_attn_norm"                 # same shape and dtype
+    t[a]["offset"], t[b]["offset"] = t[b]["offset"], t[a]["offset"]
+    (p / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PlanError, match=f"tensor {a} at offset"):
+        Plan.load(p, verify="none")
+
+
+def test_plan_without_chunk_hashes_asks_to_recompile(plan_dir, tmp_path):
+    p = copy(plan_dir, tmp_path)
+    m = json.loads((p / "manifest.json").read_text())
+    del m["weights"]["chunks"]
+    (p / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PlanError, match="recompile"):
+        Plan.load(p)
+
+
+@pytest.mark.parametrize("path", ["../../etc/passwd", "/etc/passwd", "kernels/../../x"])
+def test_weights_path_stays_inside_the_plan(plan_dir, tmp_path, path):
+    p = copy(plan_dir, tmp_path)
+    m = json.loads((p / "manifest.json").read_text())
+    m["weights"]["file"] = path
+    (p / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PlanError) as e:
+        Plan.load(p, verify="none")
+    assert "plan directory" in str(e.value) and "bytes" not in str(e.value)
+
+
+def test_weights_symlink_out_of_the_plan(plan_dir, tmp_path):
+    p = copy(plan_dir, tmp_path)
+    outside = tmp_path / "outside.bin"
+    (p / "weights.bin").rename(outside)
+    (p / "weights.bin").symlink_to(outside)
+    with pytest.raises(PlanError, match="leaves the plan directory"):
+        Plan.load(p, verify="none")
+
+
+def _with_kernels(p, lib_bytes: bytes, recorded: bytes, lib_file: str = "kernels/libxserv_gemm.so"):
+    (p / "kernels").mkdir(exist_ok=True)
+    (p / "kernels" / "libxserv_gemm.so").write_bytes(lib_bytes)
+    m = json.loads((p / "manifest.json").read_text())
+    m["kernels"]["gemm_library"] = {"file": lib_file, "hash": "sha256:" + hashlib.sha256(recorded).hexdigest()}
+    (p / "manifest.json").write_text(json.dumps(m))
+
+
+def test_gemm_library_hash_is_checked_before_loading(plan_dir, tmp_path):
+    p = copy(plan_dir, tmp_path)
+    _with_kernels(p, b"library", b"library")
+    assert Plan.load(p).kernel_files()["gemm_library"] == (p / "kernels" / "libxserv_gemm.so").resolve()
+    _with_kernels(p, b"replaced", b"library")
+    with pytest.raises(PlanError, match="GEMM library does not match"):
+        Plan.load(p)
+    _with_kernels(p, b"library", b"library", lib_file="/usr/lib/x.so")
+    with pytest.raises(PlanError, match="must be relative"):
+        Plan.load(p)
+
+
+def test_broken_kv_cache_shape(plan_dir, tmp_path):
+    p = copy(plan_dir, tmp_path)
+    m = json.loads((p / "manifest.json").read_text())
+    m["kv_cache"]["shape"] = m["kv_cache"]["shape"][:3]
+    (p / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PlanError, match="kv_cache: shape"):
+        Plan.load(p, verify="none")
 
 
 def test_truncated_or_missing_weights(plan_dir, tmp_path):

@@ -8,8 +8,18 @@ from typing import Optional
 
 import typer
 
+from xserv_aot.errors import UsageError, XservError, one_line
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Ahead-of-time compiled LLM inference: compile a model into a static-shape plan, then serve it.")
+
+
+OPTIONS = {"debug": False}                           # set once per process by the top-level options below
+
+
+@app.callback()
+def main_options(debug: bool = typer.Option(False, "--debug", help="tracebacks for every error")):
+    OPTIONS["debug"] = debug
 
 
 def fail(msg: str) -> None:
@@ -27,18 +37,31 @@ def _ints(text: Optional[str]) -> Optional[list[int]]:
 
 
 def guarded(fn):
-    """Turn the project's one-line errors into `error: ...` + exit 1 (no traceback)."""
+    """User-facing errors (XservError) become `error: ...` + exit 1; anything else is a bug and keeps its
+    traceback; with --debug every error does."""
     import functools
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
         try:
             return fn(*a, **kw)
-        except (ValueError, OSError, RuntimeError) as e:
-            if isinstance(e, typer.Exit):
+        except XservError as e:
+            if OPTIONS["debug"]:
                 raise
-            fail(" ".join(str(e).split()) or type(e).__name__)
+            fail(one_line(e) or type(e).__name__)
     return wrapper
+
+
+def read_json_file(path: Path, what: str) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read the {what} ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: the {what} is not valid JSON ({one_line(e)})") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{path}: the {what} must be a JSON object")
+    return value
 
 
 @app.command()
@@ -66,10 +89,16 @@ def compile(
     from xserv_aot.config import BuildConfig
     from xserv_aot.plan.builder import compile_plan
 
-    base = json.loads(build_config.read_text()) if build_config else {}
+    base = read_json_file(build_config, "build config") if build_config else {}
     given = dict(max_num_seqs=max_num_seqs, decode_buckets=_ints(decode_buckets), prefill_buckets=_ints(prefill_buckets),
                  max_seq_len=max_seq_len, block_size=block_size, num_blocks=num_blocks, dtype=dtype, target=target)
     base.update({k: v for k, v in given.items() if v is not None})
+    if "target" not in base:
+        from xserv_aot.runtime.select import CUDA_EXTRA_HINT, cuda_python_available
+        if not cuda_python_available():
+            base["target"] = "cpu"
+            typer.secho(f"note: cuda-python is not installed, so this plan targets the CPU (--target cpu); "
+                        f"{CUDA_EXTRA_HINT} for GPU plans", fg="yellow", err=True)
     if max_num_seqs and not decode_buckets and "decode_buckets" not in base:
         base["decode_buckets"] = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_num_seqs] + [max_num_seqs]
     build = BuildConfig.from_dict(base)
@@ -215,13 +244,29 @@ def bench(plan_dir: Path = typer.Argument(..., metavar="PLAN"), backend: str = t
 
 @app.command()
 @guarded
+def verify(plan_dir: Path = typer.Argument(..., metavar="PLAN")):
+    """Check every weights chunk, the weights layout and every kernel file of PLAN against its manifest."""
+    import time
+
+    from xserv_aot.plan.manifest import Plan
+
+    t0 = time.perf_counter()
+    plan = Plan.load(plan_dir, verify="full")
+    w = plan.manifest["weights"]
+    chunks = len((w.get("chunks") or {}).get("sha256", []))
+    typer.echo(f"ok: {plan_dir}: {w['size'] / 2**30:.3f} GiB of weights in {chunks} chunks, "
+               f"{len(plan.kernel_files())} kernel files match the manifest ({time.perf_counter() - t0:.2f} s)")
+
+
+@app.command()
+@guarded
 def profile(plan_dir: Path = typer.Argument(..., metavar="PLAN"), bucket: str = typer.Option("decode_1"),
             context: int = typer.Option(128), trace: Optional[Path] = typer.Option(None, help="Chrome-trace JSON out")):
     """Per-op timing of one bucket on the GPU (CUDA events) plus whole-graph step time."""
-    try:
-        from xserv_aot.runtime.cuda.profile import profile_plan
-    except ImportError as e:
-        fail(f"profile needs the CUDA backend ({e})")
+    from xserv_aot.runtime.select import require_gpu
+
+    require_gpu("profile")
+    from xserv_aot.runtime.cuda.profile import profile_plan
     typer.echo(profile_plan(plan_dir, bucket=bucket, context=context, trace=trace))
 
 

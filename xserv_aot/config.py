@@ -6,8 +6,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from xserv_aot.errors import XservError
 
-class ConfigError(ValueError):
+
+class ConfigError(XservError, ValueError):
     """A model or build configuration that xserv-aot cannot handle; the message is one line."""
 
 
@@ -96,8 +98,8 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
         raise ConfigError("unsupported model: mixture-of-experts layers")
     if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
         raise ConfigError(f"unsupported model: sliding window attention (sliding_window={cfg.get('sliding_window')})")
-    if arch == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
-        raise ConfigError("unsupported model: llama with attention_bias/mlp_bias")
+    if arch in ("llama", "qwen3") and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        raise ConfigError(f"unsupported model: {arch} with attention_bias/mlp_bias")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"unsupported activation {cfg.get('hidden_act')!r} (supported: silu)")
     text = cfg.get("text_config")

@@ -5,15 +5,29 @@ import time
 from typing import Callable
 
 from xserv_aot.detokenizer import IncrementalDetokenizer
+from xserv_aot.errors import UsageError, XservError
+from xserv_aot.runtime.batch import NONFINITE_ID
 from xserv_aot.runtime.session import Session
+
+
+def check_sampling(max_tokens: int, sampling: dict) -> None:
+    if max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if not sampling.get("temperature", 0.0) >= 0:
+        raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {sampling['temperature']}")
+    if not 0 < sampling.get("top_p", 1.0) <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {sampling['top_p']}")
+    if sampling.get("top_k", 0) < 0:
+        raise UsageError(f"--top-k must be >= 0 (0 = off), got {sampling['top_k']}")
 
 
 def stream_generate(runner, tok, prompt_ids: list[int], max_tokens: int, sampling: dict,
                     emit: Callable[[str], object]) -> dict:
     """Greedy or sampled generation until EOS / max_tokens / max_seq_len; emits text deltas as they complete."""
+    check_sampling(max_tokens, sampling)
     limit = runner.plan.build.max_seq_len
     if len(prompt_ids) >= limit:
-        raise ValueError(f"prompt is {len(prompt_ids)} tokens; the plan's max_seq_len is {limit}")
+        raise UsageError(f"prompt is {len(prompt_ids)} tokens; the plan's max_seq_len is {limit}")
     max_tokens = min(max_tokens, limit - len(prompt_ids))
     eos = set(tok.eos_token_ids) | set(runner.plan.model.eos_token_ids)
     params = {"temperature": [sampling.get("temperature", 0.0)], "top_p": [sampling.get("top_p", 1.0)],
@@ -26,6 +40,8 @@ def stream_generate(runner, tok, prompt_ids: list[int], max_tokens: int, samplin
     n, tokid = 0, int(ids[0])
     while True:
         n += 1
+        if tokid == NONFINITE_ID:
+            raise XservError("the model produced non-finite logits (NaN/Inf); is the plan's checkpoint corrupt?")
         if tokid in eos:
             break
         emit(detok.add(tokid))

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from xserv_aot.engine.async_engine import AsyncEngine
 from xserv_aot.engine.llm_engine import LLMEngine
+from xserv_aot.errors import UsageError
+from xserv_aot.server.gate import check_api_key
 from xserv_aot.plan.manifest import Plan, PlanError
 from xserv_aot.runtime.select import make_runner
 from xserv_aot.tokenizer import Tokenizer
@@ -14,7 +16,7 @@ log = logging.getLogger("xserv_aot.serve")
 
 
 def build_engine(plan_dir: Path, *, backend: str = "auto", max_waiting: int = 256, model_name: str | None = None,
-                 verify: str = "quick") -> AsyncEngine:
+                 verify: str = "full") -> AsyncEngine:
     plan = Plan.load(plan_dir, verify=verify)
     if not plan.has_tokenizer:
         raise PlanError(f"{plan_dir}: plan has no tokenizer; serving needs one")
@@ -30,15 +32,23 @@ def launch(plan_dir: Path, *, host: str, port: int, api_key: str | None, max_wai
            max_request_bytes: int, backend: str, request_timeout: float | None = None,
            shutdown_grace: float = 30.0) -> None:
     """Blocks until SIGTERM/SIGINT: then drains (shutdown_grace seconds for requests in flight) and returns."""
-    from xserv_aot.server.run import run_server
+    from xserv_aot.server.run import bind_socket, run_server
 
     if request_timeout is not None and not request_timeout > 0:
-        raise ValueError(f"--request-timeout must be > 0 seconds, got {request_timeout}")
+        raise UsageError(f"--request-timeout must be > 0 seconds, got {request_timeout}")
     if not shutdown_grace >= 0:
-        raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {shutdown_grace}")
+        raise UsageError(f"--shutdown-grace must be >= 0 seconds, got {shutdown_grace}")
+    if max_waiting < 1:
+        raise UsageError(f"--max-waiting must be >= 1, got {max_waiting}")
+    check_api_key(api_key)
     if max_request_bytes < 1:
-        raise ValueError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
+        raise UsageError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
+    sock = bind_socket(host, port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = build_engine(plan_dir, backend=backend, max_waiting=max_waiting, model_name=model_name)
-    run_server(engine, host=host, port=port, api_key=api_key, model_name=model_name,
-               max_request_bytes=max_request_bytes, request_timeout=request_timeout, shutdown_grace=shutdown_grace)
+    try:
+        engine = build_engine(plan_dir, backend=backend, max_waiting=max_waiting, model_name=model_name)
+        run_server(engine, host=host, port=port, api_key=api_key, model_name=model_name,
+                   max_request_bytes=max_request_bytes, request_timeout=request_timeout,
+                   shutdown_grace=shutdown_grace, sock=sock)
+    finally:
+        sock.close()

@@ -17,8 +17,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as Backend
 
+from xserv_aot.errors import XservError
 
-class TokenizerError(ValueError):
+
+class TokenizerError(XservError, ValueError):
     """Bad tokenizer files or chat input; the message is one line naming the file or field."""
 
 

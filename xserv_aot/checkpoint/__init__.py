@@ -7,9 +7,10 @@ from typing import Protocol
 import numpy as np
 
 from xserv_aot.config import ModelConfig
+from xserv_aot.errors import XservError, one_line  # noqa: F401  (re-exported for the readers)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(XservError, ValueError):
     """A checkpoint that cannot be read; the message is one line naming the file or tensor."""
 
 
@@ -22,10 +23,6 @@ class TensorSource(Protocol):
 
     def get(self, name: str) -> np.ndarray:
         """The tensor as a fresh float32 array in HF layout."""
-
-
-def one_line(text: object) -> str:
-    return " ".join(str(text).split())
 
 
 def open_checkpoint(path: Path) -> tuple[ModelConfig, TensorSource, str]:

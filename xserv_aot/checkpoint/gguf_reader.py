@@ -77,6 +77,7 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: truncated or not a GGUF file ({type(e).__name__}: {one_line(e)})") from None
         size = self.path.stat().st_size
         self._tensors: dict[str, ReaderTensor] = {}
+        self._unmapped: list[str] = []               # GGUF tensors with no HF counterpart (reported as unused)
         for t in self._reader.tensors:
             if t.data_offset + t.n_bytes > size or t.data.nbytes < t.n_bytes:
                 raise CheckpointError(f"{self.path}: truncated: tensor {t.name} ends at byte "
@@ -84,6 +85,8 @@ class GGUFCheckpoint:
             name = hf_name(t.name)
             if name is not None:
                 self._tensors[name] = t
+            elif t.name != "rope_freqs.weight":      # checked below to be the identity
+                self._unmapped.append(t.name)
         self._meta = self._reader.fields
         try:
             self.config = self._read_config()
@@ -151,7 +154,13 @@ class GGUFCheckpoint:
         return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(main, main.lower())
 
     def names(self) -> list[str]:
-        return list(self._tensors)
+        """HF names of the tensors the reader maps, then the GGUF names of those it cannot (never usable)."""
+        return list(self._tensors) + self._unmapped
+
+    def origin(self, name: str) -> str:
+        """The tensor's name in the GGUF file."""
+        t = self._tensors.get(name)
+        return t.name if t is not None else name
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(d) for d in reversed(self._tensor(name).shape.tolist()))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from xserv_aot.errors import XservError
+
 
 @dataclass
 class SamplingParams:
@@ -52,15 +54,15 @@ class RequestOutput:
     error: str | None = None            # set with finish_reason == "error"
 
 
-class QueueFullError(RuntimeError):
+class QueueFullError(XservError, RuntimeError):
     """The waiting queue is at --max-waiting; the server answers 429."""
 
 
-class EngineFailedError(RuntimeError):
+class EngineFailedError(XservError, RuntimeError):
     """The engine failed permanently (or is not running) and refuses new requests (server: 503)."""
 
 
-class RequestTooLongError(ValueError):
+class RequestTooLongError(XservError, ValueError):
     """prompt + max_tokens exceeds the plan's max_seq_len; the message states both numbers (server: 400)."""
 
 
@@ -94,5 +96,5 @@ class AsyncEngineProtocol:
     """
 
 
-class InvalidRequestError(ValueError):
+class InvalidRequestError(XservError, ValueError):
     """A request field out of range (prompt ids, sampling params); the message names the field (server: 400)."""

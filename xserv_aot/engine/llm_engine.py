@@ -25,9 +25,10 @@ from xserv_aot.engine.api import (EngineFailedError, EngineStats, InvalidRequest
 from xserv_aot.engine.sampler import MAX_LOGPROBS, sample_token
 from xserv_aot.engine.scheduler import Scheduler, SchedulerOutput
 from xserv_aot.engine.sequence import Sequence
-from xserv_aot.runtime.batch import StepResult
+from xserv_aot.runtime.batch import NONFINITE_ID, StepResult
 
 MAX_STOP_STRINGS = 4
+NONFINITE_ERROR = "the model produced non-finite logits (NaN/Inf); no token was sampled"
 
 
 def _default_detokenizer(tokenizer):
@@ -110,6 +111,7 @@ class LLMEngine:
         self._rng = random.Random(seed)
         self._num_added = 0
         self._inflight: SchedulerOutput | None = None
+        self._nonfinite = 0                             # rows of the current step whose logits were not finite
         self.on_scheduled: Callable[[], None] | None = None    # called between schedule and run (stats)
 
     # requests
@@ -152,8 +154,13 @@ class LLMEngine:
         if self.on_scheduled is not None:
             self.on_scheduled()
         result = self.runner.run(out.batch) if not out.is_empty else None
+        self._nonfinite = 0
         outputs = self.postprocess(out, result)
-        self._inflight, self.consecutive_failures = None, 0
+        self._inflight = None
+        if self._nonfinite:
+            outputs += self._count_failure(NONFINITE_ERROR)
+        else:
+            self.consecutive_failures = 0
         return outputs
 
     def postprocess(self, out: SchedulerOutput, result: StepResult | None) -> list[RequestOutput]:
@@ -168,10 +175,16 @@ class LLMEngine:
             if seq.params.needs_host_sampling:
                 if result.logits is None:
                     raise RuntimeError("runner returned no logits for a batch with need_logits set")
-                token, lp = sample_token(np.asarray(result.logits[i]), seq.params, seq.prompt_ids,
-                                         seq.output_ids, seq.seed, seq.num_output_tokens)
+                row = np.asarray(result.logits[i])
+                token, lp = (NONFINITE_ID, None) if not np.isfinite(row).all() else sample_token(
+                    row, seq.params, seq.prompt_ids, seq.output_ids, seq.seed, seq.num_output_tokens)
             else:
                 token, lp = int(sampled[i]), None
+            if token == NONFINITE_ID:
+                self._nonfinite += 1
+                seq.error = NONFINITE_ERROR
+                outputs.append(self._finish(seq, [], seq.flush_text(), "error", None))
+                continue
             outputs.append(self._append(seq, token, lp))
         return outputs
 
@@ -219,6 +232,12 @@ class LLMEngine:
             seq.finish_reason, seq.error = "error", error
             outputs.append(self._output(seq, [], ""))
         self.scheduler.recover(affected)
+        return outputs + self._count_failure(error)
+
+    def _count_failure(self, error: str) -> list[RequestOutput]:
+        """One more failed step (a raised step, or one whose logits were not finite); the
+        max_consecutive_failures-th in a row fails the engine for good, ending every open request."""
+        outputs = []
         self.num_step_failures += 1
         self.consecutive_failures += 1
         self.last_error = error

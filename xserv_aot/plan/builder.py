@@ -12,7 +12,8 @@ from typing import Callable
 from xserv_aot import __version__
 from xserv_aot.config import BuildConfig, ConfigError, ModelConfig, read_hf_config
 from xserv_aot.dtypes import ITEMSIZE
-from xserv_aot.plan.manifest import SCHEMA_VERSION, Plan, layout, quick_fingerprint
+from xserv_aot.plan.integrity import CHUNK_BYTES, fingerprint
+from xserv_aot.plan.manifest import SCHEMA_VERSION, Plan, layout
 from xserv_aot.plan.ops import arena_buffers, bucket_ops, bucket_shapes
 from xserv_aot.plan.weights import weight_specs, write_weights, plan_tensors
 
@@ -89,10 +90,10 @@ def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress) -> di
             if progress:
                 progress("weights", done[0], total)
 
-        table, size, fp = write_weights(tmp / "weights.bin", plan_tensors(model, tensors, build.max_seq_len),
-                                        build.dtype, tick)
-        weights = {"file": "weights.bin", "size": size, "fingerprint": fp,
-                   "quick_fingerprint": quick_fingerprint(tmp / "weights.bin"),
+        table, size, chunks = write_weights(tmp / "weights.bin", plan_tensors(model, tensors, build.max_seq_len),
+                                            build.dtype, tick, CHUNK_BYTES)
+        weights = {"file": "weights.bin", "size": size, "fingerprint": fingerprint(chunks),
+                   "chunks": {"size": CHUNK_BYTES, "sha256": chunks},
                    "tensors": {k: v.to_dict() for k, v in table.items()}}
     has_tok = save_tokenizer(source, fmt, tmp) if fmt != "config" else False
     arena, arena_size = layout(arena_buffers(model, build))

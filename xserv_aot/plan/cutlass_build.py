@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from xserv_aot.errors import XservError
+
 LIBRARY_NAME = "libxserv_gemm.so"
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cutlass"
 # Index = the library's config argument; must match kernels/cutlass/gemm_sm90_configs.h (checked by the tests).
@@ -41,7 +43,7 @@ COMPILE_FLAGS = (
 LINK_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-shared", "-cudart", "static", "-Xcompiler", "-fPIC")
 
 
-class GemmBuildError(ValueError):
+class GemmBuildError(XservError, ValueError):
     """The GEMM library cannot be built (missing nvcc/CUTLASS, unsupported target, compiler error)."""
 
 

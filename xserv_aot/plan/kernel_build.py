@@ -194,6 +194,10 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
     """Annotate every op with `kernel` + `launch`, add workspaces, write cubins; return the kernels section."""
     if target not in SUPPORTED_TARGETS:
         raise KernelBuildError(f"unsupported CUDA target {target!r} (supported: {', '.join(SUPPORTED_TARGETS)})")
+    from xserv_aot.runtime.select import CUDA_EXTRA_HINT, cuda_python_available
+    if not cuda_python_available():
+        raise KernelBuildError(f"target {target} needs cuda-python to build kernels ({CUDA_EXTRA_HINT}); "
+                               f"or compile with --target cpu")
     check_model(manifest)
     out_dir = Path(out_dir)
     m, b = manifest["model"], manifest["build"]

@@ -1,7 +1,6 @@
 """The plan on disk: manifest.json + weights.bin + tokenizer files + kernels/. Plain data; see docs/plan-format.md."""
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -11,13 +10,10 @@ import numpy as np
 
 from xserv_aot.config import BuildConfig, ModelConfig
 from xserv_aot.dtypes import ITEMSIZE
+from xserv_aot.plan.integrity import PlanError, check_file, check_kv_cache, check_layout, inside, verify_chunks
 
 SCHEMA_VERSION = 1
 ALIGN = 256
-
-
-class PlanError(ValueError):
-    """A plan directory that cannot be used; the message is one line."""
 
 
 @dataclass
@@ -57,17 +53,6 @@ def layout(buffers: dict[str, tuple[list[int], str]], align: int = ALIGN) -> tup
     return table, off
 
 
-def quick_fingerprint(path: Path, samples: int = 64, chunk: int = 1 << 16) -> str:
-    """sha256 over the size and `samples` evenly spaced chunks: cheap enough for every serve start."""
-    size = path.stat().st_size
-    h = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
-        for i in range(samples):
-            f.seek((size - chunk) * i // max(samples - 1, 1) if size > chunk else 0)
-            h.update(f.read(chunk))
-    return "sha256q:" + h.hexdigest()
-
-
 class Plan:
     def __init__(self, plan_dir: Path, manifest: dict):
         self.dir = Path(plan_dir)
@@ -83,10 +68,14 @@ class Plan:
         self.kv_cache = manifest["kv_cache"]
         self.buckets = [Bucket(**b) for b in manifest["buckets"]]
         self.kernels = manifest.get("kernels") or {}
+        if self.weights_file is not None:
+            self.weights_path = inside(self.dir, self.weights_file, "weights")
+        check_layout(self.weights, int(w["size"]), layout)
+        check_kv_cache(self.kv_cache, self.model, self.build, ITEMSIZE)
 
     @classmethod
-    def load(cls, plan_dir: Path | str, verify: str = "quick") -> "Plan":
-        """verify: "none" | "quick" (size + sampled hash) | "full" (sha256 of every byte)."""
+    def load(cls, plan_dir: Path | str, verify: str = "full") -> "Plan":
+        """verify: "full" (every weights chunk and kernel file against its hash) | "none" (layout checks only)."""
         plan_dir = Path(plan_dir)
         path = plan_dir / "manifest.json"
         if not path.is_file():
@@ -95,41 +84,49 @@ class Plan:
             manifest = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise PlanError(f"{path}: corrupt manifest ({e})") from None
-        version = manifest.get("schema_version")
+        version = manifest.get("schema_version") if isinstance(manifest, dict) else None
         if version != SCHEMA_VERSION:
             raise PlanError(f"{plan_dir}: plan schema version {version} is not supported (this xserv-aot reads "
                             f"{SCHEMA_VERSION}); recompile the plan")
         try:
             plan = cls(plan_dir, manifest)
-        except (KeyError, TypeError) as e:
-            raise PlanError(f"{path}: malformed manifest ({e!r})") from None
-        if verify != "none":
-            plan.verify_weights(full=verify == "full")
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            if isinstance(e, PlanError):
+                raise PlanError(f"{path}: {e}") from None
+            raise PlanError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
+        if verify not in ("none", "full"):
+            raise ValueError(f"verify must be 'none' or 'full', got {verify!r}")
+        if verify == "full":
+            plan.verify_weights()
+            plan.kernel_files()
         return plan
 
-    def verify_weights(self, full: bool = False) -> None:
+    def verify_weights(self) -> None:
+        """Every byte of weights.bin against the manifest's chunk hashes, chunks hashed in parallel."""
         if self.weights_file is None:
             return
-        w = self.manifest["weights"]
-        path = self.dir / self.weights_file
+        w, path = self.manifest["weights"], self.weights_path
         if not path.is_file():
-            raise PlanError(f"{path}: weights file is missing")
+            raise PlanError(f"{self.dir / self.weights_file}: weights file is missing")
         if path.stat().st_size != w["size"]:
             raise PlanError(f"{path}: weights file is {path.stat().st_size} bytes, the plan expects {w['size']}")
-        if quick_fingerprint(path) != w["quick_fingerprint"]:
-            raise PlanError(f"{path}: weights do not match the plan's fingerprint (file changed since compile)")
-        if full:
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                while blk := f.read(1 << 24):
-                    h.update(blk)
-            if "sha256:" + h.hexdigest() != w["fingerprint"]:
-                raise PlanError(f"{path}: weights do not match the plan's sha256 fingerprint")
+        chunks = w.get("chunks")
+        if not chunks:
+            raise PlanError(f"{self.dir}: plan has no weight chunk hashes (compiled by an older xserv-aot); recompile")
+        verify_chunks(path, chunks["sha256"], int(chunks["size"]), self.weights)
+
+    def kernel_files(self) -> dict[str, Path]:
+        """kernel file name -> path, each checked inside the plan and against its hash (before any dlopen)."""
+        files = {name: check_file(self.dir, c, f"cubin {name}") for name, c in (self.kernels.get("cubins") or {}).items()}
+        lib = self.kernels.get("gemm_library")
+        if lib:
+            files["gemm_library"] = check_file(self.dir, lib, "GEMM library")
+        return files
 
     def weights_bytes(self) -> np.memmap | None:
         if self.weights_file is None:
             return None
-        return np.memmap(self.dir / self.weights_file, dtype=np.uint8, mode="r")
+        return np.memmap(self.weights_path, dtype=np.uint8, mode="r")
 
     @property
     def has_tokenizer(self) -> bool:

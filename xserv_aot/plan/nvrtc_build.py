@@ -8,13 +8,15 @@ import os
 import re
 from pathlib import Path
 
+from xserv_aot.errors import XservError
+
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 KERNEL_SOURCES = ("elementwise.cu", "gemv.cu", "gemm_mma.cu", "gemm_skinny.cu", "rope_cache.cu", "attention_decode.cu",
                   "attention_prefill.cu", "sample.cu")
 SUPPORTED_TARGETS = ("sm_90a", "sm_90")
 
 
-class KernelBuildError(ValueError):
+class KernelBuildError(XservError, ValueError):
     """The plan cannot get CUDA kernels (unsupported shape/dtype/target, NVRTC error); one line."""
 
 
@@ -76,7 +78,7 @@ def compile_source(name: str, target: str) -> tuple[bytes, str, str]:
 
 
 def compile_all(out_dir: Path, target: str, progress=None) -> dict:
-    """Write out_dir/kernels/<stem>.cubin for every source. Returns {source: {file, hash, functions}}."""
+    """Write out_dir/kernels/<stem>.cubin for every source. Returns {source: {file, hash (of the cubin), build_key, functions}}."""
     (out_dir / "kernels").mkdir(parents=True, exist_ok=True)
     import cuda.core  # noqa: F401  (import once here: concurrent first imports race)
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
@@ -88,7 +90,8 @@ def compile_all(out_dir: Path, target: str, progress=None) -> dict:
         resources = ptxas_summary(log)
         if not resources:
             raise KernelBuildError(f"kernels/{name}: no entry functions in the ptxas report")
-        cubins[name] = {"file": rel, "hash": "sha256:" + key, "functions": sorted(resources), "resources": resources}
+        cubins[name] = {"file": rel, "hash": "sha256:" + hashlib.sha256(code).hexdigest(), "build_key": key,
+                        "functions": sorted(resources), "resources": resources}
         if progress:
             progress("kernels", len(cubins), len(results))
     return cubins

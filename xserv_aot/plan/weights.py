@@ -1,7 +1,6 @@
 """Weights in the plan's layout: which HF tensors feed each plan tensor, RoPE tables, and writing weights.bin."""
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -9,10 +8,12 @@ import numpy as np
 
 from xserv_aot.config import ModelConfig
 from xserv_aot.dtypes import encode
+from xserv_aot.errors import XservError
+from xserv_aot.plan.integrity import CHUNK_BYTES, ChunkHasher
 from xserv_aot.plan.manifest import ALIGN, TensorInfo
 
 
-class WeightError(ValueError):
+class WeightError(XservError, ValueError):
     """A checkpoint tensor that does not fit the model config; the message is one line."""
 
 
@@ -62,13 +63,41 @@ def rope_tables(m: ModelConfig, max_seq_len: int) -> tuple[np.ndarray, np.ndarra
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)       # derived buffers some checkpoints carry; recomputed from the config
+
+
+def finite_or_fail(name: str, arr: np.ndarray) -> np.ndarray:
+    if not np.isfinite(arr).all():
+        bad = np.flatnonzero(~np.isfinite(arr.ravel()))
+        raise WeightError(f"{name}: {len(bad)} NaN/Inf values (first at flat index {bad[0]}: {arr.ravel()[bad[0]]}); "
+                          f"the checkpoint is corrupt")
+    return arr
+
+
+def _label(source, name: str) -> str:
+    origin = getattr(source, "origin", None)
+    return f"{name} ({origin(name)})" if origin and origin(name) != name else name
+
+
+def check_unused(m: ModelConfig, source, used: set[str]) -> None:
+    """Every checkpoint tensor must feed the plan: one the model does not use means the config is wrong."""
+    for name in source.names():
+        if name in used or name.endswith(IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and m.tie_word_embeddings and \
+                np.array_equal(source.get(name), source.get("model.embed_tokens.weight")):
+            continue                                 # a tied head saved as a copy of the embedding
+        raise WeightError(f"checkpoint tensor {_label(source, name)} is not used by the {m.arch} model its config "
+                          f"describes (an unsupported feature such as attention or MLP biases?); refusing to drop it")
+
+
 def plan_tensors(m: ModelConfig, source, max_seq_len: int) -> Iterator[tuple[str, np.ndarray, bool]]:
-    """Yield (plan name, float32 array, is_rope_table) in plan order, checking every source shape."""
-    for name, (shape, parts) in weight_specs(m).items():
-        arrays = []
-        for src in parts:
-            arr = np.asarray(source.get(src), dtype=np.float32)
-            arrays.append(arr)
+    """Yield (plan name, float32 array, is_rope_table) in plan order, checking every source shape and value, and
+    that no checkpoint tensor is left unused."""
+    specs = weight_specs(m)
+    check_unused(m, source, {src for _, parts in specs.values() for src in parts})
+    for name, (shape, parts) in specs.items():
+        arrays = [finite_or_fail(_label(source, src), np.asarray(source.get(src), dtype=np.float32)) for src in parts]
         arr = arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
         if list(arr.shape) != shape:
             got = " + ".join(str(list(a.shape)) for a in arrays)
@@ -94,20 +123,20 @@ def dummy_tensors(m: ModelConfig, max_seq_len: int, seed: int) -> Iterator[tuple
 
 
 def write_weights(path: Path, tensors: Iterator[tuple[str, np.ndarray, bool]], dtype: str,
-                  on_tensor: Callable[[str], None] | None = None) -> tuple[dict[str, TensorInfo], int, str]:
-    """Stream tensors into weights.bin at aligned offsets. Returns (table, size, sha256 fingerprint)."""
-    table, off, h = {}, 0, hashlib.sha256()
+                  on_tensor: Callable[[str], None] | None = None, chunk: int = CHUNK_BYTES
+                  ) -> tuple[dict[str, TensorInfo], int, list[str]]:
+    """Stream tensors into weights.bin at aligned offsets. Returns (table, size, sha256 of each `chunk` bytes)."""
+    table, off, chunks = {}, 0, ChunkHasher(chunk)
     with open(path, "wb") as f:
         for name, arr, is_rope in tensors:
             dt = "float32" if is_rope else dtype
             raw = encode(arr, dt).tobytes()
-            pad = -(-len(raw) // ALIGN) * ALIGN - len(raw)
-            f.write(raw)
-            f.write(b"\0" * pad)
-            h.update(raw)
-            h.update(b"\0" * pad)
+            pad = b"\0" * (-(-len(raw) // ALIGN) * ALIGN - len(raw))
+            for data in (raw, pad):
+                f.write(data)
+                chunks.update(data)
             table[name] = TensorInfo(off, list(arr.shape), dt)
-            off += len(raw) + pad
+            off += len(raw) + len(pad)
             if on_tensor:
                 on_tensor(name)
-    return table, off, "sha256:" + h.hexdigest()
+    return table, off, chunks.finish()

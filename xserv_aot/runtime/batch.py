@@ -53,9 +53,13 @@ class BatchDescription:
         return self
 
 
+NONFINITE_ID = -1                        # the sample op's answer for a row of non-finite logits
+
+
 @dataclass
 class StepResult:
-    sampled_ids: np.ndarray              # int32 [num_seqs], sampled on the device with the batch's params
+    sampled_ids: np.ndarray              # int32 [num_seqs], sampled on the device with the batch's params;
+                                         # NONFINITE_ID where the row's logits hold a NaN or Inf
     logits: np.ndarray | None            # float32 [num_seqs, vocab] when batch.need_logits, else None
 
 

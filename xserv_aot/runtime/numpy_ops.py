@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from xserv_aot.runtime.batch import NONFINITE_ID
+
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -110,6 +112,8 @@ def uniform(seed: int, offset: int) -> float:
 
 def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float, seed: int, offset: int) -> int:
     logits = logits.astype(np.float32, copy=False)
+    if not np.isfinite(logits).all():
+        return NONFINITE_ID
     if temperature <= 0:
         return int(np.argmax(logits))
     order = np.argsort(-logits, kind="stable")                             # most likely first, ties: lower id

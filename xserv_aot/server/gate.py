@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 
+from xserv_aot.errors import UsageError
 from xserv_aot.server.errors import error_response
 from xserv_aot.server.metrics import ServerMetrics
 
@@ -11,18 +12,31 @@ MAX_HEADER_BYTES = 16 * 1024                         # all request header names 
 OPEN_PATHS = ("/health",)                            # reachable without the API key (load-balancer probes)
 
 
+def check_api_key(api_key: str | None) -> bytes | None:
+    """None: no auth. Surrounding whitespace is stripped (it cannot travel in a header); empty keys are refused."""
+    if api_key is None:
+        return None
+    key = api_key.strip()
+    if not key:
+        raise UsageError("--api-key / XSERV_API_KEY is empty; give a key or leave it unset for no authentication")
+    if any(c.isspace() or not c.isprintable() for c in key) or not key.isascii():
+        raise UsageError("--api-key / XSERV_API_KEY must be printable ASCII without whitespace")
+    return key.encode()
+
+
 class Gate:
     def __init__(self, app, metrics: ServerMetrics, api_key: str | None, endpoints: tuple[str, ...]):
         self.app, self.metrics, self.endpoints = app, metrics, endpoints
-        self.key = None if api_key is None else api_key.encode()
+        self.key = check_api_key(api_key)
 
     def _authorized(self, scope) -> bool:
         auth = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 auth = value
-        scheme, _, token = auth.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+        scheme, _, token = auth.strip().partition(b" ")
+        token = token.strip()
+        return scheme.lower() == b"bearer" and bool(token) and hmac.compare_digest(token, self.key)
 
     def _endpoint(self, path: str) -> str:
         if path in self.endpoints:

@@ -8,12 +8,15 @@ the exit. The process exits 0.
 from __future__ import annotations
 
 import asyncio
-import logging
+import errno
 import itertools
+import logging
 import signal
+import socket
 
 import uvicorn
 
+from xserv_aot.errors import UsageError
 from xserv_aot.server.app import create_app
 from xserv_aot.server.gate import MAX_HEADER_BYTES
 
@@ -77,10 +80,28 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the plan is loaded; a busy or unbindable address is one line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+        raise UsageError(f"{host}:{port} {why}") from None
+    except (OverflowError, socket.gaierror) as e:
+        sock.close()
+        raise UsageError(f"{host}:{port} is not a valid address ({e})") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def run_server(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                model_name: str | None = None, *, max_request_bytes: int = 1_000_000, reasoning: bool | None = None,
                limit_concurrency: int = 512, log_level: str = "info", request_timeout: float | None = None,
-               shutdown_grace: float = 30.0) -> None:
+               shutdown_grace: float = 30.0, sock: socket.socket | None = None) -> None:
     """Blocks until the server stops (SIGTERM/SIGINT drain it first). Starts the engine inside the server's event
     loop, shuts it down at exit. model_name defaults to engine.model_name."""
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
@@ -89,4 +110,4 @@ def run_server(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str |
                      max_request_bytes=max_request_bytes, reasoning=reasoning, manage_engine=True,
                      request_timeout=request_timeout)
     config = server_config(app, host, port, limit_concurrency=limit_concurrency, log_level=log_level)
-    DrainingServer(config, shutdown_grace=shutdown_grace).run()
+    DrainingServer(config, shutdown_grace=shutdown_grace).run(sockets=[sock] if sock is not None else None)

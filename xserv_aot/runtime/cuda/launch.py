@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Callable
 
+from xserv_aot.errors import XservError
 from xserv_aot.runtime.cuda.driver import HostCall, Launch
 
 
-class LaunchError(ValueError):
+class LaunchError(XservError, ValueError):
     """An op whose kernel or buffers the runtime cannot resolve; one line."""
 
 

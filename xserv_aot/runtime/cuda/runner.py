@@ -13,13 +13,14 @@ from typing import Callable
 import numpy as np
 
 from xserv_aot.dtypes import STORAGE
+from xserv_aot.errors import XservError
 from xserv_aot.plan.ops import INPUT_BUFFERS
 from xserv_aot.runtime.batch import BatchDescription, StepResult
 from xserv_aot.runtime.cuda.driver import Device, Launch
 from xserv_aot.runtime.cuda.launch import Buffers, op_launches
 
 
-class CudaRunnerError(ValueError):
+class CudaRunnerError(XservError, ValueError):
     """A plan or batch the CUDA runner cannot execute; one line."""
 
 
@@ -56,9 +57,8 @@ class CudaRunner:
 
     # ---- setup ---------------------------------------------------------------------------------------------
     def _load_kernels(self) -> None:
-        k = self.plan.kernels
-        self.modules = {name: self.dev.load_module((self.plan.dir / c["file"]).read_bytes())
-                        for name, c in k["cubins"].items()}
+        k, files = self.plan.kernels, self.plan.kernel_files()       # inside the plan, hashes checked
+        self.modules = {name: self.dev.load_module(files[name].read_bytes()) for name in k["cubins"]}
         smem = {}
         for bk in self.plan.buckets:
             for op in bk.ops:
@@ -70,7 +70,7 @@ class CudaRunner:
         lib = k.get("gemm_library")
         if lib:
             from xserv_aot.runtime.cuda.cutlass_gemm import CutlassGemm
-            self.gemm = CutlassGemm(self.plan.dir / lib["file"])
+            self.gemm = CutlassGemm(files["gemm_library"])
 
     def func(self, name: str):
         if name not in self._funcs:

@@ -1,0 +1,100 @@
+"""Non-finite logits at run time: the sample op answers -1, the engine ends that request with an error (never a
+token), the step counts as a failure (what /health reports), and enough of them in a row fail the engine."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tests.fake_runner import FakeDetokenizer, FakeRunner, FakeTokenizer, reference_generate
+from xserv_aot.config import BuildConfig
+from xserv_aot.engine.api import EngineFailedError, SamplingParams
+from xserv_aot.engine.llm_engine import NONFINITE_ERROR, LLMEngine
+from xserv_aot.runtime import numpy_ops
+
+VOCAB = 50
+BUILD = dict(max_num_seqs=4, decode_buckets=[1, 2, 4], prefill_buckets=[8, 16], max_seq_len=96, block_size=4,
+             target="cpu")
+
+
+class NaNRunner:
+    """FakeRunner whose logits turn to `value` for rows whose context is at least `poison_at` tokens long and
+    starts with `marker`; sampled_ids come from the NumPy `sample` op on the (poisoned) logits."""
+
+    def __init__(self, marker: int, poison_at: int, value=np.nan):
+        self.inner = FakeRunner(BuildConfig(**BUILD), VOCAB)
+        self.plan, self.marker, self.poison_at, self.value = self.inner.plan, marker, poison_at, value
+
+    def run(self, batch):
+        res = self.inner.run(dataclasses.replace(batch, need_logits=True))
+        logits = res.logits.copy()
+        for i in range(batch.num_seqs):
+            first_slot = batch.block_tables[i][0] * self.inner.build.block_size
+            if batch.seq_lens[i] >= self.poison_at and self.inner.kv_tokens[first_slot] == self.marker:
+                logits[i, 7] = self.value
+        sampled = numpy_ops.sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seeds,
+                                   batch.sample_offsets)
+        return type(res)(sampled, logits if batch.need_logits else None)
+
+    def reset_kv(self):
+        self.inner.reset_kv()
+
+
+def engine(runner, **kw):
+    return LLMEngine(runner, FakeTokenizer(), detokenizer_factory=FakeDetokenizer, seed=0, **kw)
+
+
+def run_all(eng, requests):
+    outs = {rid: [] for rid, _, _ in requests}
+    for rid, prompt, params in requests:
+        eng.add_request(rid, prompt, params)
+    final = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id] += o.new_token_ids
+            if o.finish_reason is not None:
+                final[o.request_id] = o
+    return outs, final
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_sample_op_refuses_non_finite_rows(value):
+    logits = np.zeros((2, 8), np.float32)
+    logits[1, 3] = value
+    got = numpy_ops.sample(logits, [0.0, 0.0], [0, 0], [1.0, 1.0], [0, 0], [0, 0])
+    assert got.tolist() == [0, -1]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+                                    SamplingParams(temperature=0.8, seed=5, max_tokens=10, ignore_eos=True),
+                                    SamplingParams(temperature=0.7, logprobs=2, repetition_penalty=1.3, seed=5,
+                                                   max_tokens=10, ignore_eos=True)],
+                         ids=["greedy", "device-sampled", "host-sampled"])
+def test_nan_logits_end_only_that_request(params):
+    marker = 41
+    eng = engine(NaNRunner(marker, poison_at=6))
+    bad_prompt, good_prompt = [marker, 1, 2, 3], [5, 6, 7]
+    outs, final = run_all(eng, [("bad", bad_prompt, params), ("good", good_prompt, params)])
+    assert final["bad"].finish_reason == "error" and final["bad"].error == NONFINITE_ERROR
+    assert len(outs["bad"]) == 2                           # positions 4 and 5; the context of 6 is poisoned
+    assert not any(lp.logprob < -1e3 for lp in (final["bad"].logprobs or []))
+    assert outs["good"] == reference_generate(good_prompt, params, params.seed or 0, VOCAB)
+    assert final["good"].finish_reason == "length"
+    s = eng.stats()
+    assert s.healthy and s.num_step_failures == 1 and s.last_error == NONFINITE_ERROR
+    assert s.consecutive_failures == 0                     # later clean steps of "good" reset the count
+
+
+def test_nan_logits_count_toward_health_and_fail_the_engine():
+    marker = 41
+    eng = engine(NaNRunner(marker, poison_at=1), max_consecutive_failures=2)
+    p = SamplingParams(temperature=0.0, max_tokens=5)
+    _, final = run_all(eng, [("a", [marker, 3], p)])
+    assert final["a"].finish_reason == "error" and final["a"].new_token_ids == []
+    assert eng.stats().consecutive_failures == 1 and eng.healthy
+    _, final = run_all(eng, [("b", [marker, 4], p)])
+    assert final["b"].finish_reason == "error"
+    assert not eng.healthy and NONFINITE_ERROR in eng.failed
+    with pytest.raises(EngineFailedError):
+        eng.add_request("c", [1, 2], p)

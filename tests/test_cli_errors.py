@@ -79,3 +79,29 @@ def test_serve_on_a_busy_port_is_one_line(plan):
         s.listen()
         port = s.getsockname()[1]
         assert_one_line_error(cli("serve", plan, "--backend", "cpu", "--port", str(port)), "already in use")
+
+
+SIGTERM_DURING_BUILD = """
+import os, signal, sys
+import xserv_aot.plan.builder as b
+inner = b._build
+def build(source, tmp, *a):
+    (tmp / "partial.bin").write_bytes(b"0" * 65536)
+    os.kill(os.getpid(), signal.SIGTERM)                 # handled at the next bytecode, inside the build
+    return inner(source, tmp, *a)
+b._build = build
+from xserv_aot.cli import app
+app(sys.argv[1:])
+"""
+
+
+def test_sigterm_during_compile_leaves_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.tiny_models import make_tiny_model
+    hf = make_tiny_model(tmp_path / "hf", "llama", seed=7)
+    r = subprocess.run([sys.executable, "-c", SIGTERM_DURING_BUILD, "compile", str(hf), "-o", str(tmp_path / "plan"),
+                        *map(str, CPU)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 143, r.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["hf"]

@@ -178,3 +178,45 @@ def test_recompile_replaces_atomically(plan_dir, tmp_path):
     new_fp = Plan.load(p, verify="full").manifest["weights"]["fingerprint"]
     assert new_fp != old_fp
     assert sorted(x.name for x in tmp_path.iterdir()) == ["hf2", "p"]
+
+
+def test_op_reading_a_missing_weight(plan_dir, tmp_path):
+    p = copy(plan_dir, tmp_path)
+    m = json.loads((p / "manifest.json").read_text())
+    op = m["buckets"][0]["ops"][2]
+    assert op["op"] == "linear" and op["weight"] == "layers.0.qkv"
+    op["weight"] = "layers.0.qkv_renamed"
+    (p / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PlanError, match="reads weight 'layers.0.qkv_renamed'"):
+        Plan.load(p, verify="none")
+
+
+def test_force_replaces_only_plans(plan_dir, tmp_path):
+    hf = make_tiny_model(tmp_path / "hf", "llama", seed=5)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not a plan"):
+        compile_plan(hf, tmp_path / "notes", BuildConfig(**BUILD), force=True)
+    assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
+    with pytest.raises(ValueError, match="not a plan"):                   # the source model itself
+        compile_plan(hf, hf, BuildConfig(**BUILD), force=True)
+    assert (hf / "config.json").is_file()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="not a plan"):
+        compile_plan(hf, tmp_path / "file", BuildConfig(**BUILD), force=True)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["file", "hf", "notes"]
+
+
+def test_compile_lock_and_stale_temp_dirs(tmp_path):
+    hf = make_tiny_model(tmp_path / "hf", "llama", seed=6)
+    for stale in (".plan.tmp-dead1", ".plan.old-123"):                 # left by compiles that were killed
+        (tmp_path / stale).mkdir()
+        (tmp_path / stale / "weights.bin").write_bytes(b"\0" * 4096)
+    (tmp_path / ".planb.tmp-other").mkdir()                             # another target's: not ours to remove
+    with builder.target_lock(tmp_path / "plan"):                        # a compile into the same target is running
+        assert not (tmp_path / ".plan.tmp-dead1").exists()
+        with pytest.raises(ValueError, match="another compile"):
+            compile_plan(hf, tmp_path / "plan", BuildConfig(**BUILD))
+        compile_plan(hf, tmp_path / "other", BuildConfig(**BUILD))     # other targets are free
+    compile_plan(hf, tmp_path / "plan", BuildConfig(**BUILD))
+    assert sorted(x.name for x in tmp_path.iterdir()) == [".planb.tmp-other", "hf", "other", "plan"]

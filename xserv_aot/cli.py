@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -102,6 +103,7 @@ def compile(
     if max_num_seqs and not decode_buckets and "decode_buckets" not in base:
         base["decode_buckets"] = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_num_seqs] + [max_num_seqs]
     build = BuildConfig.from_dict(base)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # unwind: the temp directory is removed
     if kv_memory_gib is not None:
         build.num_blocks = kv_blocks_for_memory(model, build, kv_memory_gib, dummy_weights)
     with Progress(transient=True) as bar:

@@ -1,6 +1,9 @@
 """`xserv-aot compile`: checkpoint + build config -> plan directory, written atomically."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import glob
 import json
 import math
 import os
@@ -62,18 +65,55 @@ def compile_plan(source: Path, out: Path, build: BuildConfig, *, dummy_weights: 
     if build.max_seq_len > model.max_position_embeddings:
         raise ConfigError(f"max_seq_len {build.max_seq_len} exceeds the model's max_position_embeddings "
                           f"{model.max_position_embeddings}")
-    if out.exists() and not force:
-        raise ConfigError(f"{out}: already exists (pass --force to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        manifest = _build(source, tmp, model, tensors, fmt, build, dummy_weights, dummy_seed, progress)
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with target_lock(out):
+        check_target(source, out, force)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            manifest = _build(source, tmp, model, tensors, fmt, build, dummy_weights, dummy_seed, progress)
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+            _replace_dir(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return Plan.load(out, verify="none")
+
+
+@contextlib.contextmanager
+def target_lock(out: Path):
+    """Exclusive, non-blocking lock on `.NAME.lock` next to the target; while held, any `.NAME.tmp-*` or
+    `.NAME.old-*` directory is left over from a compile that died, and is removed."""
+    path = out.with_name(f".{out.name}.lock")
+    busy = ConfigError(f"{out}: another compile is writing this plan right now")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise busy from None
+        if not path.exists() or os.stat(path).st_ino != os.fstat(fd).st_ino:
+            raise busy                               # locked a file the previous holder had just unlinked
+        try:
+            for stale in out.parent.glob(f".{glob.escape(out.name)}.*-*"):
+                if stale.is_dir() and stale.name.startswith((f".{out.name}.tmp-", f".{out.name}.old-")):
+                    shutil.rmtree(stale, ignore_errors=True)
+            yield
+        finally:
+            path.unlink()                            # still holding the lock
+    finally:
+        os.close(fd)
+
+
+def check_target(source: Path, out: Path, force: bool) -> None:
+    if not out.exists() and not out.is_symlink():
+        return
+    if not force:
+        raise ConfigError(f"{out}: already exists (pass --force to replace it)")
+    if not out.is_dir() or out.is_symlink() or not (out / "manifest.json").is_file():
+        raise ConfigError(f"{out}: exists and is not a plan (no manifest.json); --force only replaces plans")
+    src, dst = source.resolve(), out.resolve()
+    if src == dst or src.is_relative_to(dst):
+        raise ConfigError(f"{out}: holds the source model {source}; refusing to replace it")
 
 
 def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress) -> dict:

@@ -10,7 +10,8 @@ import numpy as np
 
 from xserv_aot.config import BuildConfig, ModelConfig
 from xserv_aot.dtypes import ITEMSIZE
-from xserv_aot.plan.integrity import PlanError, check_file, check_kv_cache, check_layout, inside, verify_chunks
+from xserv_aot.plan.integrity import (PlanError, check_file, check_kv_cache, check_layout, check_weight_refs, inside,
+                                      verify_chunks)
 
 SCHEMA_VERSION = 1
 ALIGN = 256
@@ -72,6 +73,7 @@ class Plan:
             self.weights_path = inside(self.dir, self.weights_file, "weights")
         check_layout(self.weights, int(w["size"]), layout)
         check_kv_cache(self.kv_cache, self.model, self.build, ITEMSIZE)
+        check_weight_refs(self.buckets, self.weights)
 
     @classmethod
     def load(cls, plan_dir: Path | str, verify: str = "full") -> "Plan":

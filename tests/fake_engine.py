@@ -227,10 +227,10 @@ class LiveServer:
     """uvicorn on 127.0.0.1 (ephemeral port) in a background thread; `with LiveServer(app) as base_url:`.
     begin_shutdown() does what SIGTERM does to `xserv-aot serve` (drain for shutdown_grace seconds, then stop)."""
 
-    def __init__(self, app, start_timeout: float = 10.0, shutdown_grace: float = 5.0):
+    def __init__(self, app, start_timeout: float = 10.0, shutdown_grace: float = 5.0, **config):
         from xserv_aot.server.run import DrainingServer, server_config
         self.config = server_config(app, "127.0.0.1", 0, log_level="warning", access_log=False,
-                                    timeout_graceful_shutdown=5)
+                                    **{"timeout_graceful_shutdown": 5, **config})
         self.server = DrainingServer(self.config, shutdown_grace=shutdown_grace)
         self.start_timeout = start_timeout
 

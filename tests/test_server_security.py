@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.fake_engine import FakeEngine, LiveServer, tiny_plan
+from xserv_aot.errors import UsageError
 from xserv_aot.serve import build_engine
 from xserv_aot.server import create_app, run_server, server_config
 
@@ -59,6 +60,21 @@ def test_api_key_guards_every_route_but_health():
         assert len(eng.requests) == 2                    # only the two authorized generations reached the engine
         doc = client.get("/openapi.json", headers={"Authorization": f"Bearer {key}"}).json()
         assert doc["security"] == [{"bearer": []}] and doc["paths"]["/health"]["get"]["security"] == []
+
+
+@pytest.mark.parametrize("key", ["", "   ", "\t", "two words", "caf\u00e9"])
+def test_empty_or_unusable_api_keys_are_refused(key):
+    with pytest.raises(UsageError, match="api-key"):
+        create_app(FakeEngine(), model_name="m", api_key=key)
+
+
+def test_api_key_whitespace_is_stripped_and_a_bare_bearer_refused():
+    key = "k-" + secrets.token_hex(8)
+    with LiveServer(create_app(FakeEngine(), model_name="m", api_key=f" {key}\n")) as url:
+        def status(auth):
+            return httpx.get(url + "/v1/models", headers={"Authorization": auth}, timeout=20).status_code
+        assert status(f"Bearer {key}") == 200 and status(f"Bearer  {key}") == 200
+        assert status("Bearer") == 401 and status(f"Bearer {key}x") == 401
 
 
 def test_header_limits_and_server_survives():

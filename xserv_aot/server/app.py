@@ -8,6 +8,7 @@ shape; engine failures never leak details. Messages are data handed to the model
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -21,17 +22,19 @@ from starlette.routing import Route
 
 from xserv_aot import __version__
 from xserv_aot.server import protocol as P
-from xserv_aot.server.body import read_json
+from xserv_aot.server.body import BODY_TIMEOUT_S, read_json
 from xserv_aot.server.errors import (GENERATION_FAILED, HANDLERS, REFUSALS, RequestTimeout, error_response,
                                      timeout_body)
-from xserv_aot.server.gate import MAX_HEADER_BYTES, Gate
+from xserv_aot.server.gate import MAX_HEADER_BYTES, MAX_IN_FLIGHT, Gate, check_api_key
 from xserv_aot.server.lifecycle import Admission
 from xserv_aot.server.metrics import ServerMetrics
 from xserv_aot.server.openapi import openapi_document
 from xserv_aot.server.reasoning import prompt_opens_reasoning, template_uses_thinking
-from xserv_aot.server.streaming import GONE, Generation, Reply, SSEResponse, collect, events, until_disconnect
+from xserv_aot.server.streaming import (GONE, KEEPALIVE_S, Generation, Reply, SSEResponse, admitted, collect, events,
+                                       until_disconnect)
 
 log = logging.getLogger(__name__)
+MAX_PROMPT_BYTES_PER_TOKEN = 16     # text beyond max_seq_len * this many bytes is refused before it is tokenized
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics",
              "/openapi.json")
 __all__ = ["create_app", "MAX_HEADER_BYTES", "OpenAIServer"]
@@ -39,8 +42,10 @@ __all__ = ["create_app", "MAX_HEADER_BYTES", "OpenAIServer"]
 
 class OpenAIServer:
     def __init__(self, engine, model_name: str, max_request_bytes: int, reasoning: bool | None,
-                 request_timeout: float | None, api_key_set: bool):
+                 request_timeout: float | None, api_key_set: bool, body_timeout: float = BODY_TIMEOUT_S,
+                 sse_keepalive: float = KEEPALIVE_S):
         self.engine, self.model_name, self.max_request_bytes = engine, model_name, max_request_bytes
+        self.body_timeout, self.sse_keepalive = body_timeout, sse_keepalive
         self.request_timeout = request_timeout
         self.tokenizer = engine.tokenizer
         self.reasoning = template_uses_thinking(self.tokenizer) if reasoning is None else reasoning
@@ -54,6 +59,20 @@ class OpenAIServer:
             raise P.RequestError(f"the model '{req.model[:200]}' does not exist (this server serves "
                                  f"'{self.model_name}')", status=404, param="model", code="model_not_found")
         return req
+
+    def _check_prompt_size(self, req: P.GenerateRequest) -> None:
+        """Text is bounded in bytes before it is tokenized (which holds the GIL for ~1 s per MB); token ids are
+        checked against the context by _check_length."""
+        if req.kind == "completion" and not isinstance(req.prompt, str):
+            return
+        limit = self.engine.max_seq_len * MAX_PROMPT_BYTES_PER_TOKEN
+        what = "messages" if req.kind == "chat" else "prompt"
+        text = req.prompt if req.kind == "completion" else json.dumps(req.messages, ensure_ascii=False)
+        n = len(text.encode("utf-8", "surrogatepass"))
+        if n > limit:
+            raise P.RequestError(f"the {what} is {n} bytes; this model's maximum context length is "
+                                 f"{self.engine.max_seq_len} tokens, and prompts longer than {limit} bytes are "
+                                 f"refused before tokenizing", param=what, code="context_length_exceeded")
 
     def _check_length(self, req: P.GenerateRequest, prompt_ids: list[int]) -> None:
         if self.vocab_size:
@@ -86,15 +105,19 @@ class OpenAIServer:
                                  param="messages") from None
         return list(ids), opens
 
-    async def chat(self, request: Request) -> Response:
+    async def _read(self, request: Request):
         self.admission.check()
-        req = self._check_model(P.parse_chat_request(await read_json(request, self.max_request_bytes)))
+        return await self.admission.guard(read_json(request, self.max_request_bytes, self.body_timeout))
+
+    async def chat(self, request: Request) -> Response:
+        req = self._check_model(P.parse_chat_request(await self._read(request)))
+        self._check_prompt_size(req)
         ids, opens = await asyncio.to_thread(self._render_chat, req)      # a 1 MB prompt takes ~1 s: off the loop
         return await self._generate(request, req, ids, opens)
 
     async def completions(self, request: Request) -> Response:
-        self.admission.check()
-        req = self._check_model(P.parse_completion_request(await read_json(request, self.max_request_bytes)))
+        req = self._check_model(P.parse_completion_request(await self._read(request)))
+        self._check_prompt_size(req)
         ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt) if isinstance(req.prompt, str) else req.prompt
         return await self._generate(request, req, list(ids), False)
 
@@ -108,7 +131,7 @@ class OpenAIServer:
                    opens, self._token_text)
         body = None
         try:
-            first = await until_disconnect(request.receive, gen.next())
+            first = await admitted(gen) if req.stream else await until_disconnect(request.receive, gen.next())
             if first is not GONE and not req.stream:
                 body = await until_disconnect(request.receive, collect(gen, rp, first))
         except REFUSALS:
@@ -128,7 +151,7 @@ class OpenAIServer:
         if gone or not req.stream:
             await gen.close()
             return Response(status_code=499) if gone else JSONResponse(body)       # 499: nobody is listening
-        return SSEResponse(events(gen, rp, first), gen.close)
+        return SSEResponse(events(gen, rp, first, self.sse_keepalive), gen.close)
 
     def _card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "xserv-aot",
@@ -173,14 +196,21 @@ class OpenAIServer:
 
 def create_app(engine, *, model_name: str, api_key: str | None = None, max_request_bytes: int = 1_000_000,
                reasoning: bool | None = None, manage_engine: bool = False,
-               request_timeout: float | None = None) -> Starlette:
+               request_timeout: float | None = None, body_timeout: float = BODY_TIMEOUT_S,
+               max_in_flight: int = MAX_IN_FLIGHT, sse_keepalive: float = KEEPALIVE_S) -> Starlette:
     """reasoning: split <think> blocks into reasoning_content (None: when the chat template mentions <think>).
     manage_engine: start the engine at app startup and shut it down at exit (inside the server's event loop).
     request_timeout: seconds from arrival after which a generation is aborted (504, or an error event mid-stream).
+    body_timeout: seconds for the whole request body to arrive (408). max_in_flight: requests at once (503).
+    sse_keepalive: seconds between SSE comments while a stream waits for its first token (headers go at once).
     app.state.server.admission.drain(grace) starts a graceful shutdown (run.py calls it on SIGTERM)."""
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
-    srv = OpenAIServer(engine, model_name, max_request_bytes, reasoning, request_timeout, api_key is not None)
+    check_api_key(api_key)                           # now: Starlette builds the Gate at the first request
+    if not body_timeout > 0:
+        raise ValueError(f"body_timeout must be > 0 seconds, got {body_timeout}")
+    srv = OpenAIServer(engine, model_name, max_request_bytes, reasoning, request_timeout, api_key is not None,
+                       body_timeout, sse_keepalive)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -202,5 +232,5 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_reque
               Route("/openapi.json", srv.openapi_json, methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan)
     app.state.server = srv
-    app.add_middleware(Gate, metrics=srv.metrics, api_key=api_key, endpoints=ENDPOINTS)
+    app.add_middleware(Gate, metrics=srv.metrics, api_key=api_key, endpoints=ENDPOINTS, max_in_flight=max_in_flight)
     return app

@@ -2,27 +2,35 @@
 UTF-8, bounded nesting, and no lone surrogates (they cannot be tokenized or re-encoded as UTF-8)."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 from xserv_aot.server.protocol import RequestError
 
 MAX_JSON_DEPTH = 32                                  # arrays/objects inside one another
+BODY_TIMEOUT_S = 30.0                                # from the request head to the body's last byte
 
 
 def _too_big(limit: int) -> RequestError:
     return RequestError(f"request body exceeds {limit} bytes", status=413, code="request_too_large")
 
 
-async def read_body(request, limit: int) -> bytes:
-    """The body, or 413 as soon as Content-Length or the bytes read so far exceed limit (the rest is never read)."""
+async def read_body(request, limit: int, timeout: float = BODY_TIMEOUT_S) -> bytes:
+    """The body, or 413 as soon as Content-Length or the bytes read so far exceed limit (the rest is never read),
+    or 408 when the whole body has not arrived within `timeout` seconds."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise _too_big(limit)
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise _too_big(limit)
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise _too_big(limit)
+    except TimeoutError:
+        raise RequestError(f"the request body did not arrive within {timeout:g} seconds", status=408,
+                           code="request_timeout") from None
     return bytes(body)
 
 
@@ -72,5 +80,5 @@ def _short(e: Exception, n: int = 200) -> str:
     return msg if len(msg) <= n else msg[:n] + "..."
 
 
-async def read_json(request, limit: int):
-    return parse_json(await read_body(request, limit))
+async def read_json(request, limit: int, timeout: float = BODY_TIMEOUT_S):
+    return parse_json(await read_body(request, limit, timeout))

@@ -1,5 +1,6 @@
 """ASGI middleware in front of every route: header-size limit (431), bearer API key on every route but /health (401),
-and the requests-by-endpoint-and-status counter."""
+a bound on requests in flight (503 with Retry-After; /health is never refused), and the
+requests-by-endpoint-and-status counter."""
 from __future__ import annotations
 
 import hmac
@@ -9,7 +10,8 @@ from xserv_aot.server.errors import error_response
 from xserv_aot.server.metrics import ServerMetrics
 
 MAX_HEADER_BYTES = 16 * 1024                         # all request header names + values
-OPEN_PATHS = ("/health",)                            # reachable without the API key (load-balancer probes)
+MAX_IN_FLIGHT = 512                                  # requests being read, generated or sent at once
+OPEN_PATHS = ("/health",)                            # reachable without the API key or a free slot (probes)
 
 
 def check_api_key(api_key: str | None) -> bytes | None:
@@ -25,9 +27,13 @@ def check_api_key(api_key: str | None) -> bytes | None:
 
 
 class Gate:
-    def __init__(self, app, metrics: ServerMetrics, api_key: str | None, endpoints: tuple[str, ...]):
+    def __init__(self, app, metrics: ServerMetrics, api_key: str | None, endpoints: tuple[str, ...],
+                 max_in_flight: int = MAX_IN_FLIGHT):
+        if not (isinstance(max_in_flight, int) and max_in_flight >= 1):
+            raise UsageError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
         self.app, self.metrics, self.endpoints = app, metrics, endpoints
         self.key = check_api_key(api_key)
+        self.max_in_flight, self.in_flight = max_in_flight, 0
 
     def _authorized(self, scope) -> bool:
         auth = b""
@@ -47,13 +53,18 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         status = [500]
+        counted = scope["path"] not in OPEN_PATHS
 
         async def send_status(msg):
             if msg["type"] == "http.response.start":
                 status[0] = msg["status"]
             await send(msg)
+        self.in_flight += counted
         try:
-            if sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADER_BYTES:
+            if counted and self.in_flight > self.max_in_flight:
+                await error_response(503, f"the server has {self.max_in_flight} requests in flight; retry shortly",
+                                     code="server_busy", headers={"Retry-After": "1"})(scope, receive, send_status)
+            elif sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADER_BYTES:
                 await error_response(431, f"request headers exceed {MAX_HEADER_BYTES} bytes")(
                     scope, receive, send_status)
             elif self.key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
@@ -62,4 +73,5 @@ class Gate:
             else:
                 await self.app(scope, receive, send_status)
         finally:
+            self.in_flight -= counted
             self.metrics.requests.labels(self._endpoint(scope["path"]), str(status[0])).inc()

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 class Admission:
     def __init__(self):
         self.draining = False
+        self.stopping = asyncio.Event()              # set when the drain begins: body reads in progress end
         self.live: set = set()                       # streaming.Generation objects not yet closed
         self._grace_cut = False
 
@@ -26,6 +27,21 @@ class Admission:
         if self.draining:
             raise RequestError("the server is shutting down; retry on another replica", status=503,
                                code="server_shutting_down")
+
+    async def guard(self, read):
+        """Await `read` (a request body read) unless a drain begins first: then 503 at once (the request could
+        not be admitted after its body anyway)."""
+        task, stop = asyncio.ensure_future(read), asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
+            self.check()
+        return task.result()
 
     def cut_grace(self) -> None:
         self._grace_cut = True
@@ -38,6 +54,7 @@ class Admission:
 
     async def drain(self, grace: float, flush: float = 5.0) -> None:
         self.draining = True
+        self.stopping.set()
         log.info("draining: %d generation(s) in flight, grace %.1f s", len(self.live), grace)
         if await self._wait_empty(grace, cuttable=True):
             return

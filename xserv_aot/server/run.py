@@ -18,19 +18,21 @@ import uvicorn
 
 from xserv_aot.errors import UsageError
 from xserv_aot.server.app import create_app
+from xserv_aot.server.conn import HEADER_TIMEOUT_S, h11_with_header_timeout
 from xserv_aot.server.gate import MAX_HEADER_BYTES
 
 log = logging.getLogger(__name__)
 
 
-def server_config(app, host: str = "127.0.0.1", port: int = 8000, *, limit_concurrency: int = 512,
+def server_config(app, host: str = "127.0.0.1", port: int = 8000, *, header_timeout: float = HEADER_TIMEOUT_S,
                   timeout_keep_alive: int = 5, timeout_graceful_shutdown: int = 10, log_level: str = "info",
                   access_log: bool = True) -> uvicorn.Config:
-    """uvicorn answers 503 above limit_concurrency open connections+tasks; headers are capped at 16 KiB (by h11
-    while incomplete, by the app with 431 once parsed); responses still open timeout_graceful_shutdown seconds
-    after the drain are cancelled (and so aborted)."""
-    return uvicorn.Config(app, host=host, port=port, http="h11", loop="asyncio", lifespan="on",
-                          limit_concurrency=limit_concurrency, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+    """Connections are not counted (the app limits requests in flight, /health aside); one that has not sent a
+    whole request head header_timeout seconds after it opened or after its last response is closed; headers are
+    capped at 16 KiB (by h11 while incomplete, by the app with 431 once parsed); responses still open
+    timeout_graceful_shutdown seconds after the drain are cancelled (and so aborted)."""
+    return uvicorn.Config(app, host=host, port=port, http=h11_with_header_timeout(header_timeout), loop="asyncio",
+                          lifespan="on", limit_concurrency=None, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                           timeout_keep_alive=timeout_keep_alive, timeout_graceful_shutdown=timeout_graceful_shutdown,
                           log_level=log_level, access_log=access_log, server_header=False)
 
@@ -100,7 +102,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def run_server(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                model_name: str | None = None, *, max_request_bytes: int = 1_000_000, reasoning: bool | None = None,
-               limit_concurrency: int = 512, log_level: str = "info", request_timeout: float | None = None,
+               max_in_flight: int = 512, log_level: str = "info", request_timeout: float | None = None,
                shutdown_grace: float = 30.0, sock: socket.socket | None = None) -> None:
     """Blocks until the server stops (SIGTERM/SIGINT drain it first). Starts the engine inside the server's event
     loop, shuts it down at exit. model_name defaults to engine.model_name."""
@@ -108,6 +110,6 @@ def run_server(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str |
         log.warning("serving on %s without an API key: anyone who can reach this address can use the model", host)
     app = create_app(engine, model_name=model_name or engine.model_name, api_key=api_key,
                      max_request_bytes=max_request_bytes, reasoning=reasoning, manage_engine=True,
-                     request_timeout=request_timeout)
-    config = server_config(app, host, port, limit_concurrency=limit_concurrency, log_level=log_level)
+                     request_timeout=request_timeout, max_in_flight=max_in_flight)
+    config = server_config(app, host, port, log_level=log_level)
     DrainingServer(config, shutdown_grace=shutdown_grace).run(sockets=[sock] if sock is not None else None)

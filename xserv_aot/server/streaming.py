@@ -21,6 +21,9 @@ from xserv_aot.server.reasoning import ReasoningParser, split_reasoning
 
 log = logging.getLogger(__name__)
 GONE = object()                                      # the client disconnected before the result was ready
+KEEPALIVE_S = 15.0                                   # SSE comment interval while a stream waits for its first token
+KEEPALIVE = b": keep-alive\n\n"
+ADMIT_YIELDS = 8                                     # loop turns an engine gets to refuse a request synchronously
 
 
 def sse(obj) -> bytes:
@@ -117,6 +120,17 @@ class Generation:
             self.live.discard(self)
 
 
+async def admitted(gen: "Generation"):
+    """The first output if the engine produces it (or refuses the request) without waiting for a step; else the
+    pending task, so a queued stream can send its headers at once."""
+    task = asyncio.ensure_future(gen.next())
+    for _ in range(ADMIT_YIELDS):
+        if task.done():
+            return task.result()
+        await asyncio.sleep(0)
+    return task
+
+
 class SSEResponse:
     """text/event-stream body from an async iterator of bytes; on disconnect the iterator is closed."""
 
@@ -186,8 +200,20 @@ async def collect(gen: Generation, rp: Reply, out: RequestOutput) -> dict:
                            usage_=rp.usage(out))
 
 
-async def events(gen: Generation, rp: Reply, out: RequestOutput) -> AsyncIterator[bytes]:
-    """SSE chunks from the first output on; engine errors and timeouts become an error event before [DONE]."""
+async def _first(task: asyncio.Future, keepalive: float) -> AsyncIterator[bytes]:
+    """SSE comments every `keepalive` seconds until task (the first output) is done; cancels it if closed early."""
+    try:
+        while not (await asyncio.wait({task}, timeout=keepalive))[0]:
+            yield KEEPALIVE
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def events(gen: Generation, rp: Reply, out, keepalive: float = KEEPALIVE_S) -> AsyncIterator[bytes]:
+    """SSE chunks from the first output on (out: that output, or the task that will produce it, with keep-alive
+    comments meanwhile); engine errors and timeouts become an error event before [DONE]."""
     req = rp.req
     chat, with_usage, want = req.kind == "chat", req.include_usage, req.params.logprobs is not None
     parser = ReasoningParser(rp.opens) if chat and rp.reasoning else None
@@ -195,6 +221,10 @@ async def events(gen: Generation, rp: Reply, out: RequestOutput) -> AsyncIterato
     if chat:
         yield sse(R.chat_chunk(**rp.ids, delta={"role": "assistant", "content": ""}, with_usage=with_usage))
     try:
+        if isinstance(out, asyncio.Future):
+            async for comment in _first(out, keepalive):
+                yield comment
+            out = out.result()
         while True:
             done = out.finish_reason is not None
             if out.finish_reason == "error":

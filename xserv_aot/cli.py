@@ -223,13 +223,16 @@ def serve(plan_dir: Path = typer.Argument(..., metavar="PLAN"),
           request_timeout: Optional[float] = typer.Option(None, help="seconds from arrival before a request is "
                                                           "aborted (504 / an error event); default: none"),
           shutdown_grace: float = typer.Option(30.0, help="on SIGTERM, seconds in-flight requests get to finish "
-                                               "before they are aborted")):
+                                               "before they are aborted"),
+          special_tokens_in_content: bool = typer.Option(False, help="let special-token text in chat messages "
+                                                         "(e.g. <|im_end|>) become control tokens; default: text")):
     """Serve PLAN with an OpenAI-compatible HTTP API."""
     from xserv_aot.serve import launch
 
     launch(plan_dir, host=host, port=port, api_key=api_key, max_waiting=max_waiting,
            model_name=model_name or Path(plan_dir).resolve().name, max_request_bytes=max_request_bytes, backend=backend,
-           request_timeout=request_timeout, shutdown_grace=shutdown_grace)
+           request_timeout=request_timeout, shutdown_grace=shutdown_grace,
+           special_tokens_in_content=special_tokens_in_content)
 
 
 @app.command()

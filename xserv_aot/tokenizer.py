@@ -6,6 +6,7 @@ config.json]) or from a GGUF file's embedded metadata; `save` writes a directory
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,22 @@ def _template_message(i: int, message: Any) -> dict:
     return out
 
 
+def _message_strings(messages: list[dict]):
+    """Every text a message carries into the template: content (or its text parts) and reasoning."""
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        parts = content if isinstance(content, list) else [content]
+        for p in parts:
+            text = p.get("text") if isinstance(p, dict) else p
+            if isinstance(text, str) and text:
+                yield text
+        for k in _REASONING_KEYS:
+            if isinstance(m.get(k), str) and m[k]:
+                yield m[k]
+
+
 def _bos_eos_processor(backend: Backend, config: dict[str, Any]) -> processors.TemplateProcessing:
     """Post-processor that adds BOS/EOS around a single sequence as `add_bos_token` / `add_eos_token` say."""
     pre, post, specials = [], [], []
@@ -139,6 +156,8 @@ class Tokenizer:
         added = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         self.all_special_ids: set[int] = named | added | set(self.eos_token_ids)
         self._template: jinja2.Template | None = None
+        self._plain_backend: Backend | None = None
+        self._special_re = None                      # alternation of the special tokens' texts (lazy)
 
     def _special_id(self, key: str) -> int | None:
         tok = self.config.get(key)
@@ -246,6 +265,44 @@ class Tokenizer:
         except _RENDER_ERRORS as e:
             raise TokenizerError(f"chat template: {_one_line(e)}") from None
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    special_tokens_in_content: bool = False, **template_kwargs) -> list[int]:
+        """The rendered chat template's ids. Special-token text inside message content (a user writing
+        `<|im_end|>`) stays text unless special_tokens_in_content: only the template makes control tokens."""
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
-        return self.encode(text, add_special_tokens=False)
+        spans = [] if special_tokens_in_content else self._special_text_spans(text, messages)
+        ids, pos = [], 0
+        for begin, end in spans:
+            ids += self.encode(text[pos:begin], add_special_tokens=False)
+            ids += self._plain().encode(text[begin:end], add_special_tokens=False).ids
+            pos = end
+        return ids + self.encode(text[pos:], add_special_tokens=False)
+
+    def _plain(self) -> Backend:
+        """A second backend that encodes special-token text as ordinary text (a copy: the flag is not per call)."""
+        if self._plain_backend is None:
+            plain = Backend.from_str(self._backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain_backend = plain
+        return self._plain_backend
+
+    def _special_text_spans(self, text: str, messages: list[dict]) -> list[tuple[int, int]]:
+        """Where the rendered text holds message strings that contain special-token text, in order."""
+        if self._special_re is None:
+            specials = sorted((t.content for t in self._backend.get_added_tokens_decoder().values() if t.special),
+                              key=len, reverse=True)
+            self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else False
+        if not self._special_re:
+            return []
+        spans, pos = [], 0
+        for i, s in enumerate(_message_strings(messages)):
+            if not self._special_re.search(s):
+                continue
+            at = text.find(s, pos)
+            if at < 0:
+                raise TokenizerError(f"chat message {i}: its content holds special-token text "
+                                     f"({self._special_re.search(s).group()!r}) that the chat template rewrites, so "
+                                     f"it cannot be kept as plain text")
+            spans.append((at, at + len(s)))
+            pos = at + len(s)
+        return spans

@@ -43,8 +43,9 @@ __all__ = ["create_app", "MAX_HEADER_BYTES", "OpenAIServer"]
 class OpenAIServer:
     def __init__(self, engine, model_name: str, max_request_bytes: int, reasoning: bool | None,
                  request_timeout: float | None, api_key_set: bool, body_timeout: float = BODY_TIMEOUT_S,
-                 sse_keepalive: float = KEEPALIVE_S):
+                 sse_keepalive: float = KEEPALIVE_S, special_tokens_in_content: bool = False):
         self.engine, self.model_name, self.max_request_bytes = engine, model_name, max_request_bytes
+        self.special_tokens_in_content = special_tokens_in_content
         self.body_timeout, self.sse_keepalive = body_timeout, sse_keepalive
         self.request_timeout = request_timeout
         self.tokenizer = engine.tokenizer
@@ -97,7 +98,9 @@ class OpenAIServer:
 
     def _render_chat(self, req: P.GenerateRequest) -> tuple[list[int], bool]:
         try:
-            ids = self.tokenizer.encode_chat(req.messages, add_generation_prompt=True, **req.chat_template_kwargs)
+            ids = self.tokenizer.encode_chat(req.messages, add_generation_prompt=True,
+                                             special_tokens_in_content=self.special_tokens_in_content,
+                                             **req.chat_template_kwargs)
             opens = self.reasoning and prompt_opens_reasoning(self.tokenizer.apply_chat_template(
                 req.messages, add_generation_prompt=True, **req.chat_template_kwargs))
         except (jinja2.TemplateError, ValueError, TypeError) as e:
@@ -197,12 +200,15 @@ class OpenAIServer:
 def create_app(engine, *, model_name: str, api_key: str | None = None, max_request_bytes: int = 1_000_000,
                reasoning: bool | None = None, manage_engine: bool = False,
                request_timeout: float | None = None, body_timeout: float = BODY_TIMEOUT_S,
-               max_in_flight: int = MAX_IN_FLIGHT, sse_keepalive: float = KEEPALIVE_S) -> Starlette:
+               max_in_flight: int = MAX_IN_FLIGHT, sse_keepalive: float = KEEPALIVE_S,
+               special_tokens_in_content: bool = False) -> Starlette:
     """reasoning: split <think> blocks into reasoning_content (None: when the chat template mentions <think>).
     manage_engine: start the engine at app startup and shut it down at exit (inside the server's event loop).
     request_timeout: seconds from arrival after which a generation is aborted (504, or an error event mid-stream).
     body_timeout: seconds for the whole request body to arrive (408). max_in_flight: requests at once (503).
     sse_keepalive: seconds between SSE comments while a stream waits for its first token (headers go at once).
+    special_tokens_in_content: let special-token text in chat message content become control tokens (default:
+    it is encoded as plain text, so a user cannot open a system turn).
     app.state.server.admission.drain(grace) starts a graceful shutdown (run.py calls it on SIGTERM)."""
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
@@ -210,7 +216,7 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_reque
     if not body_timeout > 0:
         raise ValueError(f"body_timeout must be > 0 seconds, got {body_timeout}")
     srv = OpenAIServer(engine, model_name, max_request_bytes, reasoning, request_timeout, api_key is not None,
-                       body_timeout, sse_keepalive)
+                       body_timeout, sse_keepalive, special_tokens_in_content)
 
     @asynccontextmanager
     async def lifespan(app):

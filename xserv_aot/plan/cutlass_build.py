@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Callable
 
 from xserv_aot.errors import XservError
+from xserv_aot.plan.nvrtc_build import KERNEL_DIR
 
 LIBRARY_NAME = "libxserv_gemm.so"
-SOURCE_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cutlass"
+SOURCE_DIR = KERNEL_DIR / "cutlass"
 # Index = the library's config argument; must match kernels/cutlass/gemm_sm90_configs.h (checked by the tests).
 GEMM_CONFIGS = (
     "sm90_bf16_128x128x64_c2x1_coop",

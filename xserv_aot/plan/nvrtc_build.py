@@ -10,7 +10,14 @@ from pathlib import Path
 
 from xserv_aot.errors import XservError
 
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
+def _kernel_dir() -> Path:
+    """The CUDA sources: installed as package data (xserv_aot/_kernels, from a wheel) or a checkout's kernels/."""
+    here = Path(__file__).resolve().parents[1]
+    installed, checkout = here / "_kernels", here.parent / "kernels"
+    return installed if installed.is_dir() else checkout
+
+
+KERNEL_DIR = _kernel_dir()
 KERNEL_SOURCES = ("elementwise.cu", "gemv.cu", "gemm_mma.cu", "gemm_skinny.cu", "rope_cache.cu", "attention_decode.cu",
                   "attention_prefill.cu", "sample.cu")
 SUPPORTED_TARGETS = ("sm_90a", "sm_90")
@@ -22,7 +29,11 @@ class KernelBuildError(XservError, ValueError):
 
 def nvrtc_version() -> str:
     from cuda.bindings import nvrtc
-    err, major, minor = nvrtc.nvrtcVersion()
+    try:
+        err, major, minor = nvrtc.nvrtcVersion()
+    except Exception as e:                           # noqa: BLE001  (the loader raises its own error types)
+        raise KernelBuildError(f"the NVRTC library cannot be loaded ({' '.join(str(e).split())[:200]}); "
+                               f"pip install 'xserv-aot[cuda]'") from None
     return f"{major}.{minor}"
 
 

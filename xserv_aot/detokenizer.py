@@ -5,9 +5,11 @@ Offsets into `ids` (invariant: prefix_offset <= read_offset <= len(ids)):
   ids[prefix_offset:read_offset]     context window decoded again so that context-dependent decoding
                                      (byte-level spaces, sentencepiece leading space) matches a full decode
 A delta is released only when the decoded window does not end in U+FFFD, i.e. no multi-byte character is
-still waiting for its remaining bytes. `flush` releases whatever is left.
+still waiting for its remaining bytes. `flush` releases the rest, except a character the ids end in the middle of.
 """
 from __future__ import annotations
+
+import codecs
 
 REPLACEMENT = "\ufffd"
 
@@ -39,11 +41,25 @@ class IncrementalDetokenizer:
         return full[len(prefix):]
 
     def flush(self) -> str:
-        """Release everything not yet emitted (including a trailing U+FFFD the full decode also has)."""
+        """Release everything not yet emitted, except a character whose bytes the ids end in the middle of (cut by
+        max_tokens or EOS: never completed, so never shown as U+FFFD) when the tokenizer can tell (token_bytes)."""
         if self._read_offset == len(self.ids):
             return ""
         text = self._tokenizer.decode(self.ids, skip_special_tokens=self._skip)
+        if text.endswith(REPLACEMENT) and self._ends_mid_character():
+            text = text[:-1]
         self._prefix_offset = self._read_offset = len(self.ids)
         delta = text[self._emitted_chars:]
         self._emitted_chars = len(text)
         return delta
+
+    def _ends_mid_character(self) -> bool:
+        token_bytes = getattr(self._tokenizer, "token_bytes", None)
+        return token_bytes is not None and ends_mid_character(token_bytes, self.ids[self._read_offset:])
+
+
+def ends_mid_character(token_bytes, ids: list[int]) -> bool:
+    """Whether the bytes of ids end inside a UTF-8 character (its remaining bytes would come from later tokens)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder.decode(b"".join(token_bytes(i) for i in ids), final=False)
+    return bool(decoder.getstate()[0])

@@ -50,6 +50,11 @@ _PRE_TOKENIZERS = {
 }
 
 
+# llama.cpp's LLAMA3 pre-tokenizer group: a pre-token that is itself in the vocabulary is one token (merges are not
+# applied to it), and BOS is added unless tokenizer.ggml.add_bos_token says otherwise (llama-vocab.cpp).
+_LLAMA3_GROUP = ("llama-bpe", "llama3", "llama-v3")
+
+
 def read_gguf_tokenizer_fields(path: Path) -> dict[str, Any]:
     """All `tokenizer.*` metadata of a GGUF file as plain Python values."""
     from gguf import GGUFReader
@@ -88,7 +93,8 @@ def build_gguf_tokenizer(path: Path) -> tuple[Backend, dict[str, Any]]:
 
     vocab = {tok: i for i, tok in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    llama3 = pre in _LLAMA3_GROUP
+    backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False, ignore_merges=llama3))
     make_norm, make_pre = _PRE_TOKENIZERS[pre]
     if make_norm is not None:
         backend.normalizer = make_norm()
@@ -112,7 +118,7 @@ def build_gguf_tokenizer(path: Path) -> tuple[Backend, dict[str, Any]]:
         "eos_token": token_of("eos_token_id"),
         "unk_token": token_of("unknown_token_id"),
         "pad_token": token_of("padding_token_id"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", llama3)),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "chat_template": meta.get("tokenizer.chat_template"),
         "eos_token_ids": [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")

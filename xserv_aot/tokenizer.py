@@ -104,6 +104,23 @@ def _template_message(i: int, message: Any) -> dict:
     return out
 
 
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's alphabet, inverted: printable Latin-1 bytes stand for themselves, the other bytes for
+    U+0100 onwards in byte order (GPT-2's mapping, used by every byte-level tokenizer)."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+BYTE_DECODER = _byte_decoder()
+
+
 def _message_strings(messages: list[dict]):
     """Every text a message carries into the template: content (or its text parts) and reasoning."""
     for m in messages:
@@ -157,6 +174,8 @@ class Tokenizer:
         self.all_special_ids: set[int] = named | added | set(self.eos_token_ids)
         self._template: jinja2.Template | None = None
         self._plain_backend: Backend | None = None
+        self._added_ids: set[int] | None = None      # lazy, for token_bytes
+        self._byte_level = False
         self._special_re = None                      # alternation of the special tokens' texts (lazy)
 
     def _special_id(self, key: str) -> int | None:
@@ -238,6 +257,18 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token i stands for (possibly part of a UTF-8 character); added tokens: their text."""
+        if self._added_ids is None:
+            self._added_ids = set(self._backend.get_added_tokens_decoder())
+            self._byte_level = "ByteLevel" in json.dumps(json.loads(self._backend.to_str()).get("decoder"))
+        piece = self._backend.id_to_token(int(i))
+        if piece is None:
+            raise TokenizerError(f"token id {i} is not in the vocabulary")
+        if int(i) in self._added_ids or not self._byte_level or any(c not in BYTE_DECODER for c in piece):
+            return self.decode([int(i)], skip_special_tokens=False).encode("utf-8")
+        return bytes(BYTE_DECODER[c] for c in piece)
 
     def id_to_token(self, i: int) -> str | None:
         return self._backend.id_to_token(int(i))

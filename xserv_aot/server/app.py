@@ -30,6 +30,7 @@ from xserv_aot.server.lifecycle import Admission
 from xserv_aot.server.metrics import ServerMetrics
 from xserv_aot.server.openapi import openapi_document
 from xserv_aot.server.reasoning import prompt_opens_reasoning, template_uses_thinking
+from xserv_aot.server.responses import TokenText
 from xserv_aot.server.streaming import (GONE, KEEPALIVE_S, Generation, Reply, SSEResponse, admitted, collect, events,
                                        until_disconnect)
 
@@ -96,6 +97,13 @@ class OpenAIServer:
     def _token_text(self, tid: int) -> str:
         return self.tokenizer.decode([tid], skip_special_tokens=False)
 
+    def _token_bytes(self, tid: int) -> bytes:
+        raw = getattr(self.tokenizer, "token_bytes", None)
+        return raw(tid) if raw is not None else self._token_text(tid).encode("utf-8")
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def _render_chat(self, req: P.GenerateRequest) -> tuple[list[int], bool]:
         try:
             ids = self.tokenizer.encode_chat(req.messages, add_generation_prompt=True,
@@ -131,7 +139,7 @@ class OpenAIServer:
         gen = Generation(self.engine, self.metrics, rid, ids, req.params, self.request_timeout,
                          self.admission.live)
         rp = Reply(req, rid, int(time.time()), self.model_name, len(ids), self.reasoning and req.kind == "chat",
-                   opens, self._token_text)
+                   opens, TokenText(self._token_text, self._token_bytes, self._decode))
         body = None
         try:
             first = await admitted(gen) if req.stream else await until_disconnect(request.receive, gen.next())

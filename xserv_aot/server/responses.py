@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
+from xserv_aot.detokenizer import REPLACEMENT, ends_mid_character
 from xserv_aot.engine.api import TokenLogprob
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
@@ -26,22 +28,41 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def chat_logprobs(lps: list[TokenLogprob], text_of: Callable[[int], str]) -> dict:
+@dataclass
+class TokenText:
+    """How a token id is shown in logprobs: its text, its real bytes (part of a character for some tokens), and
+    the decode of a whole output (the response text, to place text_offset)."""
+    text: Callable[[int], str]
+    bytes: Callable[[int], bytes]
+    decode: Callable[[list[int]], str]
+
+    def label(self, tid: int) -> str:
+        """The token's text, or `bytes:\\xNN...` when its bytes are not whole UTF-8 characters (OpenAI's form)."""
+        raw = self.bytes(tid)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def chat_logprobs(lps: list[TokenLogprob], tt: TokenText) -> dict:
     def entry(tid: int, lp: float) -> dict:
-        t = text_of(tid)
-        return {"token": t, "logprob": _lp(lp), "bytes": list(t.encode("utf-8"))}
+        return {"token": tt.text(tid), "logprob": _lp(lp), "bytes": list(tt.bytes(tid))}
     return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, l) for t, l in x.top]}
                         for x in lps]}
 
 
-def completion_logprobs(lps: list[TokenLogprob], text_of: Callable[[int], str], offset: int) -> dict:
-    tokens, offsets = [], []
+def completion_logprobs(lps: list[TokenLogprob], tt: TokenText, prior_ids: list[int]) -> dict:
+    """text_offset[i]: characters of the response text before token i (a token that finishes a character split
+    across tokens starts where that character does); prior_ids: the ids of earlier chunks of this response."""
+    ids, offsets = list(prior_ids), []
     for x in lps:
-        offsets.append(offset)
-        tokens.append(text_of(x.token_id))
-        offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [_lp(x.logprob) for x in lps],
-            "top_logprobs": [{text_of(t): _lp(l) for t, l in x.top} for x in lps], "text_offset": offsets}
+        before = tt.decode(ids) if ids else ""
+        cut = before.endswith(REPLACEMENT) and ends_mid_character(tt.bytes, ids)
+        offsets.append(len(before) - cut)
+        ids.append(x.token_id)
+    return {"tokens": [tt.label(x.token_id) for x in lps], "token_logprobs": [_lp(x.logprob) for x in lps],
+            "top_logprobs": [{tt.label(t): _lp(l) for t, l in x.top} for x in lps], "text_offset": offsets}
 
 
 def chat_response(rid: str, created: int, model: str, message: dict, logprobs: dict | None,

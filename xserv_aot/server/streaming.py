@@ -164,7 +164,7 @@ class Reply:
     n_prompt: int
     reasoning: bool                                  # split <think> blocks into reasoning_content (chat)
     opens: bool                                      # the prompt already opened a <think> block
-    token_text: Callable[[int], str]
+    tokens: R.TokenText
 
     @property
     def ids(self) -> dict:
@@ -188,14 +188,14 @@ async def collect(gen: Generation, rp: Reply, out: RequestOutput) -> dict:
         raise RuntimeError(f"engine error for {gen.rid}: {out.error}")
     want_lps = req.params.logprobs is not None
     if req.kind == "completion":
-        lp = R.completion_logprobs(lps, rp.token_text, 0) if want_lps else None
+        lp = R.completion_logprobs(lps, rp.tokens, []) if want_lps else None
         return R.completion_response(**rp.ids, text="".join(text), logprobs=lp, finish_reason=out.finish_reason,
                                      usage_=rp.usage(out))
     message = {"content": "".join(text)}
     if rp.reasoning:
         reasoning, content = split_reasoning(message["content"], rp.opens)
         message = {"content": content if content or reasoning is None else None, "reasoning_content": reasoning}
-    lp = R.chat_logprobs(lps, rp.token_text) if want_lps else None
+    lp = R.chat_logprobs(lps, rp.tokens) if want_lps else None
     return R.chat_response(**rp.ids, message=message, logprobs=lp, finish_reason=out.finish_reason,
                            usage_=rp.usage(out))
 
@@ -217,7 +217,7 @@ async def events(gen: Generation, rp: Reply, out, keepalive: float = KEEPALIVE_S
     req = rp.req
     chat, with_usage, want = req.kind == "chat", req.include_usage, req.params.logprobs is not None
     parser = ReasoningParser(rp.opens) if chat and rp.reasoning else None
-    pending, offset = [], 0
+    pending, emitted = [], []                          # logprobs not yet sent; ids of those sent
     if chat:
         yield sse(R.chat_chunk(**rp.ids, delta={"role": "assistant", "content": ""}, with_usage=with_usage))
     try:
@@ -239,14 +239,14 @@ async def events(gen: Generation, rp: Reply, out, keepalive: float = KEEPALIVE_S
             if r or c or done:
                 if chat:
                     delta = {k: v for k, v in (("reasoning_content", r), ("content", c)) if v}
-                    lp = R.chat_logprobs(pending, rp.token_text) if want else None
+                    lp = R.chat_logprobs(pending, rp.tokens) if want else None
                     chunk = R.chat_chunk(**rp.ids, delta=delta, logprobs=lp, finish_reason=out.finish_reason,
                                          with_usage=with_usage)
                 else:
-                    lp = R.completion_logprobs(pending, rp.token_text, offset) if want else None
+                    lp = R.completion_logprobs(pending, rp.tokens, emitted) if want else None
                     chunk = R.completion_chunk(**rp.ids, text=c, logprobs=lp, finish_reason=out.finish_reason,
                                                with_usage=with_usage)
-                    offset += len(c)
+                    emitted += [x.token_id for x in pending]
                 pending = []
                 yield sse(chunk)
             if done:

@@ -39,3 +39,50 @@ def smollm2_plan(smollm2_gguf, tmp_path_factory) -> Path:
                         dtype="float32", target="cpu")
     compile_plan(smollm2_gguf, out, build)
     return out
+
+
+# ---- recorded seeds for every random test ----
+# Each test (or fixture) that draws random inputs takes `seed` (or calls `seed_for(key)`): the run's base seed mixed
+# with a stable key, so `pytest --seed BASE` reruns exactly; the base seed is in the header and in every failure.
+
+def pytest_addoption(parser):
+    parser.addoption("--seed", type=int, default=None, help="base seed of the random tests (default: a fresh one)")
+
+
+def pytest_configure(config):
+    import random
+    given = config.getoption("--seed")
+    config.xserv_base_seed = given if given is not None else random.SystemRandom().randrange(2**32)
+
+
+def pytest_report_header(config):
+    return f"random tests: base seed {config.xserv_base_seed} (rerun with --seed {config.xserv_base_seed})"
+
+
+def derive_seed(base: int, key: str) -> int:
+    import zlib
+    return (base * 0x9E3779B1 + zlib.crc32(key.encode())) % 2**32
+
+
+@pytest.fixture
+def seed(request) -> int:
+    s = derive_seed(request.config.xserv_base_seed, request.node.nodeid)
+    request.node.xserv_seeds = [*getattr(request.node, "xserv_seeds", []), s]
+    return s
+
+
+@pytest.fixture(scope="session")
+def seed_for(request):
+    """For module/session fixtures: seed_for(key) -> the seed of that key in this run."""
+    return lambda key: derive_seed(request.config.xserv_base_seed, key)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed:
+        base = item.config.xserv_base_seed
+        own = getattr(item, "xserv_seeds", [])
+        rep.sections.append(("random seed", f"test seed {own[0] if own else '-'}; base seed {base} "
+                                            f"(rerun with --seed {base})"))

@@ -3,8 +3,9 @@
 FakeRunner keeps a KV pool of token ids (and their positions) of shape [num_blocks * block_size]. Each step it
 writes every input token at its slot_mapping entry, then reads each sequence's whole context back ONLY through
 block_tables/seq_lens; its logits are a deterministic function of that context (normal noise seeded by a hash
-of it), and sampled_ids follow the plan's `sample` op on those logits. So a wrong block table, slot mapping,
-prefix-cache reuse or preemption bug changes the generated tokens. It also asserts the batch contract.
+of it), and sampled_ids follow the plan's `sample` op on those logits, drawn by the independent float64 reference
+of tests/ref_sampling.py (never the engine's sampler). So a wrong block table, slot mapping, prefix-cache reuse,
+preemption or sampler bug changes the generated tokens. It also asserts the batch contract.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import numpy as np
 
 from xserv_aot.config import BuildConfig
 from xserv_aot.engine.api import SamplingParams
-from xserv_aot.engine.sampler import draw, sample_token
+from tests.ref_sampling import ref_draw, ref_sample_token
+from xserv_aot.engine.sampler import MIN_TEMPERATURE
 from xserv_aot.runtime.batch import BatchDescription, StepResult
 
 
@@ -32,9 +34,10 @@ def reference_generate(prompt: list[int], params: SamplingParams, seed: int, voc
     while len(out) < params.max_tokens:
         logits = context_logits(prompt + out, vocab_size)
         if params.needs_host_sampling:
-            tok, _ = sample_token(logits, params, prompt, out, seed, len(out))
+            tok, _, _ = ref_sample_token(logits.tolist(), params, prompt, out, seed, len(out), MIN_TEMPERATURE)
         else:
-            tok = draw(logits, params.temperature, params.top_k, params.top_p, 0.0, seed, len(out))
+            t = params.temperature if params.temperature >= MIN_TEMPERATURE else 0.0
+            tok = ref_draw(logits.tolist(), t, params.top_k, params.top_p, 0.0, seed, len(out))
         out.append(tok)
         if (tok in eos_token_ids and not params.ignore_eos) or tok in params.stop_token_ids:
             break
@@ -95,8 +98,8 @@ class FakeRunner:
             assert (self.kv_pos[slots] == p).all(), f"seq {i}: KV pool holds positions {self.kv_pos[slots]}"
             row = context_logits(self.kv_tokens[slots].tolist(), self.vocab_size)
             logits.append(row)
-            sampled.append(draw(row, batch.temperature[i], batch.top_k[i], batch.top_p[i], 0.0,
-                                batch.seeds[i], batch.sample_offsets[i]))
+            sampled.append(ref_draw(row.tolist(), batch.temperature[i], batch.top_k[i], batch.top_p[i], 0.0,
+                                    batch.seeds[i], batch.sample_offsets[i]))
         return StepResult(np.asarray(sampled, dtype=np.int32),
                           np.stack(logits) if batch.need_logits else None)
 

@@ -44,9 +44,10 @@ def test_allocate_append_free_exact_ids():
     assert bm.num_free_blocks == 8 and all(r == 0 for r in bm.ref_counts)
 
 
-def test_prefix_hit_reuses_exact_blocks_and_counts_refs():
+def test_prefix_hit_reuses_exact_blocks_and_counts_refs(seed):
     bm = BlockManager(10, 4)
-    prompt = [random.randrange(1000) for _ in range(12)]
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1000) for _ in range(12)]
     a = mkseq(prompt, "a")
     bm.allocate(a)
     assert a.block_table == [0, 1, 2] and a.num_computed_tokens == 0

@@ -58,9 +58,8 @@ def assert_matches_hf(model_dir: Path, *, expect_dtype: str) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("sharded", [False, True])
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
-def test_tiny_models_match_transformers(tmp_path, arch, sharded, dtype):
+def test_tiny_models_match_transformers(tmp_path, arch, sharded, dtype, seed):
     tie = sharded != (dtype == "bfloat16")
-    seed = int(np.random.SeedSequence().generate_state(1)[0] % 10_000)
     d = make_tiny_model(tmp_path / "m", arch, sharded=sharded, dtype=dtype, tie=tie, seed=seed)
     if sharded:
         assert len(list(d.glob("*.safetensors"))) >= 2 and (d / "model.safetensors.index.json").is_file()
@@ -83,12 +82,12 @@ def test_llama3_rope_scaling(tmp_path):
         assert config.rope_scaling[key] == LLAMA3_ROPE[key]
 
 
-def test_independent_safetensors_writer(tmp_path):
+def test_independent_safetensors_writer(tmp_path, seed):
     """A checkpoint written by the safetensors package itself (not transformers) reads back bit-exactly."""
     from safetensors.numpy import save_file
 
     d = make_tiny_model(tmp_path / "m", "qwen3")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     fp16 = {"extra.half": rng.standard_normal((3, 5)).astype(np.float16),
             "extra.single": rng.standard_normal((7,)).astype(np.float32)}
     save_file(fp16, d / "model.safetensors", metadata={"format": "np"})

@@ -35,8 +35,8 @@ def no_plan_left(parent: Path, name: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("hf") / "tiny", "qwen3", seed=int(np.random.default_rng().integers(1 << 30)))
+def tiny(tmp_path_factory, seed_for) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("hf") / "tiny", "qwen3", seed=seed_for("test_cli.tiny"))
 
 
 def test_compile_inspect(tiny, tmp_path):

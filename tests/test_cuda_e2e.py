@@ -52,7 +52,7 @@ def make_model(out: Path, shape: dict, seed: int) -> Path:
 
 
 @pytest.mark.parametrize("shape", [SMALL, QWEN3_8B_2L], ids=["small", "qwen3-8b-2layers"])
-def test_logits_match_hf_over_prompt_and_64_decode_steps(tmp_path, shape):
+def test_logits_match_hf_over_prompt_and_64_decode_steps(tmp_path, shape, seed):
     gpu_or_skip()
     import torch
     from xserv_aot.config import BuildConfig
@@ -60,7 +60,7 @@ def test_logits_match_hf_over_prompt_and_64_decode_steps(tmp_path, shape):
     from xserv_aot.runtime.cuda.runner import CudaRunner
     from xserv_aot.runtime.session import Session
 
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     hf = make_model(tmp_path / "hf", shape, int(rng.integers(1 << 30)))
     plan = compile_plan(tmp_path / "hf", tmp_path / "plan", BuildConfig(**BUILD))
     prompt = rng.integers(3, shape["vocab_size"], 100).tolist()      # prefill chunks of 64 + 36

@@ -15,11 +15,11 @@ def engine(runner):  # noqa: F811
     return LLMEngine(runner, None, seed=0)
 
 
-def test_single_request_equals_session(runner):  # noqa: F811
+def test_single_request_equals_session(runner, seed):  # noqa: F811
     """One greedy request through the engine runs the same buckets as Session: identical tokens."""
     from xserv_aot.engine.api import SamplingParams
     from xserv_aot.runtime.session import Session
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     prompt = rng.integers(3, SHAPE["vocab_size"], size=40).tolist()
     runner.reset_kv()
     want, _ = Session(runner).greedy(prompt, 24)
@@ -28,9 +28,9 @@ def test_single_request_equals_session(runner):  # noqa: F811
     assert got.new_token_ids == want
 
 
-def test_concurrent_requests_finish_and_free_blocks(runner):  # noqa: F811
+def test_concurrent_requests_finish_and_free_blocks(runner, seed):  # noqa: F811
     from xserv_aot.engine.api import SamplingParams
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, SHAPE["vocab_size"], size=int(n)).tolist() for n in rng.integers(5, 90, size=10)]
     eng = engine(runner)
     params = [SamplingParams(max_tokens=int(rng.integers(4, 30)), temperature=float(t), top_p=0.9, seed=i,

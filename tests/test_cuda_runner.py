@@ -19,7 +19,7 @@ def rel_err(a, b) -> float:
 
 
 @pytest.fixture(scope="module")
-def plan(tmp_path_factory):
+def plan(tmp_path_factory, seed_for):
     from xserv_aot.runtime.select import gpu_available
     if not gpu_available():
         pytest.skip("no CUDA GPU")
@@ -27,7 +27,7 @@ def plan(tmp_path_factory):
     from xserv_aot.config import BuildConfig
     from xserv_aot.plan.builder import compile_plan
     tmp = tmp_path_factory.mktemp("cuda_runner")
-    seed = int(np.random.default_rng().integers(1 << 30))
+    seed = seed_for("test_cuda_runner.plan")
     model_dir = make_tiny_model(tmp / "hf", "qwen3", seed=seed, **SHAPE)
     return compile_plan(model_dir, tmp / "plan", BuildConfig(**BUILD))
 
@@ -60,9 +60,9 @@ def forced_logits(runner, prompt, forced):
     return np.array(out)
 
 
-def test_matches_numpy_backend(plan, runner):
+def test_matches_numpy_backend(plan, runner, seed):
     from xserv_aot.runtime.numpy_backend import NumpyRunner
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     prompt = rng.integers(3, SHAPE["vocab_size"], 100).tolist()     # two prefill chunks (64 + 36)
     forced = rng.integers(3, SHAPE["vocab_size"], 12).tolist()
     runner.reset_kv()
@@ -74,8 +74,8 @@ def test_matches_numpy_backend(plan, runner):
     assert max(errs) <= 2e-2, errs
 
 
-def test_graph_replay_equals_eager_bitwise(runner):
-    rng = np.random.default_rng()
+def test_graph_replay_equals_eager_bitwise(runner, seed):
+    rng = np.random.default_rng(seed)
     prompt = rng.integers(3, SHAPE["vocab_size"], 70).tolist()
     forced = rng.integers(3, SHAPE["vocab_size"], 8).tolist()
     runner.reset_kv()
@@ -85,9 +85,9 @@ def test_graph_replay_equals_eager_bitwise(runner):
     np.testing.assert_array_equal(graph, eager)
 
 
-def test_batched_sequences_are_independent(runner):
+def test_batched_sequences_are_independent(runner, seed):
     from xserv_aot.runtime.session import Session
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, SHAPE["vocab_size"], n).tolist() for n in (5, 19, 3)]
     alone = []
     for p in prompts:
@@ -104,11 +104,11 @@ def test_batched_sequences_are_independent(runner):
     assert [outs[k] for k in range(3)] == alone
 
 
-def test_device_sampling_matches_numpy_sampler(plan, runner):
+def test_device_sampling_matches_numpy_sampler(plan, runner, seed):
     """Seeded temperature/top-k/top-p sampling on the device picks what the NumPy sampler picks."""
     from xserv_aot.runtime import numpy_ops
     from xserv_aot.runtime.session import Session
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     runner.reset_kv()
     s = Session(runner, num_seqs=4)
     prompts = {k: rng.integers(3, SHAPE["vocab_size"], 9).tolist() for k in range(4)}

@@ -82,10 +82,8 @@ def test_host_side_validation_without_gpu(built):
 
 def test_rebuild_is_a_cache_hit(built, tmp_path):
     _, info, log = built
-    t0 = time.monotonic()
     log2: list[str] = []
     again = cb.build_gemm_library(tmp_path, progress=log2.append)
-    assert time.monotonic() - t0 < 10
     assert again["hash"] == info["hash"] and again["build_key"] == info["build_key"]
     assert any("cached" in m for m in log2)
 

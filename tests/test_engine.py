@@ -296,14 +296,20 @@ def test_async_engine_concurrent_generate():
     assert ae.stats().kv_blocks_used == 0 and ae.stats().healthy
 
 
-class SlowRunner(FakeRunner):
+class SteppedRunner(FakeRunner):
+    """Runs one step per release() (lockstep with the test: no timing)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.steps = threading.Semaphore(0)
+
     def run(self, batch):
-        time.sleep(0.005)
+        assert self.steps.acquire(timeout=30)
         return super().run(batch)
 
 
 def test_async_cancel_aborts_and_frees():
-    runner = SlowRunner(mkbuild(), VOCAB)
+    runner = SteppedRunner(mkbuild(), VOCAB)
     ae = AsyncEngine(mkengine(runner=runner))
     ae.start()
 
@@ -314,21 +320,23 @@ def test_async_cancel_aborts_and_frees():
             async for _ in ae.generate("long", list(range(20)), SamplingParams(max_tokens=70, ignore_eos=True)):
                 got.set()
         task = asyncio.create_task(consume())
+        for _ in range(3):                          # prefill chunks + first decode
+            runner.steps.release()
         await got.wait()
         assert ae.stats().kv_blocks_used > 0
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await task
-        for _ in range(200):
-            s = ae.stats()
-            if s.num_running == 0 and s.kv_blocks_used == 0:
-                return True
-            await asyncio.sleep(0.01)
-        return False
+            await task                              # the abort is queued to the engine now
+        ran = len(runner.batches)
+        for _ in range(5):
+            runner.steps.release()                  # more steps than the abort needs
+        while (s := ae.stats()).num_running or s.kv_blocks_used:
+            await asyncio.sleep(0.01)               # the event: the engine reports it freed everything
+        return ran
 
     try:
-        assert asyncio.run(main())
-        assert len(runner.batches) < 60            # aborted long before max_tokens
+        ran = asyncio.run(asyncio.wait_for(main(), 60))
+        assert len(runner.batches) <= ran + 1       # at most the step already running when the abort arrived
     finally:
         ae.shutdown()
 
@@ -383,13 +391,20 @@ def test_async_queue_full_too_long_and_error_recovery():
 
 
 def test_async_shutdown_ends_open_requests():
-    ae = AsyncEngine(mkengine(runner=SlowRunner(mkbuild(), VOCAB)))
+    runner = SteppedRunner(mkbuild(), VOCAB)
+    ae = AsyncEngine(mkengine(runner=runner))
     ae.start()
 
     async def main():
         agen = ae.generate("r", [1, 2, 3], SamplingParams(max_tokens=90, ignore_eos=True))
+        runner.steps.release()
         await anext(agen)
-        await asyncio.get_running_loop().run_in_executor(None, ae.shutdown)
+        stopping = asyncio.get_running_loop().run_in_executor(None, ae.shutdown)
+        while not ae._stop.is_set():               # shutdown has begun before the engine may step again
+            await asyncio.sleep(0.01)
+        for _ in range(10):
+            runner.steps.release()
+        await stopping
         rest = [o async for o in agen]
         return rest
 
@@ -399,7 +414,7 @@ def test_async_shutdown_ends_open_requests():
         asyncio.run(anext(ae.generate("r2", [1], SamplingParams())))
 
 
-def test_engine_on_the_numpy_backend_matches_a_solo_session(tmp_path):
+def test_engine_on_the_numpy_backend_matches_a_solo_session(tmp_path, seed):
     """The same engine on the real plan runner: concurrent, prefix-sharing greedy requests == one at a time."""
     tiny = pytest.importorskip("tests.tiny_models")
     from xserv_aot.plan.builder import compile_plan
@@ -409,7 +424,7 @@ def test_engine_on_the_numpy_backend_matches_a_solo_session(tmp_path):
     model_dir = tiny.make_tiny_model(tmp_path / "hf", "qwen3", sharded=False, seed=3)
     plan = compile_plan(model_dir, tmp_path / "plan", mkbuild(prefill_buckets=[8, 16], max_seq_len=64,
                                                               num_blocks=24, dtype="float32"))
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     shared = rng.integers(3, 256, 11).tolist()
     prompts = [shared + rng.integers(3, 256, n).tolist() for n in (1, 9, 20, 3, 14)]
     eng = LLMEngine(NumpyRunner(plan), None)

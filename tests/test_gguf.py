@@ -185,8 +185,8 @@ def _one_line_error(exc_info, *must_contain: str) -> str:
 # ---- tests ----
 
 @pytest.mark.parametrize("qtype", list(QUANTS))
-def test_dequant_matches_float64_reference(tmp_path, qtype):
-    rng = np.random.default_rng()
+def test_dequant_matches_float64_reference(tmp_path, qtype, seed):
+    rng = np.random.default_rng(seed)
     ref, bs, _, _ = QUANTS[qtype]
     rows, cols = 3, 2 * max(bs, 256)
     blocks = random_blocks(rng, qtype, rows, cols)
@@ -201,8 +201,8 @@ def test_dequant_matches_float64_reference(tmp_path, qtype):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
 
 
-def test_bf16_tensor(tmp_path):
-    rng = np.random.default_rng()
+def test_bf16_tensor(tmp_path, seed):
+    rng = np.random.default_rng(seed)
     vals = rng.standard_normal((4, 8)).astype(np.float32)
     bits = (vals.view(np.uint32) >> 16).astype(np.uint16)
     path = _write(tmp_path / "b.gguf", "qwen3", {"qwen3.block_count": 1, "qwen3.embedding_length": 8,
@@ -215,8 +215,7 @@ def test_bf16_tensor(tmp_path):
 
 @pytest.mark.parametrize("arch, tie, half", [("qwen3", False, False), ("qwen3", True, True),
                                              ("qwen2", True, False), ("llama", False, True), ("llama", True, False)])
-def test_round_trip_from_hf(tmp_path, arch, tie, half):
-    seed = int(np.random.SeedSequence().generate_state(1)[0] % 10_000)
+def test_round_trip_from_hf(tmp_path, arch, tie, half, seed):
     d = make_tiny_model(tmp_path / "hf", arch, tie=tie, seed=seed)
     path, model, state = hf_to_gguf(d, tmp_path / "m.gguf", arch, half)
     hf = model.config
@@ -266,7 +265,7 @@ def smollm2_transformers(smollm2):
     return config, loaded["tensors"]
 
 
-def test_smollm2_matches_transformers(smollm2_ours, smollm2_transformers):
+def test_smollm2_matches_transformers(smollm2_ours, smollm2_transformers, seed):
     hf_config, hf_tensors = smollm2_transformers
     config, tensors, fmt = smollm2_ours
     assert fmt == "gguf"
@@ -281,7 +280,7 @@ def test_smollm2_matches_transformers(smollm2_ours, smollm2_transformers):
     assert config.bos_token_id == hf_config.bos_token_id and hf_config.eos_token_id in config.eos_token_ids
     assert set(tensors.names()) == set(hf_tensors)
 
-    layer = int(np.random.default_rng().integers(1, 30))
+    layer = int(np.random.default_rng(seed).integers(1, 30))
     names = ["model.embed_tokens.weight", "model.norm.weight"] + [
         f"model.layers.{i}.{m}" for i in (0, layer) for m in (
             "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -320,9 +319,9 @@ def test_truncated_gguf(tmp_path, tiny_gguf, keep):
     _one_line_error(e, str(cut))
 
 
-def test_not_a_gguf(tmp_path):
+def test_not_a_gguf(tmp_path, seed):
     bad = tmp_path / "bad.gguf"
-    bad.write_bytes(np.random.default_rng().integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    bad.write_bytes(np.random.default_rng(seed).integers(0, 256, 4096, dtype=np.uint8).tobytes())
     with pytest.raises(CheckpointError) as e:
         open_checkpoint(bad)
     _one_line_error(e, str(bad), "not a GGUF file")

@@ -36,8 +36,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("arch,sharded,extra", CASES, ids=[f"{a}-{'sharded' if s else 'single'}" for a, s, _ in CASES])
-def test_prefill_and_decode_match_hf(tmp_path, arch, sharded, extra):
-    rng = np.random.default_rng()
+def test_prefill_and_decode_match_hf(tmp_path, arch, sharded, extra, seed):
+    rng = np.random.default_rng(seed)
     seed = int(rng.integers(1 << 30))
     model_dir = make_tiny_model(tmp_path / "hf", arch, sharded=sharded, seed=seed, **extra)
     plan = compile_plan(model_dir, tmp_path / "plan", BuildConfig(**BUILD))
@@ -58,9 +58,9 @@ def test_prefill_and_decode_match_hf(tmp_path, arch, sharded, extra):
     assert tokens == [int(np.argmax(r)) for r in ref]
 
 
-def test_batched_sequences_are_independent(tmp_path):
+def test_batched_sequences_are_independent(tmp_path, seed):
     """Three sequences in one batch (mixed prefill + decode rows) give the logits each gives alone."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     model_dir = make_tiny_model(tmp_path / "hf", "qwen3", seed=int(rng.integers(1 << 30)))
     plan = compile_plan(model_dir, tmp_path / "plan", BuildConfig(**BUILD))
     prompts = [rng.integers(3, 256, size=n).tolist() for n in (5, 9, 3)]
@@ -75,8 +75,8 @@ def test_batched_sequences_are_independent(tmp_path):
     assert [outs[k] for k in range(3)] == alone
 
 
-def test_bf16_plan_close_to_hf(tmp_path):
-    rng = np.random.default_rng()
+def test_bf16_plan_close_to_hf(tmp_path, seed):
+    rng = np.random.default_rng(seed)
     model_dir = make_tiny_model(tmp_path / "hf", "qwen3", seed=int(rng.integers(1 << 30)))
     plan = compile_plan(model_dir, tmp_path / "plan", BuildConfig(**{**BUILD, "dtype": "bfloat16"}))
     prompt = rng.integers(3, 256, size=12).tolist()

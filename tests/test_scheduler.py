@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import zlib
 
 from xserv_aot.config import BuildConfig
 from xserv_aot.engine.api import SamplingParams
@@ -17,7 +18,8 @@ def mkbuild(**kw) -> BuildConfig:
 
 
 def mkseq(n, rid, params=None, seed=0):
-    return Sequence(rid, [random.randrange(1000) for _ in range(n)], params or SamplingParams(), seed=seed)
+    rng = random.Random(zlib.crc32(rid.encode()))      # distinct prompts, fixed by the request id
+    return Sequence(rid, [rng.randrange(1000) for _ in range(n)], params or SamplingParams(), seed=seed)
 
 
 def step(sched, token=7):

@@ -90,7 +90,7 @@ def test_drain_lets_short_requests_finish_and_aborts_the_rest():
         assert_draining(url)
         assert httpx.get(url + "/metrics", timeout=10).status_code == 200
         reason, text = short.finish()
-        assert reason == "length" and len(text) == 30 and short.ended_at - t0 < grace
+        assert reason == "length" and len(text) == 30         # not aborted: it finished inside the grace
         reason, text = long.finish()
         assert reason == "abort" and 0 < len(text) < 2000
         assert long.ended_at - t0 >= grace * 0.9
@@ -104,13 +104,12 @@ def test_drain_lets_short_requests_finish_and_aborts_the_rest():
 
 def test_drain_with_nothing_in_flight_stops_at_once():
     eng = FakeEngine()
-    srv = LiveServer(create_app(eng, model_name="m", manage_engine=True), shutdown_grace=30)
+    srv = LiveServer(create_app(eng, model_name="m", manage_engine=True), shutdown_grace=600)
     with srv as url:
         assert httpx.get(url + "/health", timeout=10).status_code == 200
-        t0 = time.monotonic()
         srv.begin_shutdown()
-        srv.thread.join(15)
-        assert not srv.thread.is_alive() and time.monotonic() - t0 < 5
+        srv.thread.join(120)                                      # far less than the 600 s grace
+        assert not srv.thread.is_alive()
     assert not eng.started                                        # the lifespan shut the engine down
 
 
@@ -139,7 +138,9 @@ def plan(tmp_path_factory):
 
 
 def test_sigterm_mid_stream_ends_streams_and_exits_0(plan, tmp_path):
-    port, grace = free_port(), 1.0
+    """Waits on events only: the drain is seen (503) inside a grace far longer than the test, then a second SIGTERM
+    ends the grace, the stream ends with "abort" and the process exits 0."""
+    port, grace = free_port(), 600.0
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "xserv_aot.cli", "serve", str(plan), "--backend", "cpu",
@@ -157,9 +158,11 @@ def test_sigterm_mid_stream_ends_streams_and_exits_0(plan, tmp_path):
         long.start()
         long.wait_for_chunks(4)
         proc.send_signal(signal.SIGTERM)
-        assert wait_until(lambda: httpx.get(url + "/health", timeout=5).status_code == 503, timeout=grace)
+        assert wait_until(lambda: httpx.get(url + "/health", timeout=5).status_code == 503, timeout=120)
         assert_draining(url)
-        reason, text = long.finish()
+        assert long.is_alive()                                    # in flight, inside its grace
+        proc.send_signal(signal.SIGTERM)                          # the second one ends the grace
+        reason, text = long.finish(timeout=120)
         assert reason == "abort" and text
         assert proc.wait(timeout=60) == 0
     finally:
@@ -172,17 +175,16 @@ def test_sigterm_mid_stream_ends_streams_and_exits_0(plan, tmp_path):
 
 
 def test_second_shutdown_request_skips_the_grace():
-    eng = FakeEngine(step_s=0.01, max_seq_len=4096)
-    srv = LiveServer(create_app(eng, model_name="m"), shutdown_grace=60)
+    eng = FakeEngine(step_s=0.01, max_seq_len=200_000)
+    srv = LiveServer(create_app(eng, model_name="m"), shutdown_grace=600)
     with srv as url:
-        long = Stream(url, {"prompt": "long", "max_tokens": 2000, "ignore_eos": True})
+        long = Stream(url, {"prompt": "long", "max_tokens": 100000, "ignore_eos": True})
         long.start()
         long.wait_for_chunks(3)
-        t0 = time.monotonic()
         srv.begin_shutdown()
         assert wait_until(lambda: httpx.get(url + "/health", timeout=10).status_code == 503)
         srv.begin_shutdown()                                      # like a second Ctrl-C
-        reason, _ = long.finish()
-        assert reason == "abort" and long.ended_at - t0 < 5       # not the 60 s grace
+        reason, _ = long.finish(timeout=120)
+        assert reason == "abort"                                  # ended long before the 600 s grace
         srv.thread.join(15)
         assert not srv.thread.is_alive()

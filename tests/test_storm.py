@@ -108,11 +108,11 @@ def vanish(port: int, mode: str, body: dict, seed: int) -> tuple[int, bool]:
         s.close()
 
 
-def test_disconnect_storm_leaves_nothing_behind(server, plan):
+def test_disconnect_storm_leaves_nothing_behind(server, plan, seed):
     ae, url = server
     port = int(url.rsplit(":", 1)[1])
     tok = ae.tokenizer
-    rng = random.Random()
+    rng = random.Random(seed)
     texts = prompts(40)
     modes = ["at_once", "half_body", "queued", "mid_stream", "reset"]
     before = scrape(url)

@@ -101,9 +101,7 @@ def smol(assets):
 
 
 @pytest.fixture
-def rng() -> random.Random:
-    seed = random.SystemRandom().randrange(2**32)
-    print(f"random seed {seed}")
+def rng(seed) -> random.Random:
     return random.Random(seed)
 
 

@@ -10,7 +10,8 @@ seeded draw.
 - the draw follows the plan's `sample` op exactly (docs/plan-format.md): most-likely-first order with ties to the
   lower id; top_k then top_p on the renormalized top-k mass; min_p keeps ids with p >= min_p * max p;
   u = uniform(seed, offset), offset = tokens generated so far, so a seeded request gives the same tokens in any
-  batch and whether it is sampled here or on the device.
+  batch. Computed in float64 here, so a row whose u lies within rounding of a cumulative-mass boundary can pick a
+  neighbouring token compared with the float32 device kernel (docs/architecture.md).
 """
 from __future__ import annotations
 

@@ -51,6 +51,12 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if sockets and self.started:                 # uvicorn logs its address only for sockets it binds itself
+            host, port = sockets[0].getsockname()[:2]
+            log.info("running on http://%s:%d (Press CTRL+C to quit)", f"[{host}]" if ":" in host else host, port)
+
     def handle_exit(self, sig: int, frame) -> None:
         log.info("received %s", signal.Signals(sig).name)
         self.request_shutdown()

@@ -55,10 +55,10 @@ def qk_norm_rope_cache(qkv, positions, slot_mapping, q_norm, k_norm, cos, sin, k
     pos = np.asarray(positions, dtype=np.int64)
     c, s = cos[pos].astype(np.float32, copy=False), sin[pos].astype(np.float32, copy=False)
     q, k = rope(q, c, s), rope(k, c, s)
-    for r, slot in enumerate(np.asarray(slot_mapping)):
-        if slot >= 0:
-            kv_layer[0, slot] = k[r]
-            kv_layer[1, slot] = v[r]
+    slots = np.asarray(slot_mapping, dtype=np.int64)
+    write = slots >= 0
+    kv_layer[0, slots[write]] = k[write]
+    kv_layer[1, slots[write]] = v[write]
     return q
 
 
@@ -75,18 +75,19 @@ def attention(q, kv_layer, query_start_loc, seq_lens, block_tables, block_size, 
             continue
         p = np.arange(ctx)
         slots = np.asarray(block_tables[i])[p // block_size] * block_size + p % block_size
-        k = kv_layer[0, slots].astype(np.float32, copy=False)                          # [ctx, nkv, hd]
-        v = kv_layer[1, slots].astype(np.float32, copy=False)
-        k = np.repeat(k, group, axis=1)                                    # [ctx, nh, hd]
-        v = np.repeat(v, group, axis=1)
-        qi = q[qs:qe].astype(np.float32, copy=False)                                   # [n, nh, hd]
-        scores = np.einsum("qhd,khd->hqk", qi, k) * np.float32(scale)     # [nh, n, ctx]
+        k = kv_layer[0, slots].astype(np.float32, copy=False).transpose(1, 2, 0)       # [nkv, hd, ctx]
+        v = kv_layer[1, slots].astype(np.float32, copy=False).transpose(1, 0, 2)       # [nkv, ctx, hd]
+        # query head h reads kv head h // group: stack each kv head's query heads as rows [nkv, group * n, hd]
+        qi = q[qs:qe].astype(np.float32, copy=False).reshape(n, nkv, group, hd).transpose(1, 2, 0, 3)
+        scores = (qi.reshape(nkv, group * n, hd) @ k).reshape(nkv, group, n, ctx)
+        scores *= np.float32(scale)
         qpos = ctx - n + np.arange(n)
-        scores = np.where(p[None, None, :] <= qpos[None, :, None], scores, -np.inf)
-        scores = scores - scores.max(axis=-1, keepdims=True)
-        probs = np.exp(scores)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        out[qs:qe] = np.einsum("hqk,khd->qhd", probs, v).reshape(n, nh * hd)
+        scores[:, :, p[None, :] > qpos[:, None]] = -np.inf                             # causal
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        o = scores.reshape(nkv, group * n, ctx) @ v                                    # [nkv, group * n, hd]
+        out[qs:qe] = o.reshape(nkv, group, n, hd).transpose(2, 0, 1, 3).reshape(n, nh * hd)
     return out
 
 

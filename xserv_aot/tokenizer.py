@@ -6,7 +6,6 @@ config.json]) or from a GGUF file's embedded metadata; `save` writes a directory
 from __future__ import annotations
 
 import json
-import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as Backend
 
 from xserv_aot.errors import XservError
+from xserv_aot.special_text import BYTE_DECODER, REASONING_KEYS, special_pattern, special_text_spans
 
 
 class TokenizerError(XservError, ValueError):
@@ -26,7 +26,6 @@ class TokenizerError(XservError, ValueError):
 
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
-_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 _RENDER_ERRORS = (jinja2.TemplateError, TypeError, ValueError, AttributeError, KeyError, IndexError)
 
 
@@ -98,43 +97,10 @@ def _template_message(i: int, message: Any) -> dict:
     if not isinstance(message, dict):
         raise TokenizerError(f"chat message {i} is a {type(message).__name__}, expected a dict")
     out = {k: v for k, v in message.items() if v is not None}
-    reasoning = next((out[k] for k in _REASONING_KEYS if k in out), None)
+    reasoning = next((out[k] for k in REASONING_KEYS if k in out), None)
     if reasoning is not None:
         out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
     return out
-
-
-def _byte_decoder() -> dict[str, int]:
-    """Byte-level BPE's alphabet, inverted: printable Latin-1 bytes stand for themselves, the other bytes for
-    U+0100 onwards in byte order (GPT-2's mapping, used by every byte-level tokenizer)."""
-    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[chr(b)] = b
-        else:
-            out[chr(256 + extra)] = b
-            extra += 1
-    return out
-
-
-BYTE_DECODER = _byte_decoder()
-
-
-def _message_strings(messages: list[dict]):
-    """Every text a message carries into the template: content (or its text parts) and reasoning."""
-    for m in messages:
-        if not isinstance(m, dict):
-            continue
-        content = m.get("content")
-        parts = content if isinstance(content, list) else [content]
-        for p in parts:
-            text = p.get("text") if isinstance(p, dict) else p
-            if isinstance(text, str) and text:
-                yield text
-        for k in _REASONING_KEYS:
-            if isinstance(m.get(k), str) and m[k]:
-                yield m[k]
 
 
 def _bos_eos_processor(backend: Backend, config: dict[str, Any]) -> processors.TemplateProcessing:
@@ -318,22 +284,7 @@ class Tokenizer:
         return self._plain_backend
 
     def _special_text_spans(self, text: str, messages: list[dict]) -> list[tuple[int, int]]:
-        """Where the rendered text holds message strings that contain special-token text, in order."""
         if self._special_re is None:
-            specials = sorted((t.content for t in self._backend.get_added_tokens_decoder().values() if t.special),
-                              key=len, reverse=True)
-            self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else False
-        if not self._special_re:
-            return []
-        spans, pos = [], 0
-        for i, s in enumerate(_message_strings(messages)):
-            if not self._special_re.search(s):
-                continue
-            at = text.find(s, pos)
-            if at < 0:
-                raise TokenizerError(f"chat message {i}: its content holds special-token text "
-                                     f"({self._special_re.search(s).group()!r}) that the chat template rewrites, so "
-                                     f"it cannot be kept as plain text")
-            spans.append((at, at + len(s)))
-            pos = at + len(s)
-        return spans
+            self._special_re = special_pattern([t.content for t in self._backend.get_added_tokens_decoder().values()
+                                                if t.special])
+        return special_text_spans(text, messages, self._special_re)

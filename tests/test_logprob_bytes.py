@@ -75,3 +75,13 @@ def test_text_cut_mid_character_is_held_back(qwen):  # noqa: F811
         d = IncrementalDetokenizer(ours)
         text = "".join(d.add(t) for t in cut) + d.flush()
         assert text == want
+
+
+def test_ids_past_the_vocabulary_have_no_bytes(qwen):  # noqa: F811
+    """Models pad the embedding past the tokenizer's vocabulary (Qwen3: 151936 rows, 151669 tokens)."""
+    ours, _ = qwen
+    beyond = ours.vocab_size + 5
+    assert ours.decode([beyond]) == "" and ours.token_bytes(beyond) == b""
+    lps = [TokenLogprob(beyond, -1.0, [(beyond, -1.0)])]
+    assert chat_logprobs(lps, token_text(ours))["content"][0]["bytes"] == []
+    assert completion_logprobs(lps, token_text(ours), [])["tokens"] == [""]

@@ -231,7 +231,7 @@ class Tokenizer:
             self._byte_level = "ByteLevel" in json.dumps(json.loads(self._backend.to_str()).get("decoder"))
         piece = self._backend.id_to_token(int(i))
         if piece is None:
-            raise TokenizerError(f"token id {i} is not in the vocabulary")
+            return b""                               # a model row past the vocabulary: decodes to "" too
         if int(i) in self._added_ids or not self._byte_level or any(c not in BYTE_DECODER for c in piece):
             return self.decode([int(i)], skip_special_tokens=False).encode("utf-8")
         return bytes(BYTE_DECODER[c] for c in piece)

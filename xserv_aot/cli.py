@@ -1,4 +1,4 @@
-"""The `xserv-aot` command line: compile, inspect, generate, chat, serve, profile, bench."""
+"""The `xserv-aot` command line: compile, inspect, generate, chat, serve, profile, bench, bench-serve."""
 from __future__ import annotations
 
 import json
@@ -207,10 +207,19 @@ def bench(plan_dir: Path = typer.Argument(..., metavar="PLAN"), backend: str = t
           prompt_len: int = typer.Option(128), decode_steps: int = typer.Option(64),
           batch: int = typer.Option(1)):
     """Measure time to first token and decode tok/s on random prompts."""
-    from xserv_aot.bench import run_bench
+    from xserv_aot.bench.offline import run_bench
 
     runner = load_runner(plan_dir, backend)
     typer.echo(json.dumps(run_bench(runner, prompt_len, decode_steps, batch), indent=1))
+
+
+@app.command("bench-serve", add_help_option=False,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_serve(ctx: typer.Context):
+    """Serving benchmark against any OpenAI-compatible server (vLLM `bench serve` flags; --help lists them)."""
+    from xserv_aot.bench.serve import main as bench_serve_main
+
+    raise typer.Exit(bench_serve_main(ctx.args))
 
 
 @app.command()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable
 
 from xserv_aot.engine.async_engine import AsyncEngine
 from xserv_aot.engine.llm_engine import LLMEngine
@@ -14,12 +15,14 @@ log = logging.getLogger("xserv_aot.serve")
 
 
 def build_engine(plan_dir: Path, *, backend: str = "auto", max_waiting: int = 256, model_name: str | None = None,
-                 verify: str = "quick") -> AsyncEngine:
+                 verify: str = "quick", runner_factory: Callable | None = None) -> AsyncEngine:
+    """runner_factory(plan) -> runner replaces the backend's runner (the injection point for test doubles such as
+    bench.instant_runner.InstantRunner; keep it picklable: a top-level class or a functools.partial of one)."""
     plan = Plan.load(plan_dir, verify=verify)
     if not plan.has_tokenizer:
         raise PlanError(f"{plan_dir}: plan has no tokenizer; serving needs one")
     tokenizer = Tokenizer.from_dir(plan.dir)
-    runner = make_runner(plan, backend)
+    runner = runner_factory(plan) if runner_factory is not None else make_runner(plan, backend)
     log.info("plan %s: %s on %s, %d buckets, max_seq_len %d", plan.dir, plan.model.arch, type(runner).__name__,
              len(plan.buckets), plan.build.max_seq_len)
     engine = LLMEngine(runner, tokenizer)

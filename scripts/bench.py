@@ -22,8 +22,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from xserv_aot.runtime.cuda.profile import (HBM_BYTES_PER_S, decode_batch, format_table, op_bytes,  # noqa: E402
-                                            profile_runner)
+from xserv_aot.plan.roofline import bucket_costs, ceilings_for  # noqa: E402
+from xserv_aot.runtime.cuda.profile import decode_batch, format_table, profile_runner  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -56,7 +56,7 @@ def step_times(runner, batch, n: int) -> np.ndarray:
 
 def decode_bytes(plan, bucket: str, context: int) -> int:
     bk = next(b for b in plan.buckets if b.name == bucket)
-    return sum(op_bytes(op, plan, context, bk.num_seqs) for op in bk.ops)       # decode: every seq of the bucket
+    return sum(c[2] for c in bucket_costs(plan, bk, context))                    # decode: every seq of the bucket
 
 
 def ttft(runner, prompt_len: int, reps: int = 3) -> float:
@@ -83,9 +83,9 @@ def bench_ours(plan, res: dict, steps: int) -> None:
             nbytes = decode_bytes(plan, "decode_1", ctx)
             res[f"decode_b1_ctx{ctx}"] = {"ms_per_step": float(np.median(t)), "p90_ms": float(np.percentile(t, 90)),
                                           "tok_per_s": 1e3 / float(np.median(t)), "bytes_per_step": nbytes,
-                                          "roofline_ms": nbytes / HBM_BYTES_PER_S * 1e3}
+                                          "roofline_ms": nbytes / ceilings_for(plan.build.target).read_bytes_per_s * 1e3}
             log(f"decode b1 ctx {ctx}: {np.median(t):.3f} ms/step = {1e3 / np.median(t):.1f} tok/s "
-                f"(roofline {nbytes / HBM_BYTES_PER_S * 1e3:.3f} ms)")
+                f"(roofline {nbytes / ceilings_for(plan.build.target).read_bytes_per_s * 1e3:.3f} ms)")
         for b in (8, 32, 64):
             if b > plan.build.max_num_seqs:
                 continue
@@ -226,7 +226,7 @@ def report(res: dict, args, plan) -> str:
              f"decode {plan.build.decode_buckets} prefill {plan.build.prefill_buckets}, max_seq_len "
              f"{plan.build.max_seq_len}; GEMM library: {'CUTLASS' if plan.kernels.get('gemm_library') else 'none (mma.sync fallback)'}",
              f"- runner start (alloc, dummy weights, warm-up, graph capture): {d.get('startup_s', 0):.1f} s", "",
-             "| measurement | ms | tok/s | roofline ms (bytes / 4.28 TB/s) |", "| --- | --- | --- | --- |"]
+             "| measurement | ms | tok/s | roofline ms (bytes / the target's read bandwidth, plan/roofline.py) |", "| --- | --- | --- | --- |"]
     for ctx in (128, 4096):
         r = d.get(f"decode_b1_ctx{ctx}")
         if r:

@@ -100,11 +100,15 @@ def kv_blocks_for_memory(model: Path, build, gib: float, dummy: bool) -> int:
 @app.command()
 @guarded
 def inspect(plan_dir: Path = typer.Argument(..., metavar="PLAN"),
-            ops: Optional[str] = typer.Option(None, help="print the op list of this bucket (e.g. decode_1)")):
+            ops: Optional[str] = typer.Option(None, help="print the op list of this bucket (e.g. decode_1)"),
+            roofline: bool = typer.Option(False, help="per bucket: bytes, FLOPs and the floor they imply on the target"),
+            context: int = typer.Option(128, help="--roofline: context length of every sequence")):
     """Print a plan's memory map, buckets, op list and the bytes each decode step reads."""
     from xserv_aot.plan.inspect import describe
 
-    typer.echo(describe(plan_dir, ops))
+    if context < 1:
+        fail(f"--context must be >= 1, got {context}")
+    typer.echo(describe(plan_dir, ops, roofline=roofline, context=context))
 
 
 def load_runner(plan_dir: Path, backend: str):

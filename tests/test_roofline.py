@@ -1,0 +1,85 @@
+"""Per-op bytes/FLOPs and the floor they imply (plan/roofline.py), and `inspect --roofline`: checked against
+counts taken from the plan's own weights and the model shape by hand."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.test_cli import assert_one_line_error, cli
+from tests.test_kernel_build import compile_tiny
+from xserv_aot.plan import roofline as rl
+
+
+@pytest.fixture(scope="module")
+def gpu_plan(tmp_path_factory):
+    pytest.importorskip("cuda.core")
+    mp = pytest.MonkeyPatch()
+    try:
+        yield compile_tiny(tmp_path_factory.mktemp("roofline"), mp)
+    finally:
+        mp.undo()
+
+
+def linear_weight_elems(plan) -> int:
+    names = [n for n in plan.weights if n.endswith((".qkv", ".o_proj", ".gate_up", ".down"))]
+    head = "embed_tokens" if plan.model.tie_word_embeddings else "lm_head"
+    return sum(int(np.prod(plan.weights[n].shape)) for n in names + [head])
+
+
+def test_decode_costs_match_the_weights_and_shape(gpu_plan):
+    plan, m = gpu_plan, gpu_plan.model
+    bk = next(b for b in plan.buckets if b.name == "decode_1")
+    costs = rl.bucket_costs(plan, bk, 128)
+    lin = [c for c in costs if c[1]["op"] == "linear"]
+    assert sum(c[3] for c in lin) == 2 * linear_weight_elems(plan)             # a GEMV: 2 FLOPs per weight
+    assert sum(c[2] for c in lin) >= 2 * linear_weight_elems(plan)             # bf16: each weight read once
+    attn = [c for c in costs if c[1]["op"] == "attention"]
+    assert [c[3] for c in attn] == [4 * m.num_heads * m.head_dim * 128] * m.num_layers
+    kv_bytes = 128 * m.num_kv_heads * m.head_dim * 2 * 2                       # K and V, bf16
+    assert [c[2] - 2 * m.num_heads * m.head_dim * 2 for c in attn] == [kv_bytes] * m.num_layers
+
+
+def test_ops_that_launch_nothing_have_no_row(gpu_plan):
+    for bk in gpu_plan.buckets:
+        fused = [i for i, op in enumerate(bk.ops) if op["kernel"] == "fused_into_previous"]
+        rows = [c[0] for c in rl.bucket_costs(gpu_plan, bk, 128)]
+        assert not set(fused) & set(rows)
+        assert len(rows) == len(bk.ops) - len(fused)
+    assert any(op["kernel"] == "fused_into_previous" for op in gpu_plan.buckets[0].ops)
+
+
+def test_floor_takes_the_binding_ceiling():
+    c = rl.TARGETS["sm_90a"]
+    assert (c.read_bytes_per_s, c.flops_per_s) == (4.6e12, 790e12)
+    assert rl.floor_s(4.6e9, 1e9, c) == (pytest.approx(1e-3), "memory")
+    assert rl.floor_s(1e6, 790e9, c) == (pytest.approx(1e-3), "compute")
+    assert rl.ceilings_for("cpu") is c
+
+
+def test_prefill_attention_flops_are_causal(gpu_plan):
+    m = gpu_plan.model
+    op = next(op for op in gpu_plan.buckets[-1].ops if op["op"] == "attention")
+    t = op["rows"]
+    keys = sum(range(1, t + 1))                                                # row i sees i + 1 keys
+    assert rl.op_flops(op, gpu_plan, t, 1) == 4 * m.num_heads * m.head_dim * keys
+
+
+def test_op_names_come_from_the_plan(gpu_plan):
+    bk = gpu_plan.buckets[0]
+    i = next(i for i, op in enumerate(bk.ops) if op["op"] == "linear")
+    assert rl.op_name(bk.name, i, bk.ops[i]) == f"decode_1/{i} L0 linear qkv {bk.ops[i]['kernel']}"
+
+
+def test_inspect_roofline_cli(gpu_plan):
+    r = cli("inspect", str(gpu_plan.dir), "--roofline", "--context", "256")
+    assert r.returncode == 0, r.stderr
+    lines = {ln.split()[0]: ln.split() for ln in r.stdout.splitlines()[2:]}
+    assert set(lines) == {b.name for b in gpu_plan.buckets}
+    c = rl.TARGETS["sm_90a"]
+    bk = gpu_plan.buckets[0]
+    nbytes = sum(x[2] for x in rl.bucket_costs(gpu_plan, bk, 256))
+    assert float(lines["decode_1"][2]) == pytest.approx(nbytes / 1e9, abs=1e-4)
+    assert float(lines["decode_1"][6]) == pytest.approx(nbytes / c.read_bytes_per_s * 1e3, abs=1e-3)
+    assert lines["decode_1"][7] == "memory" and "at context 256" in r.stdout
+    bad = cli("inspect", str(gpu_plan.dir), "--roofline", "--context", "0")
+    assert_one_line_error(bad, "--context must be >= 1")

@@ -229,13 +229,31 @@ def bench_serve(ctx: typer.Context):
 @app.command()
 @guarded
 def profile(plan_dir: Path = typer.Argument(..., metavar="PLAN"), bucket: str = typer.Option("decode_1"),
-            context: int = typer.Option(128), trace: Optional[Path] = typer.Option(None, help="Chrome-trace JSON out")):
-    """Per-op timing of one bucket on the GPU (CUDA events) plus whole-graph step time."""
+            context: int = typer.Option(128), trace: Optional[Path] = typer.Option(None, help="Chrome-trace JSON out"),
+            nsys: bool = typer.Option(False, help="run this profile under Nsight Systems (--trace cuda,nvtx)"),
+            ncu: bool = typer.Option(False, help="run one eager step under Nsight Compute; per-kernel DRAM/SM "
+                                     "throughput and occupancy beside the plan's bytes and FLOPs"),
+            kernel: Optional[str] = typer.Option(None, help="--ncu: only kernels whose name matches this regex"),
+            out: Optional[Path] = typer.Option(None, help="--nsys: report path (default xserv-BUCKET)"),
+            nvtx: bool = typer.Option(False, help="NVTX ranges around every op and graph replay"),
+            one_step: bool = typer.Option(False, hidden=True, help="one eager step between cuProfilerStart/Stop")):
+    """Per-op timing of one bucket on the GPU (CUDA events) plus whole-graph step time; or --nsys / --ncu."""
+    if nsys and ncu:
+        fail("--nsys and --ncu are exclusive")
+    if context < 1:
+        fail(f"--context must be >= 1, got {context}")
+    if nsys or ncu:
+        from xserv_aot.runtime.nsight import run_ncu, run_nsys
+        typer.echo(run_nsys(plan_dir, bucket, context, out) if nsys else run_ncu(plan_dir, bucket, context, kernel))
+        return
     try:
-        from xserv_aot.runtime.cuda.profile import profile_plan
+        from xserv_aot.runtime.cuda.profile import profile_plan, run_one_step
     except ImportError as e:
         fail(f"profile needs the CUDA backend ({e})")
-    typer.echo(profile_plan(plan_dir, bucket=bucket, context=context, trace=trace))
+    if one_step:
+        typer.echo(run_one_step(plan_dir, bucket, context, nvtx=True))
+        return
+    typer.echo(profile_plan(plan_dir, bucket=bucket, context=context, trace=trace, nvtx=nvtx))
 
 
 def main():

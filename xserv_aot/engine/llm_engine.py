@@ -26,6 +26,7 @@ from xserv_aot.engine.sampler import MAX_LOGPROBS, sample_token
 from xserv_aot.engine.scheduler import Scheduler, SchedulerOutput
 from xserv_aot.engine.sequence import Sequence
 from xserv_aot.runtime.batch import StepResult
+from xserv_aot.runtime.nvtx import ranges as nvtx_ranges
 
 MAX_STOP_STRINGS = 4
 
@@ -111,6 +112,7 @@ class LLMEngine:
         self._num_added = 0
         self._inflight: SchedulerOutput | None = None
         self.on_scheduled: Callable[[], None] | None = None    # called between schedule and run (stats)
+        self.nvtx = nvtx_ranges(False)                 # runtime.nvtx.ranges(True): NVTX ranges around each stage
 
     # requests
 
@@ -148,11 +150,15 @@ class LLMEngine:
     # steps
 
     def step(self) -> list[RequestOutput]:
-        self._inflight = out = self.scheduler.schedule()
+        nv = self.nvtx
+        with nv.range("schedule"):
+            self._inflight = out = self.scheduler.schedule()
         if self.on_scheduled is not None:
             self.on_scheduled()
-        result = self.runner.run(out.batch) if not out.is_empty else None
-        outputs = self.postprocess(out, result)
+        with nv.range("run"):
+            result = self.runner.run(out.batch) if not out.is_empty else None
+        with nv.range("postprocess"):
+            outputs = self.postprocess(out, result)
         self._inflight, self.consecutive_failures = None, 0
         return outputs
 

@@ -3,6 +3,7 @@ each op's bytes and FLOPs, achieved GB/s and TFLOP/s and the share of the bindin
 optional Chrome-trace JSON."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import numpy as np
 
 from xserv_aot.plan.roofline import ceilings_for, floor_s, launches, op_bytes, op_flops
 from xserv_aot.runtime.batch import BatchDescription
+
+NULL = contextlib.nullcontext()
 
 def decode_batch(plan, num_seqs: int, context: int) -> BatchDescription:
     """num_seqs sequences, each decoding its token at position context - 1 (blocks laid out contiguously)."""
@@ -37,21 +40,23 @@ def prefill_batch(plan, num_tokens: int, context: int) -> BatchDescription:
 
 
 def profile_runner(runner, bucket: str = "decode_1", context: int = 128, reps: int = 20) -> dict:
-    """{ops: [(index, op, kernel, ms, bytes)], graph_ms, eager_ms} for one bucket at the given context."""
+    """{ops: [(index, op, kernel, ms, bytes, flops)] (ops that launch something), graph_ms, eager_ms} for one bucket
+    at the given context."""
     plan, dev = runner.plan, runner.dev
     bk = runner.buckets[bucket]
-    batch = (decode_batch(plan, bk.num_seqs, context) if bk.kind == "decode"
-             else prefill_batch(plan, bk.num_tokens, max(context, bk.num_tokens)))
+    batch = step_batch(plan, bk, context)
     runner.stage(batch, bk)
     runner.enqueue(bucket)
     dev.sync()
     ev = [dev.event() for _ in range(len(bk.ops) + 1)]
     per_op = np.zeros((reps, len(bk.ops)))
+    nv, names = runner.nvtx, runner.op_names.get(bucket)
     for r in range(reps):
         dev.record(ev[0])
         for i, launches in enumerate(runner.launches[bucket]):
-            for ln in launches:
-                ln(dev.stream)
+            with nv.range(names[i]) if names and launches else NULL:
+                for ln in launches:
+                    ln(dev.stream)
             dev.record(ev[i + 1])
         dev.sync()
         per_op[r] = [dev.elapsed_ms(ev[i], ev[i + 1]) for i in range(len(bk.ops))]
@@ -60,10 +65,11 @@ def profile_runner(runner, bucket: str = "decode_1", context: int = 128, reps: i
     times = []
     for _ in range(reps):
         dev.record(g0)
-        if graph is not None:
-            dev.graph_launch(graph)
-        else:
-            runner.enqueue(bucket)
+        with nv.range(f"replay {bucket}"):
+            if graph is not None:
+                dev.graph_launch(graph)
+            else:
+                runner.enqueue(bucket)
         dev.record(g1)
         times.append(dev.elapsed_ms(g0, g1))
     med = np.median(per_op, axis=0)
@@ -112,11 +118,36 @@ def chrome_trace(prof: dict) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def profile_plan(plan_dir, bucket: str = "decode_1", context: int = 128, trace: Path | None = None,
-                 reps: int = 20) -> str:
+def step_batch(plan, bk, context: int) -> BatchDescription:
+    return (decode_batch(plan, bk.num_seqs, context) if bk.kind == "decode"
+            else prefill_batch(plan, bk.num_tokens, max(context, bk.num_tokens)))
+
+
+def run_one_step(plan_dir, bucket: str = "decode_1", context: int = 128, nvtx: bool = True) -> str:
+    """One eager step of `bucket` between cuProfilerStart and cuProfilerStop (what `profile --ncu` measures)."""
+    from cuda.bindings import driver
+
     from xserv_aot.plan.manifest import Plan
     from xserv_aot.runtime.cuda.runner import CudaRunner
-    runner = CudaRunner(Plan.load(plan_dir))
+    runner = CudaRunner(Plan.load(plan_dir), capture=False, nvtx=nvtx)
+    try:
+        if bucket not in runner.buckets:
+            raise ValueError(f"no bucket {bucket!r} (have: {', '.join(runner.buckets)})")
+        batch = step_batch(runner.plan, runner.buckets[bucket], context)
+        runner.dev.sync()
+        driver.cuProfilerStart()
+        runner.run_eager(bucket, batch)
+        driver.cuProfilerStop()
+    finally:
+        runner.close()
+    return f"ran one eager step of {bucket} at context {context}"
+
+
+def profile_plan(plan_dir, bucket: str = "decode_1", context: int = 128, trace: Path | None = None,
+                 reps: int = 20, nvtx: bool = False) -> str:
+    from xserv_aot.plan.manifest import Plan
+    from xserv_aot.runtime.cuda.runner import CudaRunner
+    runner = CudaRunner(Plan.load(plan_dir), nvtx=nvtx)
     try:
         prof = profile_runner(runner, bucket, context, reps)
     finally:

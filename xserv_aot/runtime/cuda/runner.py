@@ -14,9 +14,11 @@ import numpy as np
 
 from xserv_aot.dtypes import STORAGE
 from xserv_aot.plan.ops import INPUT_BUFFERS
+from xserv_aot.plan.roofline import op_name
 from xserv_aot.runtime.batch import BatchDescription, StepResult
 from xserv_aot.runtime.cuda.driver import Device, Launch
 from xserv_aot.runtime.cuda.launch import Buffers, op_launches
+from xserv_aot.runtime.nvtx import ranges
 
 
 class CudaRunnerError(ValueError):
@@ -24,12 +26,17 @@ class CudaRunnerError(ValueError):
 
 
 class CudaRunner:
-    def __init__(self, plan, capture: bool = True, log: Callable[[str], None] | None = None, device: int = 0):
+    def __init__(self, plan, capture: bool = True, log: Callable[[str], None] | None = None, device: int = 0,
+                 nvtx: bool = False):
+        """nvtx: NVTX ranges around stage / replay / finish of every step and around every op of an eager step."""
         if plan.build.dtype != "bfloat16" or not plan.kernels.get("cubins"):
             raise CudaRunnerError(f"{plan.dir}: plan has no CUDA kernels (target {plan.build.target!r}, dtype "
                                   f"{plan.build.dtype!r}); recompile with --target sm_90a --dtype bfloat16")
         self.plan = plan
         self.log = log or (lambda msg: None)
+        self.nvtx = ranges(nvtx)
+        self.op_names = {bk.name: [op_name(bk.name, i, op) for i, op in enumerate(bk.ops)]
+                         for bk in plan.buckets} if nvtx else {}
         self.dev = dev = Device(device)
         t0 = time.perf_counter()
         self.weights_ptr = dev.alloc(int(plan.manifest["weights"]["size"]))
@@ -186,9 +193,19 @@ class CudaRunner:
     # ---- execution -----------------------------------------------------------------------------------------
     def enqueue(self, name: str) -> None:
         stream = self.dev.stream
+        if self.nvtx.enabled:
+            return self._enqueue_ranged(name)
         for launches in self.launches[name]:
             for ln in launches:
                 ln(stream)
+
+    def _enqueue_ranged(self, name: str) -> None:
+        stream, nv = self.dev.stream, self.nvtx
+        for launches, label in zip(self.launches[name], self.op_names[name]):
+            if launches:
+                with nv.range(label):
+                    for ln in launches:
+                        ln(stream)
 
     def capture_all(self) -> None:
         order = sorted(self.plan.decode_buckets, key=lambda b: -b.num_tokens)
@@ -210,19 +227,23 @@ class CudaRunner:
             raise CudaRunnerError(str(e)) from None
 
     def run(self, batch: BatchDescription) -> StepResult:
-        bk = self.bucket_for(batch)
-        self.stage(batch, bk)
+        bk, nv = self.bucket_for(batch), self.nvtx
+        with nv.range("stage"):
+            self.stage(batch, bk)
         gexec = self.graphs.get(bk.name)
-        if gexec is None:
-            self.enqueue(bk.name)
-        else:
-            self.dev.graph_launch(gexec)
-        return self._finish(batch)
+        with nv.range(f"{'eager' if gexec is None else 'replay'} {bk.name}"):
+            if gexec is None:
+                self.enqueue(bk.name)
+            else:
+                self.dev.graph_launch(gexec)
+        with nv.range("finish"):
+            return self._finish(batch)
 
     def run_eager(self, name: str, batch: BatchDescription) -> StepResult:
         bk = self.buckets[name]
         self.stage(batch, bk)
-        self.enqueue(name)
+        with self.nvtx.range(f"eager {name}"):
+            self.enqueue(name)
         return self._finish(batch)
 
     def read_buffer(self, name: str) -> np.ndarray:

@@ -135,3 +135,47 @@ def test_failing_server_is_one_line_error(server, plan_dir, capsys):
                "--random-input-len", "8", "--random-output-len", "2", "--disable-tqdm"])
     err = capsys.readouterr().err
     assert rc == 1 and err.count("\n") == 1 and "test request" in err and "HTTP 404" in err, err
+
+
+def stubborn_app():
+    """An OpenAI-shaped server that always stops after two tokens (ignores ignore_eos) and counts one token per word
+    in /tokenize: what bench-serve must notice and report."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    async def tokenize(request):
+        body = await request.json()
+        return JSONResponse({"count": len(body["prompt"].split()), "tokens": []})
+
+    async def models(request):
+        return JSONResponse({"data": [{"id": "stubborn"}]})
+
+    async def completions(request):
+        body = await request.json()
+        n_in = len(body["prompt"].split())
+
+        async def events():
+            for i, (text, reason) in enumerate((("a", None), (" b", "stop"))):
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': text, 'finish_reason': reason}]})}\n\n"
+            usage = {"prompt_tokens": n_in, "completion_tokens": 2, "total_tokens": n_in + 2}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/tokenize", tokenize, methods=["POST"]), Route("/v1/models", models),
+                             Route("/v1/completions", completions, methods=["POST"])])
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_server_that_ignores_ignore_eos_is_reported(tmp_path, capsys, ignore_eos):
+    out = tmp_path / "r.json"
+    with LiveServer(stubborn_app()) as url:
+        rc = main(["--base-url", url, "--num-prompts", "5", "--random-input-len", "12", "--random-output-len", "8",
+                   "--save-result", str(out), "--disable-tqdm"] + ([] if ignore_eos else ["--no-ignore-eos"]))
+    assert rc == 0, capsys.readouterr().err
+    r = json.loads(out.read_text())
+    assert r["token_counter"] == f"server {url}/tokenize" and r["input_lens"] == [12] * 5
+    assert r["output_lens"] == [2] * 5 and r["ignore_eos"] is ignore_eos
+    assert r["ignore_eos_violations"] == (5 if ignore_eos else None)
+    assert ("does not honor ignore_eos" in capsys.readouterr().out) is ignore_eos

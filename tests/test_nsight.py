@@ -11,20 +11,10 @@ from pathlib import Path
 import pytest
 
 from tests.test_cli import assert_one_line_error
-from tests.test_kernel_build import compile_tiny
+from tests.test_roofline import gpu_plan  # noqa: F401 (module fixture: a tiny sm_90a plan)
 from xserv_aot.runtime import nsight, nvtx
 
 SAMPLE = Path(__file__).parent / "data" / "ncu_gemv_sample.csv"
-
-
-@pytest.fixture(scope="module")
-def gpu_plan(tmp_path_factory):
-    pytest.importorskip("cuda.core")
-    mp = pytest.MonkeyPatch()
-    try:
-        yield compile_tiny(tmp_path_factory.mktemp("nsight"), mp)
-    finally:
-        mp.undo()
 
 
 def run_cli(*args, path: str):
@@ -85,14 +75,14 @@ def test_parse_ncu_csv_sample():
         nsight.parse_ncu_csv(SAMPLE.read_text().replace('"nsecond"', '"fortnight"'))
 
 
-def test_kernels_match_plan_ops_in_order(gpu_plan):
+def test_kernels_match_plan_ops_in_order(gpu_plan):  # noqa: F811
     bk = gpu_plan.buckets[0]
     matched = nsight.match_kernels(nsight.parse_ncu_csv(SAMPLE.read_text()), bk, "gemv")
     gemv_ops = [i for i, op in enumerate(bk.ops) if op.get("launch") and op["kernel"].startswith("gemv")]
     assert [m[1] for m in matched] == gemv_ops[:4] and all(m[3] for m in matched)
 
 
-def test_profile_nsys_with_a_fake_nsys(gpu_plan, tmp_path):
+def test_profile_nsys_with_a_fake_nsys(gpu_plan, tmp_path):  # noqa: F811
     bin_dir = tmp_path / "bin"
     fake_tool(bin_dir, "nsys", "exit 0")
     r = run_cli("profile", gpu_plan.dir, "--nsys", "--bucket", "decode_2", "--out", tmp_path / "rep",
@@ -108,7 +98,7 @@ def test_profile_nsys_with_a_fake_nsys(gpu_plan, tmp_path):
                                   path=f"{bin_dir}:{os.environ['PATH']}"), "no bucket 'decode_9'")
 
 
-def test_profile_ncu_with_a_fake_ncu(gpu_plan, tmp_path):
+def test_profile_ncu_with_a_fake_ncu(gpu_plan, tmp_path):  # noqa: F811
     bin_dir = tmp_path / "bin"
     # the fake writes the sample where --log-file points, as ncu does
     fake_tool(bin_dir, "ncu", f'while [ "$1" != "--log-file" ]; do shift; done; cp {SAMPLE} "$2"')

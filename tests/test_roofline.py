@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 
 from tests.test_cli import assert_one_line_error, cli
-from tests.test_kernel_build import compile_tiny
 from xserv_aot.plan import roofline as rl
 
 
 @pytest.fixture(scope="module")
 def gpu_plan(tmp_path_factory):
+    """A tiny Qwen3 compiled for sm_90a (NVRTC, no GPU needed): ops carry kernels and launches."""
     pytest.importorskip("cuda.core")
+    from tests.test_kernel_build import compile_tiny
     mp = pytest.MonkeyPatch()
     try:
         yield compile_tiny(tmp_path_factory.mktemp("roofline"), mp)

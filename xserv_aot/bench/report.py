@@ -43,10 +43,10 @@ def print_report(a, m: dict, console: Console | None = None) -> None:
         t.add_row(name, value)
     console.print(t)
     if m["failed"]:
-        console.print(f"[red]{m['failed']} requests failed; first error: {m['errors'][0]}[/red]")
+        console.print(f"[red]{m['failed']} requests failed; first error: {m['errors'][0]}[/red]", soft_wrap=True)
     if m.get("ignore_eos_violations"):
         console.print(f"[red]warning: {m['ignore_eos_violations']} requests returned another output length than "
-                      "asked for with ignore_eos: the server does not honor ignore_eos[/red]")
+                      "asked for with ignore_eos: the server does not honor ignore_eos[/red]", soft_wrap=True)
 
 
 def save_result(a, m: dict, path: Path) -> None:

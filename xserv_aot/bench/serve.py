@@ -135,9 +135,9 @@ def run(a: argparse.Namespace) -> dict:
         task = bar.add_task("requests", total=len(requests) + 1)
         results, duration = asyncio.run(run_requests(a, requests, hdrs, lambda: bar.advance(task)))
     metrics = compute_metrics(results, duration, counter if counter.exact else None, a.goodput_slos)
-    short = [i for i, (r, n) in enumerate(zip((r for r in results if r.success), metrics["output_lens"]))
-             if n != r.output_len]
-    metrics["ignore_eos_violations"] = len(short) if a.ignore_eos else None
+    asked = [r.output_len for r in results if r.success]                  # output_lens is over the same requests
+    short = sum(n != want for n, want in zip(metrics["output_lens"], asked))
+    metrics["ignore_eos_violations"] = short if a.ignore_eos else None
     metrics["token_counter"] = counter.source
     return metrics
 

@@ -3,6 +3,8 @@
 // Block: 4 warps = 64 query rows of one seq, one q head; K/V tiles of 64 keys in shared memory.
 // Grid (ceil(T / 64) + num_seqs, nh): block b takes the b-th (seq, tile) pair; spare blocks only zero rows
 // covered by no seq (row >= qsl[num_seqs]), which every block does for rows r with r % gridDim.x == b.
+// Seqs with fewer than min_rows query rows are skipped (min_rows 2: a mixed step's decode rows, which
+// attention_decode_batched.cu computes in the same op).
 #include "common.cuh"
 
 #define PF_Q 64
@@ -12,7 +14,8 @@ template <int HD>
 __device__ __forceinline__ void attn_prefill_impl(
         const bf16* __restrict__ q, const bf16* __restrict__ kv_layer, const int* __restrict__ qsl,
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables, bf16* __restrict__ out,
-        int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots, float scale) {
+        int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots, float scale,
+        int min_rows) {
     pdl_entry();
     constexpr int LD = HD + 8, KS = HD / 16, DT = HD / 8;
     __shared__ __align__(16) bf16 Ks[PF_K * LD];
@@ -25,7 +28,7 @@ __device__ __forceinline__ void attn_prefill_impl(
     int seq = -1, tile = 0, acc_tiles = 0;
     for (int i = 0; i < num_seqs; i++) {
         int n = qsl[i + 1] - qsl[i];
-        int nt = n > 0 ? (n + PF_Q - 1) / PF_Q : 0;
+        int nt = n >= min_rows && n > 0 ? (n + PF_Q - 1) / PF_Q : 0;
         if ((int)blockIdx.x < acc_tiles + nt) { seq = i; tile = blockIdx.x - acc_tiles; break; }
         acc_tiles += nt;
     }
@@ -148,9 +151,9 @@ __device__ __forceinline__ void attn_prefill_impl(
     extern "C" __global__ void __launch_bounds__(128) attn_prefill_hd##HD(                                   \
         const bf16* q, const bf16* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,   \
         bf16* out, int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots,      \
-        float scale) {                                                                                       \
+        float scale, int min_rows) {                                                                         \
         attn_prefill_impl<HD>(q, kv_layer, qsl, seq_lens, block_tables, out, T, num_seqs, nh, nkv,          \
-                              block_size, max_blocks, num_slots, scale); }
+                              block_size, max_blocks, num_slots, scale, min_rows); }
 
 PREFILL_KERNEL(64)
 PREFILL_KERNEL(128)

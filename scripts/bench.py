@@ -22,6 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from xserv_aot.runtime.batch import BatchDescription  # noqa: E402
 from xserv_aot.runtime.cuda.profile import (HBM_BYTES_PER_S, decode_batch, format_table, op_bytes,  # noqa: E402
                                             profile_runner)
 
@@ -109,6 +110,77 @@ def bench_ours(plan, res: dict, steps: int) -> None:
         prof = profile_runner(runner, f"prefill_{big}", big)
         res[f"profile_prefill_{big}"] = format_table(prof)
         print(res[f"profile_prefill_{big}"], flush=True)
+    finally:
+        runner.close()
+
+
+READ_BYTES_PER_S = 4.6e12     # H200 streaming read rate shown by the lm_head GEMV (issue 13); the floors below
+
+
+def mixed_batch(plan, num_decodes: int, context: int, chunk: int) -> BatchDescription:
+    """num_decodes sequences decoding at `context` plus one new prompt's first `chunk` tokens (own blocks)."""
+    b = plan.build
+    dec = decode_batch(plan, num_decodes, context)
+    base = num_decodes * -(-context // b.block_size)
+    table = list(range(base, base + -(-chunk // b.block_size)))
+    if table[-1] >= b.num_blocks:
+        raise ValueError("mixed batch does not fit the KV pool")
+    n = dec.num_tokens
+    return BatchDescription(
+        input_ids=dec.input_ids + [1] * chunk, positions=dec.positions + list(range(chunk)),
+        slot_mapping=dec.slot_mapping + [table[p // b.block_size] * b.block_size + p % b.block_size
+                                         for p in range(chunk)],
+        query_start_loc=dec.query_start_loc + [n + chunk], seq_lens=dec.seq_lens + [chunk],
+        block_tables=dec.block_tables + [table])
+
+
+def bench_throughput(plan, res: dict, steps: int) -> None:
+    """Decode steps for batch x context with their floors (weights + KV over READ_BYTES_PER_S), mixed steps
+    (decodes + a 512-token chunk), and per-op profiles of the large buckets."""
+    from xserv_aot.runtime.cuda.runner import CudaRunner
+    runner = CudaRunner(plan, log=log)
+    rows = []
+    try:
+        for bsz in (1, 8, 32, 64, 128, 256):
+            if bsz > plan.build.max_num_seqs:
+                continue
+            for ctx in (256, 1024, 4096):
+                try:
+                    batch = decode_batch(plan, bsz, ctx)
+                except ValueError:
+                    continue
+                t = step_times(runner, batch, steps)
+                bk = runner.bucket_for(batch)
+                nbytes = sum(op_bytes(op, plan, ctx, bk.num_seqs) for op in bk.ops)
+                ms, floor = float(np.median(t)), nbytes / READ_BYTES_PER_S * 1e3
+                rows.append((f"decode b{bsz} ctx {ctx}", ms, bsz * 1e3 / ms, floor))
+                res[f"thr_decode_b{bsz}_ctx{ctx}"] = {"ms_per_step": ms, "tok_per_s": bsz * 1e3 / ms, "floor_ms": floor}
+                log(f"decode b{bsz} ctx {ctx}: {ms:.3f} ms/step = {bsz * 1e3 / ms:.0f} tok/s (floor {floor:.3f} ms)")
+        for nd in (64, 256):
+            if nd > plan.build.max_num_seqs - 1 + 1:
+                continue
+            for ctx in (256, 1024):
+                try:
+                    batch = mixed_batch(plan, min(nd, plan.build.max_num_seqs - 1), ctx, 512)
+                    t = step_times(runner, batch, max(steps // 2, 10))
+                except ValueError as e:
+                    log(f"mixed {nd}+512 ctx {ctx}: {e}")
+                    continue
+                ms = float(np.median(t))
+                bk = runner.bucket_for(batch)
+                rows.append((f"mixed {batch.num_seqs - 1} decodes ctx {ctx} + 512 prompt ({bk.name})", ms,
+                             (batch.num_seqs - 1) * 1e3 / ms, float("nan")))
+                res[f"thr_mixed_{nd}_ctx{ctx}"] = {"ms_per_step": ms, "bucket": bk.name}
+                log(f"mixed {batch.num_seqs - 1} decodes ctx {ctx} + 512: {ms:.3f} ms/step in {bk.name}")
+        res["throughput_table"] = "\n".join(
+            [f"{'step':48s} {'ms':>8s} {'decode tok/s':>12s} {'floor ms':>9s}"] +
+            [f"{a:48s} {b:8.3f} {c:12.0f} {d:9.3f}" for a, b, c, d in rows])
+        print(res["throughput_table"], flush=True)
+        for name, ctx in (("decode_64", 1024), ("decode_256", 1024), ("decode_16", 1024)):
+            if name in runner.buckets:
+                prof = profile_runner(runner, name, ctx)
+                res[f"profile_{name}_ctx{ctx}"] = format_table(prof)
+                print(res[f"profile_{name}_ctx{ctx}"], flush=True)
     finally:
         runner.close()
 
@@ -273,6 +345,8 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--pdl", action="store_true", help="also time decode with XSERV_PDL=1")
+    ap.add_argument("--throughput", action="store_true",
+                    help="only the batched decode / mixed-step table with floors and large-bucket profiles")
     ap.add_argument("--gemv-sweep", action="store_true", help="also time batch-1 GEMV variants on the 8B shapes")
     ap.add_argument("--hf-from", help="reuse the HF peer numbers of an earlier bench.json (same GPU, same day)")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers (static cache + torch.compile)")
@@ -280,6 +354,18 @@ def main():
     args = ap.parse_args()
     res = {"date": datetime.date.today().isoformat(), "command": " ".join(["python3"] + sys.argv), "gpu": gpu_info()}
     plan = load_plan(args)
+    if args.throughput:
+        bench_throughput(plan, res, args.steps)
+        text = "\n".join(["# batched decode throughput", "", f"- command: `{res['command']}`", f"- GPU: {res['gpu']}",
+                          f"- commit: {args.commit or 'uncommitted working tree'}", "", "```",
+                          res.get("throughput_table", ""), "```"] +
+                         sum([["", f"## {k}", "", "```", v, "```"] for k, v in res.items() if k.startswith("profile_")],
+                             []))
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+        return
     bench_ours(plan, res, args.steps)
     if args.pdl:
         bench_pdl(plan, res, args.steps)

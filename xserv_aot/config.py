@@ -163,12 +163,18 @@ class BuildConfig:
     max_seq_len: int = 2048
     block_size: int = 16
     num_blocks: int = 0                   # 0: derived from max_num_seqs * max_seq_len
+    mixed_prefill_tokens: int = 0         # prompt tokens in a step that also runs decodes; 0 = prefill_chunk
     dtype: str = "bfloat16"               # weights, activations and KV cache: bfloat16 | float32
     target: str = "sm_90a"                # GPU arch for cubins, or "cpu" (no kernels built)
 
     @property
     def prefill_chunk(self) -> int:
         return max(self.prefill_buckets)
+
+    @property
+    def mixed_prefill_budget(self) -> int:
+        """Most prompt tokens a step that also carries decodes may take (a prompt delays decodes by one such step)."""
+        return self.mixed_prefill_tokens or self.prefill_chunk
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -199,6 +205,8 @@ class BuildConfig:
             raise ConfigError("max_seq_len must be at least 2")
         if self.num_blocks < 0:
             raise ConfigError("num_blocks must be >= 0")
+        if not 0 <= self.mixed_prefill_tokens <= max(self.prefill_buckets):
+            raise ConfigError(f"mixed_prefill_tokens {self.mixed_prefill_tokens} must be in 0..largest prefill bucket")
         self.decode_buckets = sorted(set(int(b) for b in self.decode_buckets))
         self.prefill_buckets = sorted(set(int(b) for b in self.prefill_buckets))
         if self.num_blocks == 0:

@@ -22,6 +22,10 @@ SKINNY_FUSE_GATE = False     # gate_up + silu_mul in one skinny kernel (tests/te
 SPLITK_TARGET_BLOCKS = 264   # 2 blocks per SM on 132 SMs
 SPLITK_MAX = 8
 DECODE_SPLIT = 128            # keys per split-KV partition: P_KEYS in kernels/attention_decode.cu
+SWAP_MIN_ROWS = 17           # decode rows 17..256: CUTLASS swap-AB stream-K GEMMs (cutlass_build.SWAP_CONFIGS)
+BATCHED_ATTN_MIN_SEQS = 3    # decode attention for >= 3 seqs: kernels/attention_decode_batched.cu
+BATCHED_ATTN_TILE = 64       # BD_TILE in kernels/attention_decode_batched.cu: keys per tile
+BATCHED_ATTN_BLOCKS = 4 * 132  # splits per seq chosen so a full bucket launches about this many blocks
 ELEMWISE_THREADS = 256
 
 
@@ -67,6 +71,27 @@ def plan_skinny(op: dict, suffix: str, fuse_into: str | None, bn: int | None = N
     op["kernel"] = fn
 
 
+def swap_splits(rows: int, n: int, k: int) -> int:
+    """CUTLASS scheduler mode for a swap-AB decode GEMM: 1 data-parallel when the 128-row weight tiles alone
+    fill every SM twice, else 0 (stream-K over all SMs)."""
+    return 1 if -(-n // 128) >= 2 * 132 else 0
+
+
+def plan_swap(op: dict, out_dtype: str, cutlass: dict) -> None:
+    from xserv_aot.plan.cutlass_build import SWAP_CONFIGS, library_workspace_size
+    rows, n, k = int(op["rows"]), int(op["n"]), int(op["k"])
+    widths = SWAP_CONFIGS[out_dtype]
+    cfg = widths[next(w for w in sorted(widths) if w >= rows)]
+    splits = swap_splits(rows, n, k)
+    op["kernel"] = "cutlass"
+    op["gemm_config"] = cfg
+    op["gemm_splits"] = splits
+    op["launch"] = []
+    ws = library_workspace_size(cutlass["path"], cfg, rows, n, k, splits)
+    cutlass["workspace"] = max(cutlass.get("workspace", 0), ws)
+    cutlass.setdefault("used", {})[f"{rows}x{n}x{k}"] = cutlass["configs"][cfg]
+
+
 def plan_linear(op: dict, out_dtype: str, fuse_into: str | None, cutlass: dict | None, decode: bool = False) -> None:
     """fuse_into: the silu_mul output buffer when the next op is silu_mul of this op's output."""
     rows, n, k = int(op["rows"]), int(op["n"]), int(op["k"])
@@ -82,6 +107,9 @@ def plan_linear(op: dict, out_dtype: str, fuse_into: str | None, cutlass: dict |
         else:
             op["launch"] = [launch(f"gemv_m{mt}_{suffix}", [-(-n // 16)], [256])]
         op["kernel"] = op["launch"][0]["fn"]
+        return
+    if decode and cutlass is not None and rows >= SWAP_MIN_ROWS:
+        plan_swap(op, out_dtype, cutlass)
         return
     if decode and rows <= SKINNY_MAX_ROWS:
         plan_skinny(op, suffix, fuse_into if SKINNY_FUSE_GATE else None)
@@ -107,6 +135,33 @@ def plan_linear(op: dict, out_dtype: str, fuse_into: str | None, cutlass: dict |
     fn = f"gemm_{tile}_{suffix}"
     op["launch"] = [launch(fn, [-(-n // bn), -(-rows // bm)], [256 if bm == 128 else 128], gemm_smem(tile))]
     op["kernel"] = fn
+
+
+def batched_attn_launch(op: dict, m: dict, max_seq_len: int) -> dict:
+    """attention_decode_batched.cu over every seq row of the op: splits so the bucket fills the SMs."""
+    seqs, nkv, hd = int(op["num_seqs"]), m["num_kv_heads"], m["head_dim"]
+    g = m["num_heads"] // nkv
+    splits = max(1, min(-(-max_seq_len // BATCHED_ATTN_TILE), -(-BATCHED_ATTN_BLOCKS // (seqs * nkv))))
+    smem = 2 * 2 * BATCHED_ATTN_TILE * hd * 2                       # 2 stages of a K and a V tile, bf16
+    return launch(f"attn_decode_b_hd{hd}_g{4 if g <= 4 else 8}", [seqs, nkv, splits], [128], smem)
+
+
+def plan_attention(op: dict, kind: str, m: dict, attn: dict) -> None:
+    """Decode buckets: split-KV kernel (few seqs) or the batched flash-decoding kernel. Prefill buckets: the
+    flash prefill kernel, plus the batched decode kernel for the one-row (decode) seqs of a mixed step."""
+    rows, seqs, hd = int(op["rows"]), int(op["num_seqs"]), m["head_dim"]
+    if kind == "decode" and seqs < BATCHED_ATTN_MIN_SEQS:
+        op["launch"] = [launch(f"attn_decode_hd{hd}", [seqs, m["num_kv_heads"], attn["splits"]], [128])]
+        op["split"] = attn["split"]
+        op["splits"] = attn["splits"]
+        return
+    dec = batched_attn_launch(op, m, attn["max_seq_len"])
+    op["splits"] = dec["grid"][2]
+    if kind == "decode":
+        op["launch"] = [dec]
+        return
+    op["launch"] = [launch(f"attn_prefill_hd{hd}", [-(-rows // 64) + seqs, m["num_heads"]], [128]), dec]
+    op["prefill_min_rows"] = 2
 
 
 def norm_threads(hidden: int) -> int:
@@ -143,14 +198,7 @@ def plan_bucket(bucket: dict, manifest: dict, cutlass: dict | None, attn: dict) 
             heads = m["num_heads"] + 2 * m["num_kv_heads"]
             op["launch"] = [launch(f"qk_norm_rope_cache_hd{hd}", [rows, -(-heads // 4)], [128])]
         elif kind == "attention":
-            if bucket["kind"] == "decode":
-                s_max = attn["splits"]
-                op["launch"] = [launch(f"attn_decode_hd{hd}", [op["num_seqs"], m["num_kv_heads"], s_max], [128])]
-                op["split"] = attn["split"]
-                op["splits"] = s_max
-            else:
-                op["launch"] = [launch(f"attn_prefill_hd{hd}", [-(-rows // 64) + op["num_seqs"], m["num_heads"]],
-                                       [128])]
+            plan_attention(op, bucket["kind"], m, attn)
         elif kind == "sample":
             op["launch"] = [launch("sample_rows", [rows], [1024])]
         else:
@@ -177,17 +225,19 @@ def check_model(manifest: dict) -> None:
 def try_cutlass(manifest: dict, out_dir: Path, target: str, progress) -> dict | None:
     if os.environ.get("XSERV_NO_CUTLASS"):
         return None
-    if not any(int(op.get("rows", 0)) >= CUTLASS_MIN_ROWS for bk in manifest["buckets"] for op in bk["ops"]
-               if op["op"] == "linear"):
+    if not any(int(op.get("rows", 0)) >= (SWAP_MIN_ROWS if bk["kind"] == "decode" else CUTLASS_MIN_ROWS)
+               for bk in manifest["buckets"] for op in bk["ops"] if op["op"] == "linear"):
         return None
     try:
         from xserv_aot.plan.cutlass_build import GemmBuildError, build_gemm_library
     except ImportError:
         return None
     try:
-        return build_gemm_library(out_dir, target, progress=(lambda msg: progress("gemm", 0, 1)) if progress else None)
+        lib = build_gemm_library(out_dir, target, progress=(lambda msg: progress("gemm", 0, 1)) if progress else None)
     except GemmBuildError:
         return None
+    lib["path"] = Path(out_dir) / lib["file"]
+    return lib
 
 
 def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable | None = None) -> dict:
@@ -199,21 +249,26 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
     m, b = manifest["model"], manifest["build"]
     cubins = compile_all(out_dir, target, progress)
     cutlass = try_cutlass(manifest, out_dir, target, progress)
-    attn = {"split": DECODE_SPLIT, "splits": -(-b["max_seq_len"] // DECODE_SPLIT)}
+    attn = {"split": DECODE_SPLIT, "splits": -(-b["max_seq_len"] // DECODE_SPLIT), "max_seq_len": b["max_seq_len"]}
     if attn["splits"] > 1024:
         raise KernelBuildError(f"max_seq_len {b['max_seq_len']} needs {attn['splits']} decode splits (max 1024)")
     for bucket in manifest["buckets"]:
         plan_bucket(bucket, manifest, cutlass, attn)
-    t_dec = max([bk["num_tokens"] for bk in manifest["buckets"] if bk["kind"] == "decode"] or [1])
     nh, hd = m["num_heads"], m["head_dim"]
-    add_arena_buffer(manifest, "attn_part_o", [t_dec, nh, attn["splits"], hd], "float32")
-    add_arena_buffer(manifest, "attn_part_ml", [t_dec, nh, attn["splits"], 2], "float32")
+    # partials: [rows, nh, splits, ..] (split-KV kernel), [num_seqs, nh, splits, ..] (batched kernel)
+    part_rows = max([int(op["num_seqs" if any(ln["fn"].startswith("attn_decode_b") for ln in op["launch"]) else "rows"])
+                     * int(op["splits"]) for bk in manifest["buckets"] for op in bk["ops"] if op["op"] == "attention"]
+                    or [1])
+    add_arena_buffer(manifest, "attn_part_o", [part_rows, nh, hd], "float32")
+    add_arena_buffer(manifest, "attn_part_ml", [part_rows, nh, 2], "float32")
     add_arena_buffer(manifest, "attn_counters", [b["max_num_seqs"], m["num_kv_heads"]], "int32")  # zeroed at start
     add_arena_buffer(manifest, "sample_scaled", [b["max_num_seqs"], m["vocab_size"]], "float32")
     ws = max([op["splits"] * int(op["rows"]) * int(op["n"]) for bk in manifest["buckets"] for op in bk["ops"]
               if op.get("kernel") == "gemm_64x64_splitk"] or [0])
     if ws:
         add_arena_buffer(manifest, "gemm_splitk_ws", [ws], "float32")
+    if cutlass is not None and cutlass.get("workspace"):
+        add_arena_buffer(manifest, "gemm_ws", [-(-cutlass["workspace"] // 4)], "int32")
     section = {"target": target, "nvrtc": nvrtc_version(), "cubins": cubins,
                "functions": {fn: name for name, c in cubins.items() for fn in c["functions"]},
                "attention": attn, "gemm_library": None, "gemm_configs": {}}

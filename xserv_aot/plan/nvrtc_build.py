@@ -10,7 +10,7 @@ from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 KERNEL_SOURCES = ("elementwise.cu", "gemv.cu", "gemm_mma.cu", "gemm_skinny.cu", "rope_cache.cu", "attention_decode.cu",
-                  "attention_prefill.cu", "sample.cu")
+                  "attention_decode_batched.cu", "attention_prefill.cu", "sample.cu")
 SUPPORTED_TARGETS = ("sm_90a", "sm_90")
 
 

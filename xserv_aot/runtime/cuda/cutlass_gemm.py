@@ -46,6 +46,9 @@ class CutlassGemm:
         lib.xserv_gemm_config_out_bytes.argtypes = [ctypes.c_int]
         lib.xserv_gemm_workspace_size.restype = ctypes.c_size_t
         lib.xserv_gemm_workspace_size.argtypes = [ctypes.c_int] * 4
+        lib.xserv_gemm_bf16_ex.restype = ctypes.c_int
+        lib.xserv_gemm_bf16_ex.argtypes = [ctypes.c_int, _c_ptr, _c_ptr, _c_ptr, _c_ptr, ctypes.c_int, ctypes.c_int,
+                                           ctypes.c_int, ctypes.c_int, _c_ptr, ctypes.c_size_t, _c_ptr]
         lib.xserv_gemm_status_string.restype = ctypes.c_char_p
         lib.xserv_gemm_status_string.argtypes = [ctypes.c_int]
         self._lib = lib
@@ -68,6 +71,17 @@ class CutlassGemm:
             msg = self._lib.xserv_gemm_status_string(status).decode()
             name = self.configs[config] if 0 <= config < len(self.configs) else config
             raise CutlassGemmError(f"xserv_gemm_bf16(config={name}, M={M}, N={N}, K={K}): status {status}: {msg}")
+
+    def gemm_ex(self, config: int, a_ptr: int, b_ptr: int, c_ptr: int, bias_ptr: int | None, M: int, N: int, K: int,
+                splits: int, workspace_ptr: int, workspace_bytes: int, stream_handle: int = 0) -> None:
+        """As gemm, for the swap-AB decode configs: splits 0 stream-K, 1 data-parallel, > 1 split-K, reduced
+        in a fixed order in `workspace` (device memory, zeroed by the call itself)."""
+        status = self._lib.xserv_gemm_bf16_ex(config, a_ptr, b_ptr, c_ptr, bias_ptr or None, M, N, K, splits,
+                                              workspace_ptr, workspace_bytes, stream_handle or None)
+        if status != 0:
+            msg = self._lib.xserv_gemm_status_string(status).decode()
+            raise CutlassGemmError(f"xserv_gemm_bf16_ex(config={self.configs[config]}, M={M}, N={N}, K={K}, "
+                                   f"splits={splits}): status {status}: {msg}")
 
     def _check_config(self, config: int) -> None:
         if not 0 <= config < len(self.configs):

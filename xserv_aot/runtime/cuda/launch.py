@@ -55,6 +55,11 @@ def op_launches(op: dict, buf: Buffers, funcs: Callable[[str], object], gemm=Non
             raise LaunchError("plan uses the CUTLASS GEMM library but it was not loaded")
         cfg, a, w, c, bias = int(op["gemm_config"]), buf(op["inp"]), buf(op["weight"]), buf(op["out"]), buf(op.get("bias"))
         n, k = int(op["n"]), int(op["k"])
+        if "gemm_splits" in op:
+            splits, ws = int(op["gemm_splits"]), buf("gemm_ws")
+            ws_bytes = 4 * buf.shape("gemm_ws")[0]
+            return [HostCall(f"cutlass[{cfg}]", lambda s: gemm.gemm_ex(cfg, a, w, c, bias or None, rows, n, k, splits,
+                                                                        ws, ws_bytes, s))]
         return [HostCall(f"cutlass[{cfg}]", lambda s: gemm.gemm(cfg, a, w, c, bias or None, rows, n, k, s))]
 
     def args_for(fn: str) -> list[tuple[str, object]]:
@@ -95,6 +100,10 @@ def op_launches(op: dict, buf: Buffers, funcs: Callable[[str], object], gemm=Non
             common = [(P, buf(op["q"])), (P, buf.kv_layer(op["layer"])), (P, buf(op["query_start_loc"])),
                       (P, buf(op["seq_lens"])), (P, buf(op["block_tables"]))]
             max_blocks = buf.shape(op["block_tables"])[1]
+            if fn.startswith("attn_decode_b"):
+                return common + [(P, buf("attn_part_o")), (P, buf("attn_part_ml")), (P, buf("attn_counters")),
+                                 (P, buf(op["out"])), (I32, rows), (I32, m.num_heads), (I32, m.num_kv_heads),
+                                 (I32, b.block_size), (I32, max_blocks), (I32, buf.num_slots), (F32, op["scale"])]
             if fn.startswith("attn_decode"):
                 return common + [(P, buf("attn_part_o")), (P, buf("attn_part_ml")), (P, buf("attn_counters")),
                                  (P, buf(op["out"])), (I32, rows), (I32, m.num_heads), (I32, m.num_kv_heads),
@@ -102,7 +111,7 @@ def op_launches(op: dict, buf: Buffers, funcs: Callable[[str], object], gemm=Non
                                  (I32, op["splits"])]
             return common + [(P, buf(op["out"])), (I32, rows), (I32, op["num_seqs"]), (I32, m.num_heads),
                              (I32, m.num_kv_heads), (I32, b.block_size), (I32, max_blocks), (I32, buf.num_slots),
-                             (F32, op["scale"])]
+                             (F32, op["scale"]), (I32, op.get("prefill_min_rows", 1))]
         if kind == "sample":
             return [(P, buf(op["logits"])), (P, buf(op["temperature"])), (P, buf(op["top_k"])), (P, buf(op["top_p"])),
                     (P, buf(op["seeds"])), (P, buf(op["sample_offsets"])), (P, buf(op["out"])),

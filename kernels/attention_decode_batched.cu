@@ -1,0 +1,252 @@
+// Paged decode attention for batches: one query row per sequence, all GQ = nh / nkv query heads of a kv head in
+// one block, the keys of a sequence cut into `gridDim.z` splits of whole 64-key tiles, each split streamed tile by
+// tile through a 2-stage cp.async ring in shared memory with an online softmax (flash-decoding).
+// Sequence i (query row qsl[i], context Lc = seq_lens[i]) uses nsplit = min(gridDim.z, ceil(Lc / 64)) splits of
+// `chunk` keys (a multiple of 64); rows with qsl[i+1] - qsl[i] != 1 are left to other kernels. One split: the
+// block writes the normalized output. Several: partials part_o [num_seqs, nh, S, HD] / part_ml [.., 2]
+// (S = gridDim.z) and the last split block to finish (counter, reset by it) combines them in split order.
+// Split-0 blocks zero the output rows covered by no sequence.
+#include "common.cuh"
+
+#define BD_THREADS 128
+#define BD_TILE 64
+
+template <int HD>
+struct BdShape {
+    static constexpr int DCH = HD / 8;                  // 16-byte units per K/V row
+    static constexpr int TPK = BD_THREADS / BD_TILE;    // score phase: threads per key
+    static constexpr int UPT = DCH / TPK;               // units per thread in the score phase
+    static constexpr int KG = BD_THREADS / DCH;         // PV phase: key groups (thread = d-chunk x key group)
+    static constexpr int KPT = BD_TILE / KG;            // keys per thread per tile in the PV phase
+    static constexpr int STAGE_ELEMS = 2 * BD_TILE * HD;   // K tile then V tile, bf16
+};
+
+// Unit u (16 bytes) of key k sits at u ^ swz(k): the TPK threads of a key and 8 / TPK keys hit 8 distinct
+// 16-byte bank groups in each score-phase load.
+__device__ __forceinline__ int bd_swz(int k) { return (k & 3) << 1; }
+
+template <int HD>
+__device__ __forceinline__ void bd_issue(bf16* stage, const bf16* kbase, const bf16* vbase, size_t kv_stride,
+                                         const int* bt, int block_size, int k0, int kend) {
+    using S = BdShape<HD>;
+#pragma unroll
+    for (int j = 0; j < BD_TILE * S::DCH / BD_THREADS; j++) {
+        const int idx = threadIdx.x + j * BD_THREADS, key = idx / S::DCH, u = idx % S::DCH, p = k0 + key;
+        const bool ok = p < kend;
+        const size_t slot = ok ? (size_t)bt[p / block_size] * block_size + p % block_size : 0;
+        const int pu = u ^ bd_swz(key);
+        cp_async16(stage + key * HD + pu * 8, kbase + slot * kv_stride + u * 8, ok ? 16 : 0);
+        cp_async16(stage + BD_TILE * HD + key * HD + u * 8, vbase + slot * kv_stride + u * 8, ok ? 16 : 0);
+    }
+}
+
+template <int HD, int GM>
+__device__ __forceinline__ void attn_decode_batched_impl(
+        const bf16* __restrict__ q, const bf16* __restrict__ kv_layer, const int* __restrict__ qsl,
+        const int* __restrict__ seq_lens, const int* __restrict__ block_tables, float* __restrict__ part_o,
+        float* __restrict__ part_ml, int* __restrict__ counters, bf16* __restrict__ out, int T, int nh, int nkv,
+        int block_size, int max_blocks, int num_slots, float scale) {
+    using S = BdShape<HD>;
+    extern __shared__ __align__(16) unsigned char bd_smem[];
+    bf16* stages = reinterpret_cast<bf16*>(bd_smem);                  // [2][2][BD_TILE][HD]
+    __shared__ __align__(16) float qs[GM][HD];
+    __shared__ float sc[GM][BD_TILE];
+    __shared__ float m_run[GM], l_run[GM], alpha[GM];
+    __shared__ int is_last;
+
+    const int i = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z, NS = gridDim.z, tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int G = nh / nkv;
+    if (s == 0) {
+        for (int r = qsl[gridDim.x] + i; r < T; r += gridDim.x)
+            for (int c = tid; c < G * HD; c += BD_THREADS) out[((size_t)r * nh + kvh * G) * HD + c] = 0;
+    }
+    const int row = qsl[i], Lc = seq_lens[i];
+    if (qsl[i + 1] - row != 1 || Lc <= 0) return;
+    const int tiles = (Lc + BD_TILE - 1) / BD_TILE;
+    const int want = min(NS, tiles);
+    const int chunk = ((tiles + want - 1) / want) * BD_TILE;
+    const int active = (Lc + chunk - 1) / chunk;
+    const int k0 = s * chunk;
+    if (k0 >= Lc) return;
+    const int kend = min(k0 + chunk, Lc), ntiles = (kend - k0 + BD_TILE - 1) / BD_TILE;
+
+    const size_t kv_stride = (size_t)nkv * HD;
+    const bf16* kbase = kv_layer + (size_t)kvh * HD;
+    const bf16* vbase = kv_layer + (size_t)num_slots * kv_stride + (size_t)kvh * HD;
+    const int* bt = block_tables + (size_t)i * max_blocks;
+
+    bd_issue<HD>(stages, kbase, vbase, kv_stride, bt, block_size, k0, kend);
+    cp_async_commit();
+    for (int c = tid; c < G * HD; c += BD_THREADS) qs[c / HD][c % HD] = bf2f(q[((size_t)row * nh + kvh * G) * HD + c]);
+    if (tid < GM) { m_run[tid] = -__int_as_float(0x7f800000); l_run[tid] = 0.f; }
+
+    const int skey = tid / S::TPK, sh = tid % S::TPK;          // score phase
+    const int dc = tid % S::DCH, kg = tid / S::DCH;            // PV phase
+    float acc[GM][8];
+#pragma unroll
+    for (int g = 0; g < GM; g++)
+#pragma unroll
+        for (int e = 0; e < 8; e++) acc[g][e] = 0.f;
+
+    for (int t = 0; t < ntiles; t++) {
+        const bf16* ks = stages + (t & 1) * S::STAGE_ELEMS;
+        const bf16* vs = ks + BD_TILE * HD;
+        if (t + 1 < ntiles) {
+            bd_issue<HD>(stages + ((t + 1) & 1) * S::STAGE_ELEMS, kbase, vbase, kv_stride, bt, block_size,
+                         k0 + (t + 1) * BD_TILE, kend);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        // scores: key skey of this tile, units u = c * TPK + sh
+        float dot[GM];
+#pragma unroll
+        for (int g = 0; g < GM; g++) dot[g] = 0.f;
+#pragma unroll
+        for (int c = 0; c < S::UPT; c++) {
+            const int u = c * S::TPK + sh;
+            float kf[8];
+            unpack8(ld16(ks + skey * HD + (u ^ bd_swz(skey)) * 8), kf);
+#pragma unroll
+            for (int g = 0; g < GM; g++) {
+                if (g < G) {
+                    const float4 qa = *reinterpret_cast<const float4*>(&qs[g][u * 8]);
+                    const float4 qb = *reinterpret_cast<const float4*>(&qs[g][u * 8 + 4]);
+                    dot[g] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3]
+                            + qb.x * kf[4] + qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
+                }
+            }
+        }
+        const bool valid = k0 + t * BD_TILE + skey < kend;
+#pragma unroll
+        for (int g = 0; g < GM; g++) {
+#pragma unroll
+            for (int o = 1; o < S::TPK; o <<= 1) dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
+            if (g < G && sh == 0) sc[g][skey] = valid ? dot[g] * scale : -__int_as_float(0x7f800000);
+        }
+        __syncthreads();
+        for (int g = warp; g < G; g += BD_THREADS / 32) {
+            const float v0 = sc[g][lane], v1 = sc[g][lane + 32], m_old = m_run[g];
+            const float mt = warp_max(fmaxf(v0, v1));
+            const float mn = fmaxf(m_old, mt);
+            const float p0 = __expf(v0 - mn), p1 = __expf(v1 - mn);
+            sc[g][lane] = p0;
+            sc[g][lane + 32] = p1;
+            const float lt = warp_sum(p0 + p1);
+            __syncwarp();                                      // every lane has read m_run[g] before lane 0 writes
+            if (lane == 0) {
+                const float a = __expf(m_old - mn);
+                alpha[g] = a;
+                l_run[g] = l_run[g] * a + lt;
+                m_run[g] = mn;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int g = 0; g < GM; g++) {
+            const float a = g < G ? alpha[g] : 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; e++) acc[g][e] *= a;
+        }
+#pragma unroll
+        for (int j = 0; j < S::KPT; j++) {
+            const int kk = kg + j * S::KG;
+            float vf[8];
+            unpack8(ld16(vs + kk * HD + dc * 8), vf);
+#pragma unroll
+            for (int g = 0; g < GM; g++) {
+                if (g < G) {
+                    const float p = sc[g][kk];
+#pragma unroll
+                    for (int e = 0; e < 8; e++) acc[g][e] += p * vf[e];
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    // reduce the key groups: red [KG][GM][HD] floats in the (now idle) stage ring
+    float* red = reinterpret_cast<float*>(bd_smem);
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        if (g < G) {
+            float* r = red + ((size_t)kg * GM + g) * HD + dc * 8;
+            *reinterpret_cast<float4*>(r) = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+            *reinterpret_cast<float4*>(r + 4) = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+        }
+    }
+    __syncthreads();
+    for (int c = tid; c < G * HD; c += BD_THREADS) {
+        const int g = c / HD, d = c % HD;
+        float o = 0.f;
+#pragma unroll
+        for (int h = 0; h < S::KG; h++) o += red[((size_t)h * GM + g) * HD + d];
+        if (active == 1) {
+            out[((size_t)row * nh + kvh * G + g) * HD + d] = f2bf(l_run[g] > 0.f ? o / l_run[g] : 0.f);
+            continue;
+        }
+        const size_t idx = ((size_t)i * nh + kvh * G + g) * NS + s;
+        part_o[idx * HD + d] = o;
+        if (d == 0) { part_ml[idx * 2] = m_run[g]; part_ml[idx * 2 + 1] = l_run[g]; }
+    }
+    if (active == 1) return;
+
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        const int prev = atomicAdd(&counters[i * nkv + kvh], 1);
+        is_last = prev == active - 1;
+        if (is_last) counters[i * nkv + kvh] = 0;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    float* wbuf = red;                                           // [GM][NS] split weights
+    __shared__ float Ls[GM];
+    for (int g = warp; g < G; g += BD_THREADS / 32) {
+        const size_t base = ((size_t)i * nh + kvh * G + g) * NS;
+        float M = -__int_as_float(0x7f800000);
+        for (int z = lane; z < active; z += 32) M = fmaxf(M, __ldcg(part_ml + (base + z) * 2));
+        M = warp_max(M);
+        float L = 0.f;
+        for (int z = lane; z < active; z += 32) {
+            const float m = __ldcg(part_ml + (base + z) * 2);
+            const float w = m == -__int_as_float(0x7f800000) ? 0.f : __expf(m - M);
+            wbuf[g * NS + z] = w;
+            L += w * __ldcg(part_ml + (base + z) * 2 + 1);
+        }
+        L = warp_sum(L);
+        if (lane == 0) Ls[g] = L;
+    }
+    __syncthreads();
+    for (int c = tid; c < G * (HD / 4); c += BD_THREADS) {
+        const int g = c / (HD / 4), d4 = (c % (HD / 4)) * 4, h = kvh * G + g;
+        const float* po = part_o + ((size_t)i * nh + h) * NS * HD + d4;
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int z = 0; z < active; z++) {
+            const float w = wbuf[g * NS + z];
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(po + (size_t)z * HD));
+            a.x += w * v.x; a.y += w * v.y; a.z += w * v.z; a.w += w * v.w;
+        }
+        const float inv = Ls[g] > 0.f ? 1.f / Ls[g] : 0.f;
+        u32* dst = reinterpret_cast<u32*>(out + ((size_t)row * nh + h) * HD + d4);
+        dst[0] = pack2(a.x * inv, a.y * inv);
+        dst[1] = pack2(a.z * inv, a.w * inv);
+    }
+}
+
+#define DECODE_BATCHED_KERNEL(HD, GM)                                                                       \
+    extern "C" __global__ void __launch_bounds__(BD_THREADS) attn_decode_b_hd##HD##_g##GM(                  \
+        const bf16* q, const bf16* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,   \
+        float* part_o, float* part_ml, int* counters, bf16* out, int T, int nh, int nkv, int block_size,     \
+        int max_blocks, int num_slots, float scale) {                                                        \
+        attn_decode_batched_impl<HD, GM>(q, kv_layer, qsl, seq_lens, block_tables, part_o, part_ml, counters, \
+                                         out, T, nh, nkv, block_size, max_blocks, num_slots, scale); }
+
+DECODE_BATCHED_KERNEL(64, 4)
+DECODE_BATCHED_KERNEL(64, 8)
+DECODE_BATCHED_KERNEL(128, 4)
+DECODE_BATCHED_KERNEL(128, 8)

@@ -9,48 +9,55 @@
 #include "common.cuh"
 
 #define BD_THREADS 128
-#define BD_TILE 64
+#define BD_TILE 64            // keys per tile: BATCHED_ATTN_TILE in plan/kernel_build.py
+#define BD_STAGES 2           // tiles in the cp.async ring: BATCHED_ATTN_STAGES in plan/kernel_build.py
 
-template <int HD>
+template <int HD, int TILE>
 struct BdShape {
     static constexpr int DCH = HD / 8;                  // 16-byte units per K/V row
-    static constexpr int TPK = BD_THREADS / BD_TILE;    // score phase: threads per key
+    static constexpr int TPK = BD_THREADS / TILE;       // score phase: threads per key
     static constexpr int UPT = DCH / TPK;               // units per thread in the score phase
     static constexpr int KG = BD_THREADS / DCH;         // PV phase: key groups (thread = d-chunk x key group)
-    static constexpr int KPT = BD_TILE / KG;            // keys per thread per tile in the PV phase
-    static constexpr int STAGE_ELEMS = 2 * BD_TILE * HD;   // K tile then V tile, bf16
+    static constexpr int KPT = TILE / KG;               // keys per thread per tile in the PV phase
+    static constexpr int STAGE_ELEMS = 2 * TILE * HD;   // K tile then V tile, bf16
+    static constexpr int SWZ_KEYS = 8 / TPK;            // keys sharing one 8-thread load phase
 };
 
-// Unit u (16 bytes) of key k sits at u ^ swz(k): the TPK threads of a key and 8 / TPK keys hit 8 distinct
-// 16-byte bank groups in each score-phase load.
-__device__ __forceinline__ int bd_swz(int k) { return (k & 3) << 1; }
+// Unit u (16 bytes) of key k sits at u ^ swz(k): the TPK threads of a key and the 8 / TPK keys of one
+// 8-thread load phase hit 8 distinct 16-byte bank groups in the score phase.
+template <int HD, int TILE>
+__device__ __forceinline__ int bd_swz(int k) {
+    using S = BdShape<HD, TILE>;
+    return (k & (S::SWZ_KEYS - 1)) * S::TPK;
+}
 
-template <int HD>
+template <int HD, int TILE>
 __device__ __forceinline__ void bd_issue(bf16* stage, const bf16* kbase, const bf16* vbase, size_t kv_stride,
                                          const int* bt, int block_size, int k0, int kend) {
-    using S = BdShape<HD>;
+    using S = BdShape<HD, TILE>;
 #pragma unroll
-    for (int j = 0; j < BD_TILE * S::DCH / BD_THREADS; j++) {
+    for (int j = 0; j < TILE * S::DCH / BD_THREADS; j++) {
         const int idx = threadIdx.x + j * BD_THREADS, key = idx / S::DCH, u = idx % S::DCH, p = k0 + key;
         const bool ok = p < kend;
         const size_t slot = ok ? (size_t)bt[p / block_size] * block_size + p % block_size : 0;
-        const int pu = u ^ bd_swz(key);
+        const int pu = u ^ bd_swz<HD, TILE>(key);
         cp_async16(stage + key * HD + pu * 8, kbase + slot * kv_stride + u * 8, ok ? 16 : 0);
-        cp_async16(stage + BD_TILE * HD + key * HD + u * 8, vbase + slot * kv_stride + u * 8, ok ? 16 : 0);
+        cp_async16(stage + TILE * HD + key * HD + u * 8, vbase + slot * kv_stride + u * 8, ok ? 16 : 0);
     }
 }
 
-template <int HD, int GM>
+template <int HD, int GM, int TILE, int STAGES>
 __device__ __forceinline__ void attn_decode_batched_impl(
         const bf16* __restrict__ q, const bf16* __restrict__ kv_layer, const int* __restrict__ qsl,
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables, float* __restrict__ part_o,
         float* __restrict__ part_ml, int* __restrict__ counters, bf16* __restrict__ out, int T, int nh, int nkv,
         int block_size, int max_blocks, int num_slots, float scale) {
-    using S = BdShape<HD>;
+    using S = BdShape<HD, TILE>;
+    static_assert(S::TPK >= 1 && S::TPK <= 8 && S::KPT >= 1 && TILE % 32 == 0, "tile shape");
     extern __shared__ __align__(16) unsigned char bd_smem[];
-    bf16* stages = reinterpret_cast<bf16*>(bd_smem);                  // [2][2][BD_TILE][HD]
+    bf16* stages = reinterpret_cast<bf16*>(bd_smem);                  // [STAGES][2][TILE][HD]
     __shared__ __align__(16) float qs[GM][HD];
-    __shared__ float sc[GM][BD_TILE];
+    __shared__ float sc[GM][TILE];
     __shared__ float m_run[GM], l_run[GM], alpha[GM];
     __shared__ int is_last;
 
@@ -63,21 +70,26 @@ __device__ __forceinline__ void attn_decode_batched_impl(
     }
     const int row = qsl[i], Lc = seq_lens[i];
     if (qsl[i + 1] - row != 1 || Lc <= 0) return;
-    const int tiles = (Lc + BD_TILE - 1) / BD_TILE;
+    const int tiles = (Lc + TILE - 1) / TILE;
     const int want = min(NS, tiles);
-    const int chunk = ((tiles + want - 1) / want) * BD_TILE;
+    const int chunk = ((tiles + want - 1) / want) * TILE;
     const int active = (Lc + chunk - 1) / chunk;
     const int k0 = s * chunk;
     if (k0 >= Lc) return;
-    const int kend = min(k0 + chunk, Lc), ntiles = (kend - k0 + BD_TILE - 1) / BD_TILE;
+    const int kend = min(k0 + chunk, Lc), ntiles = (kend - k0 + TILE - 1) / TILE;
 
     const size_t kv_stride = (size_t)nkv * HD;
     const bf16* kbase = kv_layer + (size_t)kvh * HD;
     const bf16* vbase = kv_layer + (size_t)num_slots * kv_stride + (size_t)kvh * HD;
     const int* bt = block_tables + (size_t)i * max_blocks;
 
-    bd_issue<HD>(stages, kbase, vbase, kv_stride, bt, block_size, k0, kend);
-    cp_async_commit();
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; st++) {
+        if (st < ntiles)
+            bd_issue<HD, TILE>(stages + st * S::STAGE_ELEMS, kbase, vbase, kv_stride, bt, block_size,
+                               k0 + st * TILE, kend);
+        cp_async_commit();
+    }
     for (int c = tid; c < G * HD; c += BD_THREADS) qs[c / HD][c % HD] = bf2f(q[((size_t)row * nh + kvh * G) * HD + c]);
     if (tid < GM) { m_run[tid] = -__int_as_float(0x7f800000); l_run[tid] = 0.f; }
 
@@ -90,17 +102,17 @@ __device__ __forceinline__ void attn_decode_batched_impl(
         for (int e = 0; e < 8; e++) acc[g][e] = 0.f;
 
     for (int t = 0; t < ntiles; t++) {
-        const bf16* ks = stages + (t & 1) * S::STAGE_ELEMS;
-        const bf16* vs = ks + BD_TILE * HD;
-        if (t + 1 < ntiles) {
-            bd_issue<HD>(stages + ((t + 1) & 1) * S::STAGE_ELEMS, kbase, vbase, kv_stride, bt, block_size,
-                         k0 + (t + 1) * BD_TILE, kend);
+        cp_async_wait<STAGES - 2>();                            // tile t has landed (this thread's copies)
+        __syncthreads();                                        // ... everyone's; and tile t - 1 is consumed
+        {
+            const int nt = t + STAGES - 1;
+            if (nt < ntiles)
+                bd_issue<HD, TILE>(stages + (nt % STAGES) * S::STAGE_ELEMS, kbase, vbase, kv_stride, bt,
+                                   block_size, k0 + nt * TILE, kend);
             cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
         }
-        __syncthreads();
+        const bf16* ks = stages + (t % STAGES) * S::STAGE_ELEMS;
+        const bf16* vs = ks + TILE * HD;
         // scores: key skey of this tile, units u = c * TPK + sh
         float dot[GM];
 #pragma unroll
@@ -109,7 +121,7 @@ __device__ __forceinline__ void attn_decode_batched_impl(
         for (int c = 0; c < S::UPT; c++) {
             const int u = c * S::TPK + sh;
             float kf[8];
-            unpack8(ld16(ks + skey * HD + (u ^ bd_swz(skey)) * 8), kf);
+            unpack8(ld16(ks + skey * HD + (u ^ bd_swz<HD, TILE>(skey)) * 8), kf);
 #pragma unroll
             for (int g = 0; g < GM; g++) {
                 if (g < G) {
@@ -120,7 +132,7 @@ __device__ __forceinline__ void attn_decode_batched_impl(
                 }
             }
         }
-        const bool valid = k0 + t * BD_TILE + skey < kend;
+        const bool valid = k0 + t * TILE + skey < kend;
 #pragma unroll
         for (int g = 0; g < GM; g++) {
 #pragma unroll
@@ -129,13 +141,17 @@ __device__ __forceinline__ void attn_decode_batched_impl(
         }
         __syncthreads();
         for (int g = warp; g < G; g += BD_THREADS / 32) {
-            const float v0 = sc[g][lane], v1 = sc[g][lane + 32], m_old = m_run[g];
-            const float mt = warp_max(fmaxf(v0, v1));
+            float v[TILE / 32];
+            float mt = -__int_as_float(0x7f800000);
+#pragma unroll
+            for (int j = 0; j < TILE / 32; j++) { v[j] = sc[g][lane + 32 * j]; mt = fmaxf(mt, v[j]); }
+            const float m_old = m_run[g];
+            mt = warp_max(mt);
             const float mn = fmaxf(m_old, mt);
-            const float p0 = __expf(v0 - mn), p1 = __expf(v1 - mn);
-            sc[g][lane] = p0;
-            sc[g][lane + 32] = p1;
-            const float lt = warp_sum(p0 + p1);
+            float lt = 0.f;
+#pragma unroll
+            for (int j = 0; j < TILE / 32; j++) { const float pj = __expf(v[j] - mn); sc[g][lane + 32 * j] = pj; lt += pj; }
+            lt = warp_sum(lt);
             __syncwarp();                                      // every lane has read m_run[g] before lane 0 writes
             if (lane == 0) {
                 const float a = __expf(m_old - mn);
@@ -165,8 +181,9 @@ __device__ __forceinline__ void attn_decode_batched_impl(
                 }
             }
         }
-        __syncthreads();
     }
+    cp_async_wait<0>();
+    __syncthreads();
 
     // reduce the key groups: red [KG][GM][HD] floats in the (now idle) stage ring
     float* red = reinterpret_cast<float*>(bd_smem);
@@ -238,15 +255,21 @@ __device__ __forceinline__ void attn_decode_batched_impl(
     }
 }
 
-#define DECODE_BATCHED_KERNEL(HD, GM)                                                                       \
-    extern "C" __global__ void __launch_bounds__(BD_THREADS) attn_decode_b_hd##HD##_g##GM(                  \
+// NAME: attn_decode_b[_tTILEsSTAGES]_hdHD_gGM; the plain name is the tile / stage pair the plan uses.
+#define DECODE_BATCHED_KERNEL(NAME, HD, GM, TILE, STAGES)                                                    \
+    extern "C" __global__ void __launch_bounds__(BD_THREADS) NAME(                                           \
         const bf16* q, const bf16* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,   \
         float* part_o, float* part_ml, int* counters, bf16* out, int T, int nh, int nkv, int block_size,     \
         int max_blocks, int num_slots, float scale) {                                                        \
-        attn_decode_batched_impl<HD, GM>(q, kv_layer, qsl, seq_lens, block_tables, part_o, part_ml, counters, \
-                                         out, T, nh, nkv, block_size, max_blocks, num_slots, scale); }
+        attn_decode_batched_impl<HD, GM, TILE, STAGES>(q, kv_layer, qsl, seq_lens, block_tables, part_o,     \
+                                                       part_ml, counters, out, T, nh, nkv, block_size,       \
+                                                       max_blocks, num_slots, scale); }
 
-DECODE_BATCHED_KERNEL(64, 4)
-DECODE_BATCHED_KERNEL(64, 8)
-DECODE_BATCHED_KERNEL(128, 4)
-DECODE_BATCHED_KERNEL(128, 8)
+DECODE_BATCHED_KERNEL(attn_decode_b_hd64_g4, 64, 4, BD_TILE, BD_STAGES)
+DECODE_BATCHED_KERNEL(attn_decode_b_hd64_g8, 64, 8, BD_TILE, BD_STAGES)
+DECODE_BATCHED_KERNEL(attn_decode_b_hd128_g4, 128, 4, BD_TILE, BD_STAGES)
+DECODE_BATCHED_KERNEL(attn_decode_b_hd128_g8, 128, 8, BD_TILE, BD_STAGES)
+// variants timed by scripts/bench_kernels.py attn
+DECODE_BATCHED_KERNEL(attn_decode_b_t64s3_hd128_g4, 128, 4, 64, 3)
+DECODE_BATCHED_KERNEL(attn_decode_b_t32s4_hd128_g4, 128, 4, 32, 4)
+DECODE_BATCHED_KERNEL(attn_decode_b_t32s6_hd128_g4, 128, 4, 32, 6)

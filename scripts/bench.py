@@ -176,7 +176,7 @@ def bench_throughput(plan, res: dict, steps: int) -> None:
             [f"{'step':48s} {'ms':>8s} {'decode tok/s':>12s} {'floor ms':>9s}"] +
             [f"{a:48s} {b:8.3f} {c:12.0f} {d:9.3f}" for a, b, c, d in rows])
         print(res["throughput_table"], flush=True)
-        for name, ctx in (("decode_64", 1024), ("decode_256", 1024), ("decode_16", 1024)):
+        for name, ctx in (("decode_64", 1024), ("decode_256", 1024), ("decode_32", 1024), ("prefill_640", 640)):
             if name in runner.buckets:
                 prof = profile_runner(runner, name, ctx)
                 res[f"profile_{name}_ctx{ctx}"] = format_table(prof)

@@ -171,12 +171,16 @@ def bench_gemm(args) -> None:
 def bench_attn(args) -> None:
     nh, nkv, hd, bs = 32, 8, 128, 16
     G = nh // nkv
+    torch.zeros(1, device="cuda")                      # torch makes the primary context current
     kern = Kernels("attention_decode.cu", "attention_decode_batched.cu")
     old_fn = kern.fn("attention_decode.cu", f"attn_decode_hd{hd}")
-    smem_new = 2 * 2 * 64 * hd * 2
-    new_fn = kern.fn("attention_decode_batched.cu", f"attn_decode_b_hd{hd}_g{4 if G <= 4 else 8}", smem_new)
+    tiled = {}                                          # name -> (function, dynamic smem, tile)
+    for name, tile, stages in (("attn_decode_b_hd128_g4", 64, 2), ("attn_decode_b_t64s3_hd128_g4", 64, 3),
+                               ("attn_decode_b_t32s4_hd128_g4", 32, 4), ("attn_decode_b_t32s6_hd128_g4", 32, 6)):
+        smem = stages * 2 * tile * hd * 2
+        tiled[name] = (kern.fn("attention_decode_batched.cu", name, smem), smem, tile)
     gen = torch.Generator(device="cuda").manual_seed(1234)
-    print(f"{'batch':>5} {'ctx':>5} {'variant':18} {'ms':>8} {'GB/s':>7} {'err':>8}")
+    print(f"{'batch':>5} {'ctx':>5} {'variant':18} {'ms':>8} {'GB/s':>7} {'err':>8}")  # * = plan's splits
     for B in [int(b) for b in args.batches.split(",")]:
         for ctx in [int(c) for c in args.contexts.split(",")]:
             max_blocks = -(-ctx // bs)
@@ -221,10 +225,13 @@ def bench_attn(args) -> None:
 
             variants = [("old", lambda lens, kvc=None: launch(old_fn, (B, nkv, S_old), 0, lens, [("i32", S_old)], kvc))]
             splits_auto = max(1, min(-(-ctx // 64), -(-(132 * 4) // (B * nkv))))
-            for sp in sorted({1, 2, 4, 8, 16, splits_auto}):
-                if sp <= -(-ctx // 64):
-                    variants.append((f"new s{sp}" + ("*" if sp == splits_auto else ""),
-                                     lambda lens, kvc=None, sp=sp: launch(new_fn, (B, nkv, sp), smem_new, lens, [], kvc)))
+            for name, (fn, smem, tile) in tiled.items():
+                short = name.replace("attn_decode_b_", "").replace("_hd128_g4", "") or "t64s2"
+                for sp in sorted({1, 2, 4, 8, splits_auto, 2 * splits_auto}):
+                    if sp <= -(-ctx // tile) and (sp in (splits_auto, 2 * splits_auto) or name == "attn_decode_b_hd128_g4"):
+                        variants.append((f"{short} s{sp}" + ("*" if sp == splits_auto else ""),
+                                         lambda lens, kvc=None, sp=sp, fn=fn, smem=smem:
+                                         launch(fn, (B, nkv, sp), smem, lens, [], kvc)))
             ref = ref_attn(lens_check)
             for vname, mk in variants:
                 ln = mk(lens_check)
@@ -245,7 +252,7 @@ def main() -> None:
     ap.add_argument("--lib")
     ap.add_argument("--rows", default="16,32,64,128,256")
     ap.add_argument("--batches", default="1,16,64,128,256")
-    ap.add_argument("--contexts", default="256,1024,4096")
+    ap.add_argument("--contexts", default="256,1024,4096,8192")
     args = ap.parse_args()
     torch.cuda.init()
     (bench_gemm if args.what == "gemm" else bench_attn)(args)

@@ -23,7 +23,7 @@ from xserv_aot.runtime.cuda.cutlass_gemm import CutlassGemm, CutlassGemmError  #
 ROOT = Path(__file__).resolve().parents[1]
 # Qwen3-8B linears: (name, N, K)
 SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]
-MS = [1, 7, 128, 300, 2048]
+MS = [1, 7, 48, 128, 256, 300, 2048]
 PAD_ROWS = 5
 
 
@@ -47,10 +47,18 @@ def _stream() -> int:
     return torch.cuda.current_stream().cuda_stream
 
 
-def _run(g: CutlassGemm, cfg: int, a, b, c, bias, m: int) -> None:
+_WS: dict = {}
+
+
+def _run(g: CutlassGemm, cfg: int, a, b, c, bias, m: int, splits: int = 0) -> None:
+    """Every config through the workspace entry point (swap-AB configs need one; the tile configs take none)."""
     n, k = b.shape
-    g.gemm(cfg, a.data_ptr(), b.data_ptr(), c.data_ptr(), bias.data_ptr() if bias is not None else 0,
-           m, n, k, _stream())
+    need = g.workspace_size_ex(cfg, m, n, k, splits)
+    if _WS.get("ws") is None or _WS["ws"].numel() < need:
+        _WS["ws"] = torch.empty(max(need, 1 << 20), dtype=torch.uint8, device="cuda")
+    ws = _WS["ws"]
+    g.gemm_ex(cfg, a.data_ptr(), b.data_ptr(), c.data_ptr(), bias.data_ptr() if bias is not None else 0,
+              m, n, k, splits, ws.data_ptr(), ws.numel(), _stream())
 
 
 def _operands(m_max: int, n: int, k: int, gen):
@@ -75,13 +83,17 @@ def test_matches_float64_reference(gemm, name, n, k):
     for m in MS:
         ref = a[:m].double() @ b.double().T
         for cfg in range(len(gemm.configs)):
+            swap = "swap" in gemm.configs[cfg]
+            if swap and m > 256:
+                continue
             dtype = torch.float32 if gemm.out_bytes(cfg) == 4 else torch.bfloat16
-            use_bias = (cfg + m) % 2 == 0
-            c = torch.full((m + PAD_ROWS, n), float("nan"), dtype=dtype, device="cuda")
-            _run(gemm, cfg, a, b, c, bias if use_bias else None, m)
-            torch.cuda.synchronize()
-            _check(c[:m], ref + bias.double() if use_bias else ref)
-            assert torch.isnan(c[m:]).all(), f"{gemm.configs[cfg]} wrote past row {m}"
+            for splits in ((0, 1, 4) if swap else (0,)):
+                use_bias = (cfg + m + splits) % 2 == 0
+                c = torch.full((m + PAD_ROWS, n), float("nan"), dtype=dtype, device="cuda")
+                _run(gemm, cfg, a, b, c, bias if use_bias else None, m, splits)
+                torch.cuda.synchronize()
+                _check(c[:m], ref + bias.double() if use_bias else ref)
+                assert torch.isnan(c[m:]).all(), f"{gemm.configs[cfg]} splits {splits} wrote past row {m}"
 
 
 def test_rejects_misaligned_and_bad_shapes(gemm):
@@ -95,7 +107,7 @@ def test_rejects_misaligned_and_bad_shapes(gemm):
 
 
 def test_cuda_graph_replay_equals_eager(gemm):
-    n, k, m = 6144, 4096, 300
+    n, k, m = 6144, 4096, 200
     gen = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
     a, b, bias = _operands(m, n, k, gen)
     for cfg in range(len(gemm.configs)):

@@ -221,7 +221,7 @@ def test_attention_prefill(lib, rng, hd, nh, nkv):
                [("ptr", lib.to_device(q, "bfloat16")), ("ptr", lib.to_device(kv, "bfloat16")), ("ptr", lib.to_device(qsl)),
                 ("ptr", lib.to_device(lens)), ("ptr", lib.to_device(tables)), ("ptr", out), ("i32", T),
                 ("i32", len(seqs)), ("i32", nh), ("i32", nkv), ("i32", block_size), ("i32", max_blocks),
-                ("i32", kv.shape[1]), ("f32", hd ** -0.5)])
+                ("i32", kv.shape[1]), ("f32", hd ** -0.5), ("i32", 1)])
     want = ref.attention(q, kv, qsl, lens, tables, block_size, hd ** -0.5)
     check(out.numpy(), want)
     assert not out.numpy()[qsl[-1]:].any()

@@ -22,9 +22,10 @@ SKINNY_FUSE_GATE = False     # gate_up + silu_mul in one skinny kernel (tests/te
 SPLITK_TARGET_BLOCKS = 264   # 2 blocks per SM on 132 SMs
 SPLITK_MAX = 8
 DECODE_SPLIT = 128            # keys per split-KV partition: P_KEYS in kernels/attention_decode.cu
-SWAP_MIN_ROWS = 17           # decode rows 17..256: CUTLASS swap-AB stream-K GEMMs (cutlass_build.SWAP_CONFIGS)
+SWAP_MIN_ROWS = 16           # decode rows 16..256: CUTLASS GEMMs by decode_gemm_route (cutlass_build.SWAP_CONFIGS)
 BATCHED_ATTN_MIN_SEQS = 3    # decode attention for >= 3 seqs: kernels/attention_decode_batched.cu
 BATCHED_ATTN_TILE = 64       # BD_TILE in kernels/attention_decode_batched.cu: keys per tile
+BATCHED_ATTN_STAGES = 2      # BD_STAGES there: tiles in the cp.async ring
 BATCHED_ATTN_BLOCKS = 4 * 132  # splits per seq chosen so a full bucket launches about this many blocks
 ELEMWISE_THREADS = 256
 
@@ -71,18 +72,31 @@ def plan_skinny(op: dict, suffix: str, fuse_into: str | None, bn: int | None = N
     op["kernel"] = fn
 
 
-def swap_splits(rows: int, n: int, k: int) -> int:
-    """CUTLASS scheduler mode for a swap-AB decode GEMM: 1 data-parallel when the 128-row weight tiles alone
-    fill every SM twice, else 0 (stream-K over all SMs)."""
-    return 1 if -(-n // 128) >= 2 * 132 else 0
+def swap_splits(n: int, k: int, width: int) -> int:
+    """CUTLASS scheduler mode of a swap-AB decode GEMM (H200 sweep, docs/cuda-notes.md): split-K 4 for the long
+    K of down_proj; data-parallel (1) when 128-row weight tiles alone fill the SMs and the tile is narrow;
+    otherwise stream-K (0) over every SM."""
+    if k >= 8192:
+        return 4
+    return 1 if -(-n // 128) >= 132 and width <= 64 else 0
+
+
+def decode_gemm_route(rows: int, n: int, k: int, out_dtype: str) -> str:
+    """skinny (NVRTC, small weights, few rows) | tile (CUTLASS data-parallel tiles) | swap (CUTLASS swap-AB)."""
+    small = n <= 8192 and k <= 4096 and out_dtype == "bfloat16"          # qkv / o_proj shapes
+    if rows < SWAP_MIN_ROWS or (small and rows <= 32):
+        return "skinny"
+    if rows > 128 and k <= 4096 and out_dtype == "bfloat16":
+        return "tile"
+    return "swap"
 
 
 def plan_swap(op: dict, out_dtype: str, cutlass: dict) -> None:
     from xserv_aot.plan.cutlass_build import SWAP_CONFIGS, library_workspace_size
     rows, n, k = int(op["rows"]), int(op["n"]), int(op["k"])
     widths = SWAP_CONFIGS[out_dtype]
-    cfg = widths[next(w for w in sorted(widths) if w >= rows)]
-    splits = swap_splits(rows, n, k)
+    width = next(w for w in sorted(widths) if w >= rows)
+    cfg, splits = widths[width], swap_splits(n, k, width)
     op["kernel"] = "cutlass"
     op["gemm_config"] = cfg
     op["gemm_splits"] = splits
@@ -108,15 +122,16 @@ def plan_linear(op: dict, out_dtype: str, fuse_into: str | None, cutlass: dict |
             op["launch"] = [launch(f"gemv_m{mt}_{suffix}", [-(-n // 16)], [256])]
         op["kernel"] = op["launch"][0]["fn"]
         return
-    if decode and cutlass is not None and rows >= SWAP_MIN_ROWS:
+    route = decode_gemm_route(rows, n, k, out_dtype) if decode and cutlass is not None and n % 8 == 0 else None
+    if route == "swap":
         plan_swap(op, out_dtype, cutlass)
         return
-    if decode and rows <= SKINNY_MAX_ROWS:
+    if decode and rows <= SKINNY_MAX_ROWS and route in (None, "skinny"):
         plan_skinny(op, suffix, fuse_into if SKINNY_FUSE_GATE else None)
         return
-    if cutlass is not None and rows >= CUTLASS_MIN_ROWS and n % 8 == 0:
-        from xserv_aot.plan.cutlass_build import choose_gemm_config
-        cfg = choose_gemm_config(rows, n, k, out_dtype)
+    if cutlass is not None and (rows >= CUTLASS_MIN_ROWS or route == "tile") and n % 8 == 0:
+        from xserv_aot.plan.cutlass_build import CFG_128x128, choose_gemm_config
+        cfg = CFG_128x128 if route == "tile" else choose_gemm_config(rows, n, k, out_dtype)   # tile: H200 sweep
         op["kernel"] = "cutlass"
         op["gemm_config"] = cfg
         op["launch"] = []
@@ -142,7 +157,7 @@ def batched_attn_launch(op: dict, m: dict, max_seq_len: int) -> dict:
     seqs, nkv, hd = int(op["num_seqs"]), m["num_kv_heads"], m["head_dim"]
     g = m["num_heads"] // nkv
     splits = max(1, min(-(-max_seq_len // BATCHED_ATTN_TILE), -(-BATCHED_ATTN_BLOCKS // (seqs * nkv))))
-    smem = 2 * 2 * BATCHED_ATTN_TILE * hd * 2                       # 2 stages of a K and a V tile, bf16
+    smem = BATCHED_ATTN_STAGES * 2 * BATCHED_ATTN_TILE * hd * 2     # stages of a K and a V tile, bf16
     return launch(f"attn_decode_b_hd{hd}_g{4 if g <= 4 else 8}", [seqs, nkv, splits], [128], smem)
 
 

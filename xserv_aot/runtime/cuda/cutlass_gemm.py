@@ -44,6 +44,8 @@ class CutlassGemm:
         lib.xserv_gemm_config_name.argtypes = [ctypes.c_int]
         lib.xserv_gemm_config_out_bytes.restype = ctypes.c_int
         lib.xserv_gemm_config_out_bytes.argtypes = [ctypes.c_int]
+        lib.xserv_gemm_workspace_size_ex.restype = ctypes.c_size_t
+        lib.xserv_gemm_workspace_size_ex.argtypes = [ctypes.c_int] * 6
         lib.xserv_gemm_workspace_size.restype = ctypes.c_size_t
         lib.xserv_gemm_workspace_size.argtypes = [ctypes.c_int] * 4
         lib.xserv_gemm_bf16_ex.restype = ctypes.c_int
@@ -62,6 +64,10 @@ class CutlassGemm:
     def workspace_size(self, config: int, M: int, N: int, K: int) -> int:
         self._check_config(config)
         return self._lib.xserv_gemm_workspace_size(config, M, N, K)
+
+    def workspace_size_ex(self, config: int, M: int, N: int, K: int, splits: int, num_sms: int = 132) -> int:
+        self._check_config(config)
+        return self._lib.xserv_gemm_workspace_size_ex(config, M, N, K, splits, num_sms)
 
     def gemm(self, config: int, a_ptr: int, b_ptr: int, c_ptr: int, bias_ptr: int | None,
              M: int, N: int, K: int, stream_handle: int = 0) -> None:

@@ -9,8 +9,6 @@
 #include "common.cuh"
 
 #define BD_THREADS 128
-#define BD_TILE 64            // keys per tile: BATCHED_ATTN_TILE in plan/kernel_build.py
-#define BD_STAGES 2           // tiles in the cp.async ring: BATCHED_ATTN_STAGES in plan/kernel_build.py
 
 template <int HD, int TILE>
 struct BdShape {
@@ -255,21 +253,18 @@ __device__ __forceinline__ void attn_decode_batched_impl(
     }
 }
 
-// NAME: attn_decode_b[_tTILEsSTAGES]_hdHD_gGM; the plain name is the tile / stage pair the plan uses.
-#define DECODE_BATCHED_KERNEL(NAME, HD, GM, TILE, STAGES)                                                    \
-    extern "C" __global__ void __launch_bounds__(BD_THREADS) NAME(                                           \
+// attn_decode_b_tTILEsSTAGES_hdHD_gGM: kernel_build.batched_attn_launch names the (tile, stages) pair it uses.
+#define DECODE_BATCHED_KERNEL(HD, GM, TILE, STAGES)                                                          \
+    extern "C" __global__ void __launch_bounds__(BD_THREADS) attn_decode_b_t##TILE##s##STAGES##_hd##HD##_g##GM( \
         const bf16* q, const bf16* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,   \
         float* part_o, float* part_ml, int* counters, bf16* out, int T, int nh, int nkv, int block_size,     \
         int max_blocks, int num_slots, float scale) {                                                        \
         attn_decode_batched_impl<HD, GM, TILE, STAGES>(q, kv_layer, qsl, seq_lens, block_tables, part_o,     \
                                                        part_ml, counters, out, T, nh, nkv, block_size,       \
                                                        max_blocks, num_slots, scale); }
+#define DECODE_BATCHED_VARIANTS(TILE, STAGES)                                                                \
+    DECODE_BATCHED_KERNEL(64, 4, TILE, STAGES) DECODE_BATCHED_KERNEL(64, 8, TILE, STAGES)                    \
+    DECODE_BATCHED_KERNEL(128, 4, TILE, STAGES) DECODE_BATCHED_KERNEL(128, 8, TILE, STAGES)
 
-DECODE_BATCHED_KERNEL(attn_decode_b_hd64_g4, 64, 4, BD_TILE, BD_STAGES)
-DECODE_BATCHED_KERNEL(attn_decode_b_hd64_g8, 64, 8, BD_TILE, BD_STAGES)
-DECODE_BATCHED_KERNEL(attn_decode_b_hd128_g4, 128, 4, BD_TILE, BD_STAGES)
-DECODE_BATCHED_KERNEL(attn_decode_b_hd128_g8, 128, 8, BD_TILE, BD_STAGES)
-// variants timed by scripts/bench_kernels.py attn
-DECODE_BATCHED_KERNEL(attn_decode_b_t64s3_hd128_g4, 128, 4, 64, 3)
-DECODE_BATCHED_KERNEL(attn_decode_b_t32s4_hd128_g4, 128, 4, 32, 4)
-DECODE_BATCHED_KERNEL(attn_decode_b_t32s6_hd128_g4, 128, 4, 32, 6)
+DECODE_BATCHED_VARIANTS(64, 2)      // 64 KB of K/V tiles a block at hd 128: 3 blocks an SM
+DECODE_BATCHED_VARIANTS(32, 2)      // 32 KB: up to 5 blocks an SM (registers)

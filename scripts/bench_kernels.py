@@ -175,8 +175,7 @@ def bench_attn(args) -> None:
     kern = Kernels("attention_decode.cu", "attention_decode_batched.cu")
     old_fn = kern.fn("attention_decode.cu", f"attn_decode_hd{hd}")
     tiled = {}                                          # name -> (function, dynamic smem, tile)
-    for name, tile, stages in (("attn_decode_b_hd128_g4", 64, 2), ("attn_decode_b_t64s3_hd128_g4", 64, 3),
-                               ("attn_decode_b_t32s4_hd128_g4", 32, 4), ("attn_decode_b_t32s6_hd128_g4", 32, 6)):
+    for name, tile, stages in (("attn_decode_b_t64s2_hd128_g4", 64, 2), ("attn_decode_b_t32s2_hd128_g4", 32, 2)):
         smem = stages * 2 * tile * hd * 2
         tiled[name] = (kern.fn("attention_decode_batched.cu", name, smem), smem, tile)
     gen = torch.Generator(device="cuda").manual_seed(1234)
@@ -199,8 +198,9 @@ def bench_attn(args) -> None:
             qsl = torch.arange(B + 1, dtype=torch.int32, device="cuda")
             scale = hd ** -0.5
             S_old = -(-8192 // 128)
-            part_o = torch.empty(B * nh * max(S_old, 64) * hd, device="cuda")
-            part_ml = torch.empty(B * nh * max(S_old, 64) * 2, device="cuda")
+            S_cap = max(S_old, 2 * -(-ctx // 32))                      # every split count tried below
+            part_o = torch.empty(B * nh * S_cap * hd, device="cuda")
+            part_ml = torch.empty(B * nh * S_cap * 2, device="cuda")
             counters = torch.zeros(B * nkv, dtype=torch.int32, device="cuda")
             out = torch.empty(B, nh * hd, device="cuda", dtype=torch.bfloat16)
 
@@ -226,9 +226,9 @@ def bench_attn(args) -> None:
             variants = [("old", lambda lens, kvc=None: launch(old_fn, (B, nkv, S_old), 0, lens, [("i32", S_old)], kvc))]
             splits_auto = max(1, min(-(-ctx // 64), -(-(132 * 4) // (B * nkv))))
             for name, (fn, smem, tile) in tiled.items():
-                short = name.replace("attn_decode_b_", "").replace("_hd128_g4", "") or "t64s2"
+                short = name.replace("attn_decode_b_", "").replace("_hd128_g4", "")
                 for sp in sorted({1, 2, 4, 8, splits_auto, 2 * splits_auto}):
-                    if sp <= -(-ctx // tile) and (sp in (splits_auto, 2 * splits_auto) or name == "attn_decode_b_hd128_g4"):
+                    if sp <= -(-ctx // tile):
                         variants.append((f"{short} s{sp}" + ("*" if sp == splits_auto else ""),
                                          lambda lens, kvc=None, sp=sp, fn=fn, smem=smem:
                                          launch(fn, (B, nkv, sp), smem, lens, [], kvc)))
@@ -246,16 +246,55 @@ def bench_attn(args) -> None:
             torch.cuda.empty_cache()
 
 
+def bench_prefill(args) -> None:
+    """The flash prefill kernel on one prompt of T tokens inside a bucket of S sequence slots (the rest empty),
+    alone and with the batched decode launch a mixed bucket adds: where a prefill bucket's attention time goes."""
+    nh, nkv, hd, bs = 32, 8, 128, 16
+    torch.zeros(1, device="cuda")
+    kern = Kernels("attention_prefill.cu", "attention_decode_batched.cu")
+    pf = kern.fn("attention_prefill.cu", f"attn_prefill_hd{hd}")
+    smem = 2 * 2 * 64 * hd * 2
+    dec = kern.fn("attention_decode_batched.cu", "attn_decode_b_t64s2_hd128_g4", smem)
+    print(f"{'T':>5} {'S':>4} {'variant':24} {'ms':>8}")
+    for T in (640, 2048):
+        for S in (1, 64, 256):
+            blocks = -(-T // bs)
+            kv = torch.randn(2, (blocks + 1) * bs, nkv, hd, device="cuda").bfloat16()
+            q = torch.randn(T, nh, hd, device="cuda").bfloat16()
+            qsl = torch.full((S + 1,), T, dtype=torch.int32, device="cuda")
+            qsl[0] = 0
+            lens = torch.zeros(S, dtype=torch.int32, device="cuda")
+            lens[0] = T
+            bt = torch.zeros(S, 512, dtype=torch.int32, device="cuda")
+            bt[0, :blocks] = torch.arange(blocks, device="cuda")
+            out = torch.empty(T, nh * hd, device="cuda", dtype=torch.bfloat16)
+            po = torch.empty(S * nh * hd, device="cuda")
+            pml = torch.empty(S * nh * 2, device="cuda")
+            cnt = torch.zeros(S * nkv, dtype=torch.int32, device="cuda")
+            common = [("ptr", q.data_ptr()), ("ptr", kv.data_ptr()), ("ptr", qsl.data_ptr()), ("ptr", lens.data_ptr()),
+                      ("ptr", bt.data_ptr())]
+            lp = Launch("pf", pf, (-(-T // 64) + S, nh, 1), (128, 1, 1), 0,
+                        common + [("ptr", out.data_ptr()), ("i32", T), ("i32", S), ("i32", nh), ("i32", nkv),
+                                  ("i32", bs), ("i32", 512), ("i32", kv.shape[1]), ("f32", hd ** -0.5),
+                                  ("i32", 2)], pdl=False)
+            ld = Launch("dec", dec, (S, nkv, 1), (128, 1, 1), smem,
+                        common + [("ptr", po.data_ptr()), ("ptr", pml.data_ptr()), ("ptr", cnt.data_ptr()),
+                                  ("ptr", out.data_ptr()), ("i32", T), ("i32", nh), ("i32", nkv), ("i32", bs),
+                                  ("i32", 512), ("i32", kv.shape[1]), ("f32", hd ** -0.5)], pdl=False)
+            for name, body in (("prefill", lambda j: lp(stream())), ("decode launch (empty)", lambda j: ld(stream()))):
+                print(f"{T:5} {S:4} {name:24} {time_graph(body, 1):8.4f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["gemm", "attn"])
+    ap.add_argument("what", choices=["gemm", "attn", "prefill"])
     ap.add_argument("--lib")
     ap.add_argument("--rows", default="16,32,64,128,256")
     ap.add_argument("--batches", default="1,16,64,128,256")
     ap.add_argument("--contexts", default="256,1024,4096,8192")
     args = ap.parse_args()
     torch.cuda.init()
-    (bench_gemm if args.what == "gemm" else bench_attn)(args)
+    {"gemm": bench_gemm, "attn": bench_attn, "prefill": bench_prefill}[args.what](args)
 
 
 if __name__ == "__main__":

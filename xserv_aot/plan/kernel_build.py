@@ -24,8 +24,8 @@ SPLITK_MAX = 8
 DECODE_SPLIT = 128            # keys per split-KV partition: P_KEYS in kernels/attention_decode.cu
 SWAP_MIN_ROWS = 16           # decode rows 16..256: CUTLASS GEMMs by decode_gemm_route (cutlass_build.SWAP_CONFIGS)
 BATCHED_ATTN_MIN_SEQS = 3    # decode attention for >= 3 seqs: kernels/attention_decode_batched.cu
-BATCHED_ATTN_TILE = 64       # BD_TILE in kernels/attention_decode_batched.cu: keys per tile
-BATCHED_ATTN_STAGES = 2      # BD_STAGES there: tiles in the cp.async ring
+BATCHED_ATTN_TILE = 64       # keys per tile of kernels/attention_decode_batched.cu (instantiated: 64 and 32)
+BATCHED_ATTN_STAGES = 2      # tiles in its cp.async ring (instantiated: 2)
 BATCHED_ATTN_BLOCKS = 4 * 132  # splits per seq chosen so a full bucket launches about this many blocks
 ELEMWISE_THREADS = 256
 
@@ -158,7 +158,8 @@ def batched_attn_launch(op: dict, m: dict, max_seq_len: int) -> dict:
     g = m["num_heads"] // nkv
     splits = max(1, min(-(-max_seq_len // BATCHED_ATTN_TILE), -(-BATCHED_ATTN_BLOCKS // (seqs * nkv))))
     smem = BATCHED_ATTN_STAGES * 2 * BATCHED_ATTN_TILE * hd * 2     # stages of a K and a V tile, bf16
-    return launch(f"attn_decode_b_hd{hd}_g{4 if g <= 4 else 8}", [seqs, nkv, splits], [128], smem)
+    name = f"attn_decode_b_t{BATCHED_ATTN_TILE}s{BATCHED_ATTN_STAGES}_hd{hd}_g{4 if g <= 4 else 8}"
+    return launch(name, [seqs, nkv, splits], [128], smem)
 
 
 def plan_attention(op: dict, kind: str, m: dict, attn: dict) -> None:

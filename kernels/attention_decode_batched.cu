@@ -6,7 +6,7 @@
 // block writes the normalized output. Several: partials part_o [num_seqs, nh, S, HD] / part_ml [.., 2]
 // (S = gridDim.z) and the last split block to finish (counter, reset by it) combines them in split order.
 // Split-0 blocks zero the output rows covered by no sequence.
-#include "common.cuh"
+#include "attention_split.cuh"
 
 #define BD_THREADS 128
 
@@ -57,24 +57,14 @@ __device__ __forceinline__ void attn_decode_batched_impl(
     __shared__ __align__(16) float qs[GM][HD];
     __shared__ float sc[GM][TILE];
     __shared__ float m_run[GM], l_run[GM], alpha[GM];
-    __shared__ int is_last;
 
-    const int i = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z, NS = gridDim.z, tid = threadIdx.x;
+    const int i = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     const int G = nh / nkv;
-    if (s == 0) {
-        for (int r = qsl[gridDim.x] + i; r < T; r += gridDim.x)
-            for (int c = tid; c < G * HD; c += BD_THREADS) out[((size_t)r * nh + kvh * G) * HD + c] = 0;
-    }
-    const int row = qsl[i], Lc = seq_lens[i];
-    if (qsl[i + 1] - row != 1 || Lc <= 0) return;
-    const int tiles = (Lc + TILE - 1) / TILE;
-    const int want = min(NS, tiles);
-    const int chunk = ((tiles + want - 1) / want) * TILE;
-    const int active = (Lc + chunk - 1) / chunk;
-    const int k0 = s * chunk;
-    if (k0 >= Lc) return;
-    const int kend = min(k0 + chunk, Lc), ntiles = (kend - k0 + TILE - 1) / TILE;
+    zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
+    SplitRange sr;
+    if (!split_range(qsl, seq_lens, i, blockIdx.z, gridDim.z, TILE, sr)) return;
+    const int row = sr.row, active = sr.active, k0 = sr.k0, kend = sr.kend, ntiles = sr.ntiles;
 
     const size_t kv_stride = (size_t)nkv * HD;
     const bf16* kbase = kv_layer + (size_t)kvh * HD;
@@ -199,58 +189,10 @@ __device__ __forceinline__ void attn_decode_batched_impl(
         float o = 0.f;
 #pragma unroll
         for (int h = 0; h < S::KG; h++) o += red[((size_t)h * GM + g) * HD + d];
-        if (active == 1) {
-            out[((size_t)row * nh + kvh * G + g) * HD + d] = f2bf(l_run[g] > 0.f ? o / l_run[g] : 0.f);
-            continue;
-        }
-        const size_t idx = ((size_t)i * nh + kvh * G + g) * NS + s;
-        part_o[idx * HD + d] = o;
-        if (d == 0) { part_ml[idx * 2] = m_run[g]; part_ml[idx * 2 + 1] = l_run[g]; }
+        store_split(part_o, part_ml, out, i, row, kvh * G + g, d, HD, nh, active, o, m_run[g], l_run[g]);
     }
     if (active == 1) return;
-
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-        const int prev = atomicAdd(&counters[i * nkv + kvh], 1);
-        is_last = prev == active - 1;
-        if (is_last) counters[i * nkv + kvh] = 0;
-    }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    float* wbuf = red;                                           // [GM][NS] split weights
-    __shared__ float Ls[GM];
-    for (int g = warp; g < G; g += BD_THREADS / 32) {
-        const size_t base = ((size_t)i * nh + kvh * G + g) * NS;
-        float M = -__int_as_float(0x7f800000);
-        for (int z = lane; z < active; z += 32) M = fmaxf(M, __ldcg(part_ml + (base + z) * 2));
-        M = warp_max(M);
-        float L = 0.f;
-        for (int z = lane; z < active; z += 32) {
-            const float m = __ldcg(part_ml + (base + z) * 2);
-            const float w = m == -__int_as_float(0x7f800000) ? 0.f : __expf(m - M);
-            wbuf[g * NS + z] = w;
-            L += w * __ldcg(part_ml + (base + z) * 2 + 1);
-        }
-        L = warp_sum(L);
-        if (lane == 0) Ls[g] = L;
-    }
-    __syncthreads();
-    for (int c = tid; c < G * (HD / 4); c += BD_THREADS) {
-        const int g = c / (HD / 4), d4 = (c % (HD / 4)) * 4, h = kvh * G + g;
-        const float* po = part_o + ((size_t)i * nh + h) * NS * HD + d4;
-        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int z = 0; z < active; z++) {
-            const float w = wbuf[g * NS + z];
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(po + (size_t)z * HD));
-            a.x += w * v.x; a.y += w * v.y; a.z += w * v.z; a.w += w * v.w;
-        }
-        const float inv = Ls[g] > 0.f ? 1.f / Ls[g] : 0.f;
-        u32* dst = reinterpret_cast<u32*>(out + ((size_t)row * nh + h) * HD + d4);
-        dst[0] = pack2(a.x * inv, a.y * inv);
-        dst[1] = pack2(a.z * inv, a.w * inv);
-    }
+    combine_splits_if_last<HD, GM, false>(part_o, part_ml, counters, out, i, kvh, row, nh, nkv, active, red);
 }
 
 // attn_decode_b_tTILEsSTAGES_hdHD_gGM: kernel_build.batched_attn_launch names the (tile, stages) pair it uses.

@@ -172,12 +172,15 @@ def bench_attn(args) -> None:
     nh, nkv, hd, bs = 32, 8, 128, 16
     G = nh // nkv
     torch.zeros(1, device="cuda")                      # torch makes the primary context current
-    kern = Kernels("attention_decode.cu", "attention_decode_batched.cu")
+    kern = Kernels("attention_decode.cu", "attention_decode_batched.cu", "attention_decode_tc.cu")
     old_fn = kern.fn("attention_decode.cu", f"attn_decode_hd{hd}")
     tiled = {}                                          # name -> (function, dynamic smem, tile)
     for name, tile, stages in (("attn_decode_b_t64s2_hd128_g4", 64, 2), ("attn_decode_b_t32s2_hd128_g4", 32, 2)):
         smem = stages * 2 * tile * hd * 2
         tiled[name] = (kern.fn("attention_decode_batched.cu", name, smem), smem, tile)
+    for stages in (2, 3, 4):
+        name, smem = f"attn_decode_tc_s{stages}_hd128", stages * 2 * 64 * (hd + 8) * 2
+        tiled[name] = (kern.fn("attention_decode_tc.cu", name, smem), smem, 64)
     gen = torch.Generator(device="cuda").manual_seed(1234)
     print(f"{'batch':>5} {'ctx':>5} {'variant':18} {'ms':>8} {'GB/s':>7} {'err':>8}")  # * = plan's splits
     for B in [int(b) for b in args.batches.split(",")]:
@@ -226,7 +229,7 @@ def bench_attn(args) -> None:
             variants = [("old", lambda lens, kvc=None: launch(old_fn, (B, nkv, S_old), 0, lens, [("i32", S_old)], kvc))]
             splits_auto = max(1, min(-(-ctx // 64), -(-(132 * 4) // (B * nkv))))
             for name, (fn, smem, tile) in tiled.items():
-                short = name.replace("attn_decode_b_", "").replace("_hd128_g4", "")
+                short = name.replace("attn_decode_", "").replace("_hd128_g4", "").replace("_hd128", "")
                 for sp in sorted({1, 2, 4, 8, splits_auto, 2 * splits_auto}):
                     if sp <= -(-ctx // tile):
                         variants.append((f"{short} s{sp}" + ("*" if sp == splits_auto else ""),

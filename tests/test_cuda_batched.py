@@ -13,7 +13,14 @@ from xserv_aot.plan import kernel_build as kb
 from xserv_aot.runtime import numpy_ops as ref
 
 pytestmark = pytest.mark.gpu
-VARIANTS = [(64, 2), (32, 2)]                                  # (tile, stages) pairs the .cu instantiates
+CC_VARIANTS = [(64, 2), (32, 2)]                               # (tile, stages) of attention_decode_batched.cu
+TC_STAGES = {64: (2, 3), 128: (2, 3, 4)}                        # attention_decode_tc.cu instantiations
+
+
+def variants(hd: int, g: int):
+    """(kernel, dynamic smem) of every batched decode attention kernel built for this head size."""
+    out = [(f"attn_decode_b_t{t}s{st}_hd{hd}_g{4 if g <= 4 else 8}", st * 2 * t * hd * 2) for t, st in CC_VARIANTS]
+    return out + [(f"attn_decode_tc_s{st}_hd{hd}", st * 2 * 64 * (hd + 8) * 2) for st in TC_STAGES[hd]]
 
 
 def batched_args(lib, q, kv, qsl, lens, tables, out, po, pml, counters, T, nh, nkv, hd, block_size, max_blocks):
@@ -33,9 +40,7 @@ def test_attention_decode_batched(lib, rng, hd, nh, nkv, splits):
     T = int(qsl[-1]) + 2                                           # padding rows past the tokens
     q = bf(rng.standard_normal((T, nh, hd)))
     want = ref.attention(q, kv, qsl, lens, tables, block_size, hd ** -0.5)
-    for tile, stages in VARIANTS:
-        fn = f"attn_decode_b_t{tile}s{stages}_hd{hd}_g{4 if g <= 4 else 8}"
-        smem = stages * 2 * tile * hd * 2
+    for fn, smem in variants(hd, g):
         out = lib.empty((T, nh * hd), "bfloat16")
         po, pml = lib.empty((len(seqs), nh, splits, hd), "float32"), lib.empty((len(seqs), nh, splits, 2), "float32")
         counters = lib.to_device(np.zeros((len(seqs), nkv), np.int32))

@@ -24,8 +24,9 @@ SPLITK_MAX = 8
 DECODE_SPLIT = 128            # keys per split-KV partition: P_KEYS in kernels/attention_decode.cu
 SWAP_MIN_ROWS = 16           # decode rows 16..256: CUTLASS GEMMs by decode_gemm_route (cutlass_build.SWAP_CONFIGS)
 BATCHED_ATTN_MIN_SEQS = 3    # decode attention for >= 3 seqs: kernels/attention_decode_batched.cu
-BATCHED_ATTN_TILE = 64       # keys per tile of kernels/attention_decode_batched.cu (instantiated: 64 and 32)
-BATCHED_ATTN_STAGES = 2      # tiles in its cp.async ring (instantiated: 2)
+BATCHED_ATTN_KERNEL = "tc"   # tc: kernels/attention_decode_tc.cu (tensor cores); cc: attention_decode_batched.cu
+BATCHED_ATTN_TILE = 64       # keys per tile of either kernel (cc instantiates 64 and 32, tc 64)
+BATCHED_ATTN_STAGES = 2      # tiles in the cp.async ring (cc: 2; tc: 2, 3, 4)
 BATCHED_ATTN_BLOCKS = 4 * 132  # splits per seq chosen so a full bucket launches about this many blocks
 ELEMWISE_THREADS = 256
 
@@ -157,8 +158,12 @@ def batched_attn_launch(op: dict, m: dict, max_seq_len: int) -> dict:
     seqs, nkv, hd = int(op["num_seqs"]), m["num_kv_heads"], m["head_dim"]
     g = m["num_heads"] // nkv
     splits = max(1, min(-(-max_seq_len // BATCHED_ATTN_TILE), -(-BATCHED_ATTN_BLOCKS // (seqs * nkv))))
-    smem = BATCHED_ATTN_STAGES * 2 * BATCHED_ATTN_TILE * hd * 2     # stages of a K and a V tile, bf16
-    name = f"attn_decode_b_t{BATCHED_ATTN_TILE}s{BATCHED_ATTN_STAGES}_hd{hd}_g{4 if g <= 4 else 8}"
+    if BATCHED_ATTN_KERNEL == "tc":                                 # K and V tiles, rows padded to hd + 8
+        smem = BATCHED_ATTN_STAGES * 2 * BATCHED_ATTN_TILE * (hd + 8) * 2
+        name = f"attn_decode_tc_s{BATCHED_ATTN_STAGES}_hd{hd}"
+    else:
+        smem = BATCHED_ATTN_STAGES * 2 * BATCHED_ATTN_TILE * hd * 2
+        name = f"attn_decode_b_t{BATCHED_ATTN_TILE}s{BATCHED_ATTN_STAGES}_hd{hd}_g{4 if g <= 4 else 8}"
     return launch(name, [seqs, nkv, splits], [128], smem)
 
 
@@ -272,7 +277,7 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
         plan_bucket(bucket, manifest, cutlass, attn)
     nh, hd = m["num_heads"], m["head_dim"]
     # partials: [rows, nh, splits, ..] (split-KV kernel), [num_seqs, nh, splits, ..] (batched kernel)
-    part_rows = max([int(op["num_seqs" if any(ln["fn"].startswith("attn_decode_b") for ln in op["launch"]) else "rows"])
+    part_rows = max([int(op["num_seqs" if any(ln["fn"].startswith(("attn_decode_b", "attn_decode_tc")) for ln in op["launch"]) else "rows"])
                      * int(op["splits"]) for bk in manifest["buckets"] for op in bk["ops"] if op["op"] == "attention"]
                     or [1])
     add_arena_buffer(manifest, "attn_part_o", [part_rows, nh, hd], "float32")

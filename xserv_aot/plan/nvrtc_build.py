@@ -10,7 +10,7 @@ from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 KERNEL_SOURCES = ("elementwise.cu", "gemv.cu", "gemm_mma.cu", "gemm_skinny.cu", "rope_cache.cu", "attention_decode.cu",
-                  "attention_decode_batched.cu", "attention_prefill.cu", "sample.cu")
+                  "attention_decode_batched.cu", "attention_decode_tc.cu", "attention_prefill.cu", "sample.cu")
 SUPPORTED_TARGETS = ("sm_90a", "sm_90")
 
 
@@ -29,10 +29,18 @@ def cache_dir() -> Path:
 
 
 def expand_source(path: Path) -> str:
-    """The .cu text with `#include "x.cuh"` inlined (so the hash covers headers and NVRTC needs no paths)."""
-    def repl(m):
-        return (KERNEL_DIR / m.group(1)).read_text()
-    return re.sub(r'^#include "([\w.]+)"\s*$', repl, path.read_text(), flags=re.M)
+    """The .cu text with `#include "x.cuh"` inlined, nested headers too, each once (so the hash covers headers and
+    NVRTC needs no paths)."""
+    seen: set[str] = set()
+
+    def expand(p: Path) -> str:
+        def repl(m):
+            if m.group(1) in seen:
+                return ""
+            seen.add(m.group(1))
+            return expand(KERNEL_DIR / m.group(1))
+        return re.sub(r'^#include "([\w.]+)"\s*$', repl, p.read_text(), flags=re.M)
+    return expand(path)
 
 
 def compile_options(target: str) -> dict:

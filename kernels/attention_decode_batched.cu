@@ -1,8 +1,8 @@
 // Paged decode attention for batches: one query row per sequence, all GQ = nh / nkv query heads of a kv head in
 // one block, the keys of a sequence cut into `gridDim.z` splits of whole 64-key tiles, each split streamed tile by
 // tile through a 2-stage cp.async ring in shared memory with an online softmax (flash-decoding).
-// Sequence i (query row qsl[i], context Lc = seq_lens[i]) uses nsplit = min(gridDim.z, ceil(Lc / 64)) splits of
-// `chunk` keys (a multiple of 64); rows with qsl[i+1] - qsl[i] != 1 are left to other kernels. One split: the
+// Sequence i (query row qsl[i], context Lc = seq_lens[i]) uses up to gridDim.z splits of whole tiles
+// (attention_split.cuh); rows with qsl[i+1] - qsl[i] != 1 are left to other kernels. One split: the
 // block writes the normalized output. Several: partials part_o [num_seqs, nh, S, HD] / part_ml [.., 2]
 // (S = gridDim.z) and the last split block to finish (counter, reset by it) combines them in split order.
 // Split-0 blocks zero the output rows covered by no sequence.

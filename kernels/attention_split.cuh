@@ -4,6 +4,8 @@
 #pragma once
 #include "common.cuh"
 
+#define SPLIT_MIN_TILES 4     // a split holds at least this many key tiles (H200 sweep: shorter splits lose)
+
 struct SplitRange {
     int row;       // the sequence's one query row
     int active;    // splits that hold keys of this sequence
@@ -18,7 +20,7 @@ __device__ __forceinline__ bool split_range(const int* qsl, const int* seq_lens,
     const int Lc = seq_lens[i];
     if (qsl[i + 1] - r.row != 1 || Lc <= 0) return false;
     const int tiles = (Lc + tile - 1) / tile;
-    const int want = min(NS, tiles);
+    const int want = min(NS, (tiles + SPLIT_MIN_TILES - 1) / SPLIT_MIN_TILES);
     const int chunk = ((tiles + want - 1) / want) * tile;
     r.active = (Lc + chunk - 1) / chunk;
     r.k0 = blockIdx.z * chunk;

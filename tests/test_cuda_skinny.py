@@ -27,7 +27,7 @@ def check(out, want):
 
 def skinny_op(M, N, K, out_dtype, bn=None, gate=False):
     """The op dict plan_skinny annotates; bn forces the block width instead of the routing rule."""
-    op = {"op": "linear", "rows": M, "n": N, "k": K, "weight": "w"}
+    op = {"op": "linear", "rows": M, "n": N, "k": K, "inp": "x", "weight": "w", "bias": "b", "out": "out"}
     kb.plan_skinny(op, "f32" if out_dtype == "float32" else "bf16", "silu_out" if gate else None, bn)
     return op
 
@@ -35,10 +35,8 @@ def skinny_op(M, N, K, out_dtype, bn=None, gate=False):
 def run_linear(lib, op, x, w, b, out_dtype):
     (spec,) = op["launch"]
     M, N, K = op["rows"], op["n"], op["k"]
-    out = lib.empty((M, N), out_dtype)
-    lib.launch(spec["fn"], spec["grid"], spec["block"],
-               [("ptr", x), ("ptr", w), ("ptr", b if b is not None else 0), ("ptr", out), ("i32", M), ("i32", N),
-                ("i32", K)], smem=spec["smem"])
+    out = lib.empty((op["rows"], op["n"]), out_dtype)
+    lib.launch_record(spec, {"x": x, "w": w, "b": b, "out": out})
     return out.numpy()
 
 
@@ -82,9 +80,7 @@ def test_skinny_gate_silu(lib, rng, M, inter, K, bn):
     (spec,) = op["launch"]
     assert "_gate_" in spec["fn"]
     out = lib.empty((M, inter), "bfloat16")
-    lib.launch(spec["fn"], spec["grid"], spec["block"],
-               [("ptr", lib.to_device(x, "bfloat16")), ("ptr", lib.to_device(w, "bfloat16")), ("ptr", out),
-                ("i32", M), ("i32", inter), ("i32", K)], smem=spec["smem"])
+    lib.launch_record(spec, {"x": lib.to_device(x, "bfloat16"), "w": lib.to_device(w, "bfloat16"), "silu_out": out})
     check(out.numpy(), ref.silu_mul(bf(ref.linear(x, w))))
 
 
@@ -92,10 +88,10 @@ def test_skinny_gate_silu(lib, rng, M, inter, K, bn):
                                             (3, "decode", "skinny32_m8_bf16"), (33, "decode", "skinny32_m64_bf16"),
                                             (64, "prefill", "gemm_64x64_splitk")])
 def test_routing_by_rows(rows, kind, want):
-    op = {"op": "linear", "rows": rows, "n": 4096, "k": 4096, "weight": "w"}
+    op = {"op": "linear", "rows": rows, "n": 4096, "k": 4096, "inp": "x", "weight": "w", "out": "y"}
     kb.plan_linear(op, "bfloat16", None, None, kind == "decode")
     assert op["kernel"] == want
-    wide = {"op": "linear", "rows": 16, "n": 151936, "k": 4096, "weight": "w"}
+    wide = {"op": "linear", "rows": 16, "n": 151936, "k": 4096, "inp": "x", "weight": "w", "out": "y"}
     kb.plan_linear(wide, "float32", None, None, True)
     assert wide["kernel"] == "skinny64_m16_f32" and wide["launch"][0]["grid"][0] * 64 >= 151936
 

@@ -1,8 +1,9 @@
 """CUDA kernels of a plan: NVRTC-compile kernels/*.cu to cubins (cached by hash of source + options + NVRTC
-version), choose one kernel (and its launch geometry) for every op of every bucket, add workspace buffers.
+version), choose one kernel for every op of every bucket and write its launch records (function, geometry and
+arguments as data, checked against the parsed kernel signatures), add workspace buffers.
 
-Called by plan.builder when target != "cpu". The runtime (runtime/cuda/launch.py) turns each op's
-`launch` entries into kernel arguments; the geometry is decided here so the manifest shows what runs.
+Called by plan.builder when target != "cpu". The runtime (runtime/cuda/launch.py) replays the records as they are:
+adding a kernel is a kernel source plus a routing rule here.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Callable
 
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
+from xserv_aot.plan.signatures import check_launch, host_signature, kernel_signatures
 
 GEMV_MAX_ROWS = 2            # above this the x re-reads make the GEMV L1/ALU-bound: tensor cores instead
 CUTLASS_MIN_ROWS = 128
@@ -23,6 +25,8 @@ SPLITK_TARGET_BLOCKS = 264   # 2 blocks per SM on 132 SMs
 SPLITK_MAX = 8
 DECODE_SPLIT = 128            # keys per split-KV partition: P_KEYS in kernels/attention_decode.cu
 ELEMWISE_THREADS = 256
+GEMM_ENTRY = "xserv_gemm_bf16"   # the CUTLASS library's C entry point (kernels/cutlass/gemm_sm90.cu)
+GEMM_SOURCE = KERNEL_DIR / "cutlass" / "gemm_sm90.cu"
 
 
 def add_arena_buffer(manifest: dict, name: str, shape: list[int], dtype: str, align: int = 256) -> None:
@@ -39,10 +43,33 @@ def add_arena_buffer(manifest: dict, name: str, shape: list[int], dtype: str, al
     arena["size"] = off + -(-n * itemsize // align) * align
 
 
-def launch(fn: str, grid, block, smem: int = 0) -> dict:
+def launch(fn: str, grid, block, smem: int = 0, args: list | None = None) -> dict:
+    """A kernel launch record; args: [kind, value] pairs (docs/plan-format.md, "Launch records")."""
     g = list(grid) + [1] * (3 - len(grid))
     b = list(block) + [1] * (3 - len(block))
-    return {"fn": fn, "grid": [int(x) for x in g], "block": [int(x) for x in b], "smem": int(smem)}
+    return {"fn": fn, "grid": [int(x) for x in g], "block": [int(x) for x in b], "smem": int(smem),
+            "args": list(args or [])}
+
+
+def ptr(name: str | None) -> list:
+    return ["ptr", name]
+
+
+def i32(v) -> list:
+    return ["i32", int(v)]
+
+
+def f32(v) -> list:
+    return ["f32", float(v)]
+
+
+def linear_args(op: dict, gate: bool = False) -> list:
+    """(X, W, bias, out, M, N, K) of the GEMV/GEMM kernels; gate: (X, W, silu_out, M, I, K)."""
+    if gate:
+        return [ptr(op["inp"]), ptr(op["weight"]), ptr(op["fused_silu_out"]), i32(op["rows"]), i32(int(op["n"]) // 2),
+                i32(op["k"])]
+    return [ptr(op["inp"]), ptr(op["weight"]), ptr(op.get("bias")), ptr(op["out"]), i32(op["rows"]), i32(op["n"]),
+            i32(op["k"])]
 
 
 def gemm_smem(tile: str) -> int:
@@ -63,7 +90,7 @@ def plan_skinny(op: dict, suffix: str, fuse_into: str | None, bn: int | None = N
         fn, grid = f"skinny{bn}_gate_m{mt}", -(-(n // 2) // (bn // 2))
     else:
         fn, grid = f"skinny{bn}_m{mt}_{suffix}", -(-n // bn)
-    op["launch"] = [launch(fn, [grid], [256], smem)]
+    op["launch"] = [launch(fn, [grid], [256], smem, linear_args(op, gate=bool(fuse_into)))]
     op["kernel"] = fn
 
 
@@ -78,9 +105,9 @@ def plan_linear(op: dict, out_dtype: str, fuse_into: str | None, cutlass: dict |
         if fuse_into:
             inter = n // 2
             op["fused_silu_out"] = fuse_into
-            op["launch"] = [launch(f"gemv_gate_m{mt}", [-(-inter // 8)], [256])]
+            op["launch"] = [launch(f"gemv_gate_m{mt}", [-(-inter // 8)], [256], 0, linear_args(op, gate=True))]
         else:
-            op["launch"] = [launch(f"gemv_m{mt}_{suffix}", [-(-n // 16)], [256])]
+            op["launch"] = [launch(f"gemv_m{mt}_{suffix}", [-(-n // 16)], [256], 0, linear_args(op))]
         op["kernel"] = op["launch"][0]["fn"]
         return
     if decode and rows <= SKINNY_MAX_ROWS:
@@ -91,7 +118,9 @@ def plan_linear(op: dict, out_dtype: str, fuse_into: str | None, cutlass: dict |
         cfg = choose_gemm_config(rows, n, k, out_dtype)
         op["kernel"] = "cutlass"
         op["gemm_config"] = cfg
-        op["launch"] = []
+        op["launch"] = [{"fn": GEMM_ENTRY, "library": "gemm_library",
+                         "args": [i32(cfg), ptr(op["inp"]), ptr(op["weight"]), ptr(op["out"]), ptr(op.get("bias")),
+                                  i32(rows), i32(n), i32(k)]}]
         cutlass.setdefault("used", {})[f"{rows}x{n}x{k}"] = cutlass["configs"][cfg]
         return
     tile = "128x128" if rows >= 128 and -(-rows // 128) * -(-n // 128) >= 132 else "64x64"
@@ -99,13 +128,18 @@ def plan_linear(op: dict, out_dtype: str, fuse_into: str | None, cutlass: dict |
     blocks = -(-n // bn) * -(-rows // bm)
     splits = min(SPLITK_MAX, -(-SPLITK_TARGET_BLOCKS // blocks), max(1, k // 32 // 8))
     if tile == "64x64" and splits > 1:
-        op["launch"] = [launch("gemm_64x64_splitk", [-(-n // bn), -(-rows // bm), splits], [128], gemm_smem(tile)),
-                        launch("splitk_reduce", [min(-(-rows * n // 2 // 256), 4096)], [256])]
+        ws = "gemm_splitk_ws"
+        op["launch"] = [launch("gemm_64x64_splitk", [-(-n // bn), -(-rows // bm), splits], [128], gemm_smem(tile),
+                               [ptr(op["inp"]), ptr(op["weight"]), ptr(None), ptr(ws), i32(rows), i32(n), i32(k)]),
+                        launch("splitk_reduce", [min(-(-rows * n // 2 // 256), 4096)], [256], 0,
+                               [ptr(ws), ptr(op.get("bias")), ptr(op["out"]), i32(rows), i32(n), i32(splits),
+                                i32(out_dtype == "float32")])]
         op["splits"] = splits
         op["kernel"] = "gemm_64x64_splitk"
         return
     fn = f"gemm_{tile}_{suffix}"
-    op["launch"] = [launch(fn, [-(-n // bn), -(-rows // bm)], [256 if bm == 128 else 128], gemm_smem(tile))]
+    op["launch"] = [launch(fn, [-(-n // bn), -(-rows // bm)], [256 if bm == 128 else 128], gemm_smem(tile),
+                           linear_args(op))]
     op["kernel"] = fn
 
 
@@ -114,18 +148,28 @@ def norm_threads(hidden: int) -> int:
 
 
 def plan_bucket(bucket: dict, manifest: dict, cutlass: dict | None, attn: dict) -> None:
-    m = manifest["model"]
-    hidden, hd = m["hidden_size"], m["head_dim"]
+    m, kv = manifest["model"], manifest["kv_cache"]
+    hidden, hd, vocab = m["hidden_size"], m["head_dim"], m["vocab_size"]
+    nh, nkv = m["num_heads"], m["num_kv_heads"]
+    num_slots, block_size = kv_slots(kv), kv["shape"][3]
     arena = manifest["arena"]["buffers"]
     ops = bucket["ops"]
     for idx, op in enumerate(ops):
         kind, rows = op["op"], int(op.get("rows", 0))
         if kind == "embedding":
-            op["launch"] = [launch("embedding", [rows], [min(ELEMWISE_THREADS, hidden // 8)])]
-        elif kind in ("rmsnorm", "add_rmsnorm"):
-            op["launch"] = [launch(kind, [rows], [norm_threads(hidden)])]
+            op["launch"] = [launch("embedding", [rows], [min(ELEMWISE_THREADS, hidden // 8)], 0,
+                                   [ptr(op["ids"]), ptr(op["table"]), ptr(op["out"]), i32(hidden), i32(vocab)])]
+        elif kind == "rmsnorm":
+            op["launch"] = [launch(kind, [rows], [norm_threads(hidden)], 0,
+                                   [ptr(op["inp"]), ptr(op["weight"]), ptr(op["out"]), i32(hidden), f32(op["eps"])])]
+        elif kind == "add_rmsnorm":
+            op["launch"] = [launch(kind, [rows], [norm_threads(hidden)], 0,
+                                   [ptr(op["residual"]), ptr(op["delta"]), ptr(op["weight"]), ptr(op["out"]),
+                                    i32(hidden), f32(op["eps"])])]
         elif kind == "gather_rows":
-            op["launch"] = [launch("gather_rows", [rows], [min(ELEMWISE_THREADS, hidden // 8)])]
+            op["launch"] = [launch("gather_rows", [rows], [min(ELEMWISE_THREADS, hidden // 8)], 0,
+                                   [ptr(op["inp"]), ptr(op["indices"]), ptr(op["out"]), i32(hidden),
+                                    i32(arena[op["inp"]]["shape"][0])])]
         elif kind == "silu_mul":
             prev = ops[idx - 1] if idx else {}
             if prev.get("fused_silu_out") == op["out"] and prev.get("out") == op["inp"]:
@@ -133,29 +177,66 @@ def plan_bucket(bucket: dict, manifest: dict, cutlass: dict | None, attn: dict) 
                 op["kernel"] = "fused_into_previous"
                 continue
             chunks = rows * int(op["inter"]) // 8
-            op["launch"] = [launch("silu_mul", [min(-(-chunks // 256), 4096)], [256])]
+            op["launch"] = [launch("silu_mul", [min(-(-chunks // 256), 4096)], [256], 0,
+                                   [ptr(op["inp"]), ptr(op["out"]), i32(rows), i32(op["inter"])])]
         elif kind == "linear":
             nxt = ops[idx + 1] if idx + 1 < len(ops) else {}
             fuse = nxt["out"] if nxt.get("op") == "silu_mul" and nxt.get("inp") == op["out"] else None
             plan_linear(op, arena[op["out"]]["dtype"], fuse, cutlass, bucket["kind"] == "decode")
             continue
         elif kind == "qk_norm_rope_cache":
-            heads = m["num_heads"] + 2 * m["num_kv_heads"]
-            op["launch"] = [launch(f"qk_norm_rope_cache_hd{hd}", [rows, -(-heads // 4)], [128])]
+            heads = nh + 2 * nkv
+            op["launch"] = [launch(f"qk_norm_rope_cache_hd{hd}", [rows, -(-heads // 4)], [128], 0,
+                                   [ptr(op["qkv"]), ptr(op["positions"]), ptr(op["slot_mapping"]),
+                                    ptr(op.get("q_norm")), ptr(op.get("k_norm")), ptr(op["cos"]), ptr(op["sin"]),
+                                    ptr(op["q_out"]), ["kv", int(op["layer"])], i32(nh), i32(nkv), f32(op["eps"]),
+                                    i32(num_slots)])]
         elif kind == "attention":
+            common = [ptr(op["q"]), ["kv", int(op["layer"])], ptr(op["query_start_loc"]), ptr(op["seq_lens"]),
+                      ptr(op["block_tables"])]
+            tail = [i32(block_size), i32(arena[op["block_tables"]]["shape"][1]), i32(num_slots), f32(op["scale"])]
             if bucket["kind"] == "decode":
                 s_max = attn["splits"]
-                op["launch"] = [launch(f"attn_decode_hd{hd}", [op["num_seqs"], m["num_kv_heads"], s_max], [128])]
+                op["launch"] = [launch(f"attn_decode_hd{hd}", [op["num_seqs"], nkv, s_max], [128], 0,
+                                       common + [ptr("attn_part_o"), ptr("attn_part_ml"), ptr("attn_counters"),
+                                                 ptr(op["out"]), i32(rows), i32(nh), i32(nkv), *tail, i32(s_max)])]
                 op["split"] = attn["split"]
                 op["splits"] = s_max
             else:
-                op["launch"] = [launch(f"attn_prefill_hd{hd}", [-(-rows // 64) + op["num_seqs"], m["num_heads"]],
-                                       [128])]
+                op["launch"] = [launch(f"attn_prefill_hd{hd}", [-(-rows // 64) + op["num_seqs"], nh], [128], 0,
+                                       common + [ptr(op["out"]), i32(rows), i32(op["num_seqs"]), i32(nh), i32(nkv),
+                                                 *tail])]
         elif kind == "sample":
-            op["launch"] = [launch("sample_rows", [rows], [1024])]
+            op["launch"] = [launch("sample_rows", [rows], [1024], 0,
+                                   [ptr(op[k]) for k in ("logits", "temperature", "top_k", "top_p", "seeds",
+                                                         "sample_offsets", "out")]
+                                   + [ptr("sample_scaled"), i32(vocab)])]
         else:
             raise KernelBuildError(f"bucket {bucket['name']}: op {kind!r} has no CUDA kernel")
         op["kernel"] = op["launch"][0]["fn"]
+
+
+def kv_slots(kv: dict) -> int:
+    """Slots of the paged KV cache: kv_cache.shape is [L, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    return int(kv["shape"][2]) * int(kv["shape"][3])
+
+
+def check_launches(manifest: dict, signatures: dict) -> None:
+    """Every launch record against the parsed signature of its function (count, kinds, types, pointee dtypes)."""
+    arena, weights = manifest["arena"]["buffers"], manifest["weights"]["tensors"]
+
+    def dtype_of(name):
+        return (arena.get(name) or weights[name])["dtype"]
+
+    for bk in manifest["buckets"]:
+        for op in bk["ops"]:
+            for rec in op["launch"]:
+                params = signatures.get(rec["fn"])
+                if params is None:
+                    raise KernelBuildError(f"bucket {bk['name']}: launch of {rec['fn']!r}, which no kernel defines")
+                if rec.get("library"):
+                    params = params[:-1]         # the stream, appended by the launcher
+                check_launch(rec, params, dtype_of, manifest["kv_cache"]["dtype"])
 
 
 def check_model(manifest: dict) -> None:
@@ -204,6 +285,9 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
         raise KernelBuildError(f"max_seq_len {b['max_seq_len']} needs {attn['splits']} decode splits (max 1024)")
     for bucket in manifest["buckets"]:
         plan_bucket(bucket, manifest, cutlass, attn)
+    signatures = {fn: p for src in KERNEL_SOURCES for fn, p in kernel_signatures(src).items()}
+    if cutlass is not None:
+        signatures[GEMM_ENTRY] = host_signature(GEMM_SOURCE, GEMM_ENTRY)
     t_dec = max([bk["num_tokens"] for bk in manifest["buckets"] if bk["kind"] == "decode"] or [1])
     nh, hd = m["num_heads"], m["head_dim"]
     add_arena_buffer(manifest, "attn_part_o", [t_dec, nh, attn["splits"], hd], "float32")
@@ -214,8 +298,11 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
               if op.get("kernel") == "gemm_64x64_splitk"] or [0])
     if ws:
         add_arena_buffer(manifest, "gemm_splitk_ws", [ws], "float32")
+    check_launches(manifest, signatures)
+    used = sorted({rec["fn"] for bk in manifest["buckets"] for op in bk["ops"] for rec in op["launch"]})
     section = {"target": target, "nvrtc": nvrtc_version(), "cubins": cubins,
                "functions": {fn: name for name, c in cubins.items() for fn in c["functions"]},
+               "signatures": {fn: signatures[fn] for fn in used},
                "attention": attn, "gemm_library": None, "gemm_configs": {}}
     if cutlass is not None:
         section["gemm_library"] = {k: cutlass[k] for k in ("file", "hash", "configs", "build_key") if k in cutlass}

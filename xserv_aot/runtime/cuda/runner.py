@@ -45,7 +45,7 @@ class CudaRunner:
         self.log(f"cuda: {dev.name}: weights {plan.manifest['weights']['size'] / 2**30:.2f} GiB, arena "
                  f"{plan.arena_size / 2**20:.1f} MiB, kv {self.kv_bytes / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f}s")
         self._setup_staging()
-        self.launches = {bk.name: [op_launches(op, self.buf, self.func, self.gemm) for op in bk.ops]
+        self.launches = {bk.name: [op_launches(op, self.buf, self.func, self.libraries) for op in bk.ops]
                          for bk in plan.buckets}
         self.buckets = {bk.name: bk for bk in plan.buckets}
         self.graphs: dict[str, object] = {}
@@ -62,15 +62,16 @@ class CudaRunner:
         smem = {}
         for bk in self.plan.buckets:
             for op in bk.ops:
-                for spec in op.get("launch") or []:
-                    smem[spec["fn"]] = max(smem.get(spec["fn"], 0), int(spec["smem"]))
+                for rec in op.get("launch") or []:
+                    if not rec.get("library"):
+                        smem[rec["fn"]] = max(smem.get(rec["fn"], 0), int(rec["smem"]))
         self._smem = smem
         self._funcs: dict[str, object] = {}
-        self.gemm = None
+        self.libraries = {}
         lib = k.get("gemm_library")
         if lib:
             from xserv_aot.runtime.cuda.cutlass_gemm import CutlassGemm
-            self.gemm = CutlassGemm(self.plan.dir / lib["file"])
+            self.libraries["gemm_library"] = CutlassGemm(self.plan.dir / lib["file"])
 
     def func(self, name: str):
         if name not in self._funcs:

@@ -53,5 +53,18 @@ def describe(plan_dir: Path, ops_bucket: str | None = None) -> str:
         bk = next((x for x in plan.buckets if x.name == ops_bucket), None)
         if bk is None:
             raise ValueError(f"no bucket {ops_bucket!r} (have: {', '.join(x.name for x in plan.buckets)})")
-        lines += ["", f"ops of {bk.name}:"] + [f"  {i:>4} {json.dumps(op)}" for i, op in enumerate(bk.ops)]
+        sigs = plan.kernels.get("signatures", {})
+        lines += ["", f"ops of {bk.name}:"]
+        for i, op in enumerate(bk.ops):
+            lines.append(f"  {i:>4} {json.dumps({k: v for k, v in op.items() if k != 'launch'})}")
+            lines += [f"       -> {format_launch(rec, sigs.get(rec['fn']))}" for rec in op.get("launch") or []]
     return "\n".join(lines)
+
+
+def format_launch(rec: dict, params: list[dict] | None) -> str:
+    """fn<<<grid, block, smem>>>(param=value, ...) for a kernel; lib:fn(param=value, ...) for a host-library call."""
+    names = [p["name"] for p in params or []] + [f"arg{i}" for i in range(len(params or []), len(rec["args"]))]
+    args = ", ".join(f"{n}={'kv[' + str(a[1]) + ']' if a[0] == 'kv' else a[1]}" for n, a in zip(names, rec["args"]))
+    if rec.get("library"):
+        return f"{rec['library']}:{rec['fn']}({args})"
+    return f"{rec['fn']}<<<{tuple(rec['grid'])}, {tuple(rec['block'])}, {rec['smem']}>>>({args})"

@@ -13,7 +13,8 @@ from typing import Callable
 
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
-from xserv_aot.plan.signatures import check_launch, host_signature, kernel_signatures
+from xserv_aot.plan.signatures import (check_launch, check_sizes, cubin_param_sizes, host_signature,
+                                      kernel_signatures)
 
 GEMV_MAX_ROWS = 2            # above this the x re-reads make the GEMV L1/ALU-bound: tensor cores instead
 CUTLASS_MIN_ROWS = 128
@@ -286,6 +287,9 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
     for bucket in manifest["buckets"]:
         plan_bucket(bucket, manifest, cutlass, attn)
     signatures = {fn: p for src in KERNEL_SOURCES for fn, p in kernel_signatures(src).items()}
+    for c in cubins.values():
+        for fn, sizes in cubin_param_sizes((out_dir / c["file"]).read_bytes()).items():
+            check_sizes(fn, signatures.get(fn, []), sizes)
     if cutlass is not None:
         signatures[GEMM_ENTRY] = host_signature(GEMM_SOURCE, GEMM_ENTRY)
     t_dec = max([bk["num_tokens"] for bk in manifest["buckets"] if bk["kind"] == "decode"] or [1])

@@ -12,7 +12,7 @@ import numpy as np
 from xserv_aot.config import BuildConfig, ModelConfig
 from xserv_aot.dtypes import ITEMSIZE
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2            # 2: launch records carry their arguments (docs/plan-format.md)
 ALIGN = 256
 
 
@@ -97,8 +97,9 @@ class Plan:
             raise PlanError(f"{path}: corrupt manifest ({e})") from None
         version = manifest.get("schema_version")
         if version != SCHEMA_VERSION:
-            raise PlanError(f"{plan_dir}: plan schema version {version} is not supported (this xserv-aot reads "
-                            f"{SCHEMA_VERSION}); recompile the plan")
+            made_by = manifest.get("xserv_aot_version", "an unknown version")
+            raise PlanError(f"{plan_dir}: plan from another version (schema version {version}, written by xserv-aot "
+                            f"{made_by}; this xserv-aot reads schema version {SCHEMA_VERSION}); recompile the plan")
         try:
             plan = cls(plan_dir, manifest)
         except (KeyError, TypeError) as e:

@@ -3,6 +3,7 @@ check of a launch record's arguments against them (docs/plan-format.md, "Launch 
 from __future__ import annotations
 
 import re
+import struct
 from pathlib import Path
 
 from xserv_aot.plan.nvrtc_build import KERNEL_DIR, KernelBuildError, expand_source
@@ -11,6 +12,8 @@ SCALAR_TYPES = {"int": "i32", "unsigned": "u32", "unsigned int": "u32", "float":
                 "unsigned long long": "u64", "size_t": "u64", "long long": "i64"}
 POINTEE_DTYPES = {"bf16": "bfloat16", "float": "float32", "int": "int32", "long long": "int64", "void": None}
 ARG_KINDS = ("ptr", "kv", *sorted(set(SCALAR_TYPES.values())))
+TYPE_BYTES = {"ptr": 8, "i32": 4, "u32": 4, "f32": 4, "u64": 8, "i64": 8}
+_KPARAM_INFO, _SVAL = 0x17, 0x04       # .nv.info attribute: one kernel parameter (ordinal, offset, size)
 
 _DEFINE = re.compile(r"^#define[ \t]+(\w+)\(([^)]*)\)((?:[^\n]*\\\n)*[^\n]*)", re.M)
 _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)')
@@ -66,6 +69,36 @@ def host_signature(path: Path, fn: str) -> list[dict]:
     if m is None:
         raise KernelBuildError(f"{path}: no definition of {fn}")
     return _params(m.group(1))
+
+
+def cubin_param_sizes(cubin: bytes) -> dict[str, list[int]]:
+    """{function: [parameter size in bytes, by ordinal]} from the cubin's .nv.info.<function> sections (ELF64)."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_at = secs[shstrndx][4]
+    out = {}
+    for name_off, _, _, _, off, size in secs:
+        name = cubin[names_at + name_off:cubin.index(b"\0", names_at + name_off)].decode()
+        if not name.startswith(".nv.info."):
+            continue
+        params, i, data = {}, 0, cubin[off:off + size]
+        while i + 4 <= len(data):
+            fmt, attr = data[i], data[i + 1]
+            n = struct.unpack_from("<H", data, i + 2)[0] if fmt == _SVAL else 0
+            if fmt == _SVAL and attr == _KPARAM_INFO:
+                _, ordinal, _, flags = struct.unpack_from("<IHHI", data, i + 4)
+                params[ordinal] = (flags >> 18) & 0x3FFF
+            i += 4 + n
+        out[name[len(".nv.info."):]] = [params[k] for k in sorted(params)]
+    return out
+
+
+def check_sizes(fn: str, params: list[dict], sizes: list[int]) -> None:
+    """The parsed signature against the compiler's parameter table of the cubin."""
+    mine = [TYPE_BYTES[p["type"]] for p in params]
+    if mine != sizes:
+        raise KernelBuildError(f"kernel {fn}: parsed parameter sizes {mine} differ from the cubin's {sizes}")
 
 
 def check_launch(rec: dict, params: list[dict], buffer_dtype, kv_dtype: str) -> None:

@@ -5,6 +5,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from xserv_aot.dtypes import ITEMSIZE
 from xserv_aot.plan.manifest import Plan
 
 HBM_BYTES_PER_S = 4.28e12     # H200 device-to-device copy, read + write, measured on the lent machine
@@ -15,7 +16,7 @@ def decode_step_bytes(plan: Plan, batch: int = 1, context: int = 128) -> dict:
     weight_bytes = sum(t.nbytes for n, t in w.items() if n not in ("embed_tokens", "rope_cos", "rope_sin"))
     if m.tie_word_embeddings:
         weight_bytes += w["embed_tokens"].nbytes
-    elem = 2 if plan.kv_cache["dtype"] == "bfloat16" else 4
+    elem = ITEMSIZE[plan.kv_cache["dtype"]]
     kv_bytes = batch * context * m.num_layers * 2 * m.num_kv_heads * m.head_dim * elem
     total = weight_bytes + kv_bytes
     return {"weights": weight_bytes, "kv": kv_bytes, "total": total,

@@ -13,8 +13,7 @@ from typing import Callable
 
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
-from xserv_aot.plan.signatures import (check_launch, check_sizes, cubin_param_sizes, host_signature,
-                                      kernel_signatures)
+from xserv_aot.plan.signatures import check_launches, check_sizes, cubin_param_sizes, host_signature, kernel_signatures
 
 GEMV_MAX_ROWS = 2            # above this the x re-reads make the GEMV L1/ALU-bound: tensor cores instead
 CUTLASS_MIN_ROWS = 128
@@ -220,24 +219,6 @@ def plan_bucket(bucket: dict, manifest: dict, cutlass: dict | None, attn: dict) 
 def kv_slots(kv: dict) -> int:
     """Slots of the paged KV cache: kv_cache.shape is [L, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
     return int(kv["shape"][2]) * int(kv["shape"][3])
-
-
-def check_launches(manifest: dict, signatures: dict) -> None:
-    """Every launch record against the parsed signature of its function (count, kinds, types, pointee dtypes)."""
-    arena, weights = manifest["arena"]["buffers"], manifest["weights"]["tensors"]
-
-    def dtype_of(name):
-        return (arena.get(name) or weights[name])["dtype"]
-
-    for bk in manifest["buckets"]:
-        for op in bk["ops"]:
-            for rec in op["launch"]:
-                params = signatures.get(rec["fn"])
-                if params is None:
-                    raise KernelBuildError(f"bucket {bk['name']}: launch of {rec['fn']!r}, which no kernel defines")
-                if rec.get("library"):
-                    params = params[:-1]         # the stream, appended by the launcher
-                check_launch(rec, params, dtype_of, manifest["kv_cache"]["dtype"])
 
 
 def check_model(manifest: dict) -> None:

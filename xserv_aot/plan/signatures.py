@@ -124,3 +124,21 @@ def check_launch(rec: dict, params: list[dict], buffer_dtype, kv_dtype: str) -> 
             continue
         if p["pointee"] is not None and dtype != p["pointee"]:
             raise KernelBuildError(f"{where} points to {p['pointee']}, {arg[1]!r} is {dtype}")
+
+
+def check_launches(manifest: dict, signatures: dict) -> None:
+    """Every launch record against the parsed signature of its function (count, kinds, types, pointee dtypes)."""
+    arena, weights = manifest["arena"]["buffers"], manifest["weights"]["tensors"]
+
+    def dtype_of(name):
+        return (arena.get(name) or weights[name])["dtype"]
+
+    for bk in manifest["buckets"]:
+        for op in bk["ops"]:
+            for rec in op["launch"]:
+                params = signatures.get(rec["fn"])
+                if params is None:
+                    raise KernelBuildError(f"bucket {bk['name']}: launch of {rec['fn']!r}, which no kernel defines")
+                if rec.get("library"):
+                    params = params[:-1]         # the stream, appended by the launcher
+                check_launch(rec, params, dtype_of, manifest["kv_cache"]["dtype"])

@@ -90,14 +90,19 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
 
-// cp.async (sm_80+): 16 bytes global -> shared; src_bytes 0 zero-fills.
+// cp.async (sm_80+): 16 bytes global -> shared; src_bytes 0 zero-fills. The "memory" clobbers keep the compiler
+// from moving shared-memory accesses across a copy, commit or wait (kernels that sync only within a warp rely on it).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
     u32 s = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(gmem), "r"(src_bytes));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(gmem), "r"(src_bytes) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+// The same copy to a shared-space address (already converted), always all 16 bytes.
+__device__ __forceinline__ void cp_async16(u32 smem_addr, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 
 __device__ __forceinline__ void ldmatrix_x4(u32& r0, u32& r1, u32& r2, u32& r3, const void* smem) {
     u32 s = (u32)__cvta_generic_to_shared(smem);

@@ -14,8 +14,7 @@ extern "C" __global__ void embedding(const int* __restrict__ ids, const bf16* __
 }
 
 // Row norms keep the row in registers: thread t holds chunks t, t + blockDim, ... (at most NORM_NC of them),
-// so H <= blockDim * 8 * NORM_NC; blockDim is a multiple of 32.
-#define NORM_NC 4
+// so H <= blockDim * 8 * NORM_NC; blockDim is a multiple of 32. NORM_NC: plan/kernel_constants.py (-D).
 
 // out = x * rsqrt(mean(x^2) + eps) * w, x = inp[r] (float32 math).
 extern "C" __global__ void rmsnorm(const bf16* __restrict__ inp, const bf16* __restrict__ w,

@@ -3,6 +3,7 @@ kernel whose function exists, with workspace buffers that overlap nothing."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -40,6 +41,25 @@ def test_cache_key_changes_with_source(tmp_path, monkeypatch):
     monkeypatch.setattr(nvrtc_build, "expand_source", lambda p: "// changed\n" + original(p))
     _, key3, _ = nvrtc_build.compile_source("elementwise.cu", "sm_90a")
     assert key3 != key1
+
+
+def test_shared_constants_reach_the_kernels_only_as_defines():
+    from xserv_aot.plan.kernel_constants import KERNEL_DEFINES
+    from xserv_aot.plan.nvrtc_build import compile_options
+    sources = {n: kb.expand_source(kb.KERNEL_DIR / n) for n in kb.KERNEL_SOURCES}
+    for name in KERNEL_DEFINES:
+        assert not any(re.search(rf"^\s*#define\s+{name}\b", src, re.M) for src in sources.values()), name
+        assert any(re.search(rf"\b{name}\b", src) for src in sources.values()), f"{name} is used by no kernel"
+    assert dict(compile_options("sm_90a")["define_macro"]) == {k: str(v) for k, v in KERNEL_DEFINES.items()}
+
+
+def test_cache_key_changes_with_a_shared_constant(tmp_path, monkeypatch):
+    from xserv_aot.plan import kernel_constants
+    monkeypatch.setenv("XSERV_AOT_CACHE", str(tmp_path / "cache"))
+    _, key1, _ = kb.compile_source("elementwise.cu", "sm_90a")
+    monkeypatch.setitem(kernel_constants.KERNEL_DEFINES, "NORM_NC", 2)
+    _, key2, _ = kb.compile_source("elementwise.cu", "sm_90a")
+    assert key1 != key2
 
 
 def compile_tiny(tmp_path, monkeypatch, **build):

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from xserv_aot.plan.kernel_constants import G_MAX, NORM_NC, P_KEYS, gemm_smem, skinny_smem
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
 from xserv_aot.plan.signatures import check_launches, check_sizes, cubin_param_sizes, host_signature, kernel_signatures
@@ -19,11 +20,9 @@ GEMV_MAX_ROWS = 2            # above this the x re-reads make the GEMV L1/ALU-bo
 CUTLASS_MIN_ROWS = 128
 SKINNY_MAX_ROWS = 64         # decode rows 3..64: kernels/gemm_skinny.cu (weights streamed once, tensor cores)
 SKINNY_WIDE_MIN_BLOCKS = 264 # 64-row blocks (half the activation re-reads) only when they still fill 2 per SM
-SKINNY_STAGES = 3            # SK_STAGES in kernels/gemm_skinny.cu (64-k steps of 4 KB a warp)
 SKINNY_FUSE_GATE = False     # gate_up + silu_mul in one skinny kernel (tests/test_kernel_build.py expects it off)
 SPLITK_TARGET_BLOCKS = 264   # 2 blocks per SM on 132 SMs
 SPLITK_MAX = 8
-DECODE_SPLIT = 128            # keys per split-KV partition: P_KEYS in kernels/attention_decode.cu
 ELEMWISE_THREADS = 256
 GEMM_ENTRY = "xserv_gemm_bf16"   # the CUTLASS library's C entry point (kernels/cutlass/gemm_sm90.cu)
 GEMM_SOURCE = KERNEL_DIR / "cutlass" / "gemm_sm90.cu"
@@ -72,19 +71,13 @@ def linear_args(op: dict, gate: bool = False) -> list:
             i32(op["k"])]
 
 
-def gemm_smem(tile: str) -> int:
-    bm, bn = (int(x) for x in tile.split("x"))
-    stages = 3 if bm == 128 else 4
-    return stages * (bm + bn) * 40 * 2
-
-
 def plan_skinny(op: dict, suffix: str, fuse_into: str | None, bn: int | None = None) -> None:
     """Rows 3..64: one block per 32 (or 64) weight rows, all of K split over its 8 warps (kernels/gemm_skinny.cu).
     bn: force the block width (tests); by default 64 only where that still gives SKINNY_WIDE_MIN_BLOCKS blocks."""
     rows, n = int(op["rows"]), int(op["n"])
     mt = next(m for m in (8, 16, 32, 64) if m >= rows)
     bn = bn or (64 if -(-n // 64) >= SKINNY_WIDE_MIN_BLOCKS else 32)
-    smem = max(8 * SKINNY_STAGES * 4096, 8 * 2 * (mt // 8) * 4 * 32 * 4)   # weight rings / partial sums
+    smem = skinny_smem(mt)
     if fuse_into:
         op["fused_silu_out"] = fuse_into
         fn, grid = f"skinny{bn}_gate_m{mt}", -(-(n // 2) // (bn // 2))
@@ -227,14 +220,14 @@ def check_model(manifest: dict) -> None:
         raise KernelBuildError(f"CUDA kernels need build dtype bfloat16, got {b['dtype']!r} (use --dtype bfloat16)")
     if m["head_dim"] not in (64, 128):
         raise KernelBuildError(f"CUDA attention supports head_dim 64 or 128, got {m['head_dim']}")
-    if m["num_heads"] // m["num_kv_heads"] > 8:
-        raise KernelBuildError(f"CUDA decode attention supports up to 8 query heads per kv head, "
+    if m["num_heads"] // m["num_kv_heads"] > G_MAX:
+        raise KernelBuildError(f"CUDA decode attention supports up to {G_MAX} query heads per kv head, "
                                f"got {m['num_heads'] // m['num_kv_heads']}")
     for f in ("hidden_size", "intermediate_size"):
         if m[f] % 8:
             raise KernelBuildError(f"CUDA kernels need {f} % 8 == 0, got {m[f]}")
-    if m["hidden_size"] > 1024 * 8 * 4:
-        raise KernelBuildError(f"CUDA row norms support hidden_size <= 32768, got {m['hidden_size']}")
+    if m["hidden_size"] > 1024 * 8 * NORM_NC:
+        raise KernelBuildError(f"CUDA row norms support hidden_size <= {1024 * 8 * NORM_NC}, got {m['hidden_size']}")
 
 
 def try_cutlass(manifest: dict, out_dir: Path, target: str, progress) -> dict | None:
@@ -262,7 +255,7 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
     m, b = manifest["model"], manifest["build"]
     cubins = compile_all(out_dir, target, progress)
     cutlass = try_cutlass(manifest, out_dir, target, progress)
-    attn = {"split": DECODE_SPLIT, "splits": -(-b["max_seq_len"] // DECODE_SPLIT)}
+    attn = {"split": P_KEYS, "splits": -(-b["max_seq_len"] // P_KEYS)}
     if attn["splits"] > 1024:
         raise KernelBuildError(f"max_seq_len {b['max_seq_len']} needs {attn['splits']} decode splits (max 1024)")
     for bucket in manifest["buckets"]:

@@ -8,6 +8,8 @@ import os
 import re
 from pathlib import Path
 
+from xserv_aot.plan.kernel_constants import nvrtc_defines
+
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 KERNEL_SOURCES = ("elementwise.cu", "gemv.cu", "gemm_mma.cu", "gemm_skinny.cu", "rope_cache.cu", "attention_decode.cu",
                   "attention_prefill.cu", "sample.cu")
@@ -37,7 +39,7 @@ def expand_source(path: Path) -> str:
 
 def compile_options(target: str) -> dict:
     return {"arch": "sm_90a" if target in ("sm_90a", "sm_90") else target, "std": "c++17",
-            "ptxas_options": ["-v"]}
+            "ptxas_options": ["-v"], "define_macro": nvrtc_defines()}
 
 
 def compile_source(name: str, target: str) -> tuple[bytes, str, str]:

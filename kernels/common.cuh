@@ -122,11 +122,12 @@ __device__ __forceinline__ void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// splitmix64 counter RNG of docs/plan-format.md; returns (z >> 40) in [0, 2^24).
-__device__ __forceinline__ u64 splitmix_bits(u64 seed, u64 offset) {
+// splitmix64 counter RNG of docs/plan-format.md (runtime/numpy_ops.uniform on the host): all 64 bits.
+__device__ __forceinline__ u64 splitmix64(u64 seed, u64 offset) {
     u64 z = seed + (offset + 1ull) * 0x9E3779B97F4A7C15ull;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z = z ^ (z >> 31);
-    return z >> 40;
+    return z ^ (z >> 31);
 }
+// The sampler's 24 bits: u = splitmix_bits * 2^-24 in [0, 1).
+__device__ __forceinline__ u64 splitmix_bits(u64 seed, u64 offset) { return splitmix64(seed, offset) >> 40; }

@@ -114,10 +114,7 @@ extern "C" __global__ void gather_rows(const bf16* __restrict__ inp, const int* 
 extern "C" __global__ void fill_normal_bf16(bf16* __restrict__ p, u64 n, u64 seed, float mean, float std) {
     pdl_entry();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-        u64 z = seed + (i + 1ull) * 0x9E3779B97F4A7C15ull;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        z = z ^ (z >> 31);
+        const u64 z = splitmix64(seed, i);
         float s = (float)(z & 0xffff) + (float)((z >> 16) & 0xffff) + (float)((z >> 32) & 0xffff) + (float)(z >> 48);
         float g = (s * (1.f / 65536.f) - 2.f) * 1.7320508f;
         p[i] = f2bf(mean + g * std);

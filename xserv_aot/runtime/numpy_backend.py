@@ -7,7 +7,7 @@ from xserv_aot.dtypes import decode, round_to, storage_dtype
 from xserv_aot.plan.manifest import Bucket, Plan
 from xserv_aot.plan.weights import dummy_tensors
 from xserv_aot.runtime import numpy_ops as ops
-from xserv_aot.runtime.batch import BatchDescription, StepResult
+from xserv_aot.runtime.batch import BatchDescription, StepResult, stage_inputs
 
 
 def load_weights(plan: Plan) -> dict[str, np.ndarray]:
@@ -21,34 +21,6 @@ def load_weights(plan: Plan) -> dict[str, np.ndarray]:
         words = np.frombuffer(raw, dtype=dt, count=int(np.prod(info.shape)), offset=info.offset)
         out[name] = np.ascontiguousarray(decode(words, info.dtype), dtype=np.float32).reshape(info.shape)
     return out
-
-
-def stage(batch: BatchDescription, bucket: Bucket, max_blocks: int) -> dict[str, np.ndarray]:
-    """Pad a batch to the bucket's static shape: padding tokens get slot -1, padding seqs seq_len 0."""
-    batch.fill_sampling_defaults()
-    t, s, nt, ns = bucket.num_tokens, bucket.num_seqs, batch.num_tokens, batch.num_seqs
-    assert nt <= t and ns <= s, "batch does not fit its bucket"
-    tok = lambda vals, pad: np.array(list(vals) + [pad] * (t - nt), dtype=np.int32)
-    seq = lambda vals, pad, dt: np.array(list(vals) + [pad] * (s - ns), dtype=dt)
-    qsl = np.array(list(batch.query_start_loc) + [nt] * (s - ns), dtype=np.int32)
-    tables = np.zeros((s, max_blocks), dtype=np.int32)
-    for i, row in enumerate(batch.block_tables):
-        tables[i, : len(row)] = row
-    last = [batch.query_start_loc[i + 1] - 1 for i in range(ns)]
-    return {
-        "input_ids": tok(batch.input_ids, 0),
-        "positions": tok(batch.positions, 0),
-        "slot_mapping": tok(batch.slot_mapping, -1),
-        "query_start_loc": qsl,
-        "seq_lens": seq(batch.seq_lens, 0, np.int32),
-        "block_tables": tables,
-        "logits_indices": seq(last, 0, np.int32),
-        "temperature": seq(batch.temperature, 0.0, np.float32),
-        "top_k": seq(batch.top_k, 0, np.int32),
-        "top_p": seq(batch.top_p, 1.0, np.float32),
-        "seeds": seq(batch.seeds, 0, np.int64),
-        "sample_offsets": seq(batch.sample_offsets, 0, np.int32),
-    }
 
 
 class NumpyRunner:
@@ -67,8 +39,7 @@ class NumpyRunner:
 
     def run(self, batch: BatchDescription) -> StepResult:
         bucket = self.plan.bucket_for(batch.num_tokens, batch.num_seqs)
-        for name, arr in stage(batch, bucket, self.plan.build.max_blocks_per_seq).items():
-            self.buf[name][tuple(slice(0, d) for d in arr.shape)] = arr
+        stage_inputs(batch, self.buf, bucket.num_tokens, bucket.num_seqs)
         self.execute(bucket)
         n = batch.num_seqs
         logits = self.buf["logits"][:n].copy() if batch.need_logits else None

@@ -12,9 +12,9 @@ from typing import Callable
 
 import numpy as np
 
-from xserv_aot.dtypes import STORAGE
+from xserv_aot.dtypes import STORAGE, decode
 from xserv_aot.plan.ops import INPUT_BUFFERS
-from xserv_aot.runtime.batch import BatchDescription, StepResult
+from xserv_aot.runtime.batch import BatchDescription, StepResult, stage_inputs
 from xserv_aot.runtime.cuda.driver import Device, Launch
 from xserv_aot.runtime.cuda.launch import Buffers, op_launches
 
@@ -134,42 +134,10 @@ class CudaRunner:
                                 seq_lens=[0], block_tables=[[0]]).fill_sampling_defaults()
 
     def stage(self, batch: BatchDescription, bk) -> None:
-        t, s = bk.num_tokens, bk.num_seqs
-        nt, ns = batch.num_tokens, batch.num_seqs
-        if nt > t or ns > s:
-            raise CudaRunnerError(f"batch of {nt} tokens / {ns} seqs does not fit bucket {bk.name}")
-        batch.fill_sampling_defaults()
-        v = self.views
-        v["input_ids"][:nt] = batch.input_ids
-        v["input_ids"][nt:t] = 0
-        v["positions"][:nt] = batch.positions
-        v["positions"][nt:t] = 0
-        v["slot_mapping"][:nt] = batch.slot_mapping
-        v["slot_mapping"][nt:t] = -1
-        qsl = v["query_start_loc"]
-        qsl[:ns + 1] = batch.query_start_loc
-        qsl[ns + 1:s + 1] = batch.query_start_loc[-1]
-        v["seq_lens"][:ns] = batch.seq_lens
-        v["seq_lens"][ns:s] = 0
-        bt = v["block_tables"]
-        for i, row in enumerate(batch.block_tables):
-            if len(row) > bt.shape[1]:
-                raise CudaRunnerError(f"block table of seq {i} has {len(row)} blocks (max {bt.shape[1]})")
-            bt[i, :len(row)] = row
-        li = v["logits_indices"]
-        li[:ns] = np.asarray(batch.query_start_loc[1:], dtype=np.int32) - 1
-        li[ns:s] = 0
-        np.maximum(li[:ns], 0, out=li[:ns])
-        v["temperature"][:ns] = batch.temperature
-        v["temperature"][ns:s] = 0.0
-        v["top_k"][:ns] = batch.top_k
-        v["top_k"][ns:s] = 0
-        v["top_p"][:ns] = batch.top_p
-        v["top_p"][ns:s] = 1.0
-        v["seeds"][:ns] = batch.seeds
-        v["seeds"][ns:s] = 0
-        v["sample_offsets"][:ns] = batch.sample_offsets
-        v["sample_offsets"][ns:s] = 0
+        try:
+            stage_inputs(batch, self.views, bk.num_tokens, bk.num_seqs)
+        except ValueError as e:
+            raise CudaRunnerError(f"bucket {bk.name}: {e}") from None
         self.dev.htod_async(self.arena_ptr + self.in_lo, self.pinned_in.ctypes.data, self.in_bytes)
 
     def _finish(self, batch: BatchDescription) -> StepResult:
@@ -229,10 +197,7 @@ class CudaRunner:
     def read_buffer(self, name: str) -> np.ndarray:
         """Copy an arena buffer back (tests, debugging); bfloat16 comes back as float32."""
         info = self.plan.arena[name]
-        raw = self.dev.dtoh(self.buf(name), info.shape, STORAGE[info.dtype])
-        if info.dtype == "bfloat16":
-            return (raw.astype(np.uint32) << 16).view(np.float32)
-        return raw
+        return decode(self.dev.dtoh(self.buf(name), info.shape, STORAGE[info.dtype]), info.dtype)
 
     def reset_kv(self) -> None:
         self.dev.memset(self.kv_ptr, 0, self.kv_bytes)

@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from xserv_aot.engine.api import SamplingParams, TokenLogprob
+from xserv_aot.engine.api import GREEDY_BELOW, MAX_LOGPROBS, SamplingParams, TokenLogprob
 from xserv_aot.runtime.numpy_ops import truncated_draw
 
-MIN_TEMPERATURE = 1e-5
 
 
 def effective_temperature(t: float) -> float:
     """Temperatures too small for float32 logits / t are greedy (the device sampler treats 0 as argmax)."""
-    return float(t) if t >= MIN_TEMPERATURE else 0.0
+    return float(t) if t >= GREEDY_BELOW else 0.0
 
-MAX_LOGPROBS = 20
 
 
 def apply_penalties(logits: np.ndarray, prompt_ids: list[int], output_ids: list[int], presence: float = 0.0,

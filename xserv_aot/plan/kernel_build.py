@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from xserv_aot.plan.kernel_constants import G_MAX, NORM_NC, P_KEYS, gemm_smem, skinny_smem
+from xserv_aot.plan.manifest import place
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
 from xserv_aot.plan.signatures import check_launches, check_sizes, cubin_param_sizes, host_signature, kernel_signatures
@@ -28,18 +29,12 @@ GEMM_ENTRY = "xserv_gemm_bf16"   # the CUTLASS library's C entry point (kernels/
 GEMM_SOURCE = KERNEL_DIR / "cutlass" / "gemm_sm90.cu"
 
 
-def add_arena_buffer(manifest: dict, name: str, shape: list[int], dtype: str, align: int = 256) -> None:
+def add_arena_buffer(manifest: dict, name: str, shape: list[int], dtype: str) -> None:
     """Append a workspace buffer at the end of the arena (existing offsets stay valid)."""
-    itemsize = {"bfloat16": 2, "float32": 4, "int32": 4, "int64": 8}[dtype]
     arena = manifest["arena"]
-    if name in arena["buffers"]:
-        return
-    off = -(-int(arena["size"]) // align) * align
-    n = 1
-    for s in shape:
-        n *= int(s)
-    arena["buffers"][name] = {"offset": off, "shape": [int(s) for s in shape], "dtype": dtype}
-    arena["size"] = off + -(-n * itemsize // align) * align
+    if name not in arena["buffers"]:
+        info, arena["size"] = place(arena["size"], shape, dtype)
+        arena["buffers"][name] = info.to_dict()
 
 
 def launch(fn: str, grid, block, smem: int = 0, args: list | None = None) -> dict:

@@ -47,13 +47,17 @@ class Bucket:
                 "num_seqs": self.num_seqs, "ops": self.ops}
 
 
+def place(end: int, shape: list[int], dtype: str, align: int = ALIGN) -> tuple[TensorInfo, int]:
+    """A buffer at the first aligned offset from `end`; returns (its info, the new end, rounded up to align)."""
+    info = TensorInfo(-(-int(end) // align) * align, [int(s) for s in shape], dtype)
+    return info, info.offset + -(-info.nbytes // align) * align
+
+
 def layout(buffers: dict[str, tuple[list[int], str]], align: int = ALIGN) -> tuple[dict[str, TensorInfo], int]:
     """Place buffers back to back at aligned offsets, in the given order. Returns (table, total size)."""
     table, off = {}, 0
     for name, (shape, dtype) in buffers.items():
-        info = TensorInfo(off, [int(s) for s in shape], dtype)
-        table[name] = info
-        off += -(-info.nbytes // align) * align
+        table[name], off = place(off, shape, dtype, align)
     return table, off
 
 

@@ -65,11 +65,10 @@ def test_cache_key_changes_with_a_shared_constant(tmp_path, monkeypatch):
 def compile_tiny(tmp_path, monkeypatch, **build):
     from xserv_aot.config import BuildConfig
     from xserv_aot.plan.builder import compile_plan
-    monkeypatch.setenv("XSERV_NO_CUTLASS", "1")
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(CONFIG))
     b = dict(max_num_seqs=4, decode_buckets=[1, 2, 4], prefill_buckets=[16, 64], max_seq_len=512, dtype="bfloat16",
-             target="sm_90a")
+             target="sm_90a", gemm_library=False)
     b.update(build)
     return compile_plan(cfg, tmp_path / "plan", BuildConfig(**b), dummy_weights=True)
 

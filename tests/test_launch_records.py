@@ -29,7 +29,8 @@ BASES = (1 << 40, 2 << 40, 3 << 40)        # fake weights, arena, kv base addres
 
 
 def fake_cutlass(manifest, out_dir, target, progress):
-    return {"file": "kernels/libxserv_gemm.so", "hash": "sha256:fake", "configs": list(GEMM_CONFIGS), "build_key": "x"}
+    lib = {"file": "kernels/libxserv_gemm.so", "hash": "sha256:fake", "configs": list(GEMM_CONFIGS), "build_key": "x"}
+    return lib, ""
 
 
 @pytest.fixture(scope="module")

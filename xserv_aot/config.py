@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,6 +166,8 @@ class BuildConfig:
     num_blocks: int = 0                   # 0: derived from max_num_seqs * max_seq_len
     dtype: str = "bfloat16"               # weights, activations and KV cache: bfloat16 | float32
     target: str = "sm_90a"                # GPU arch for cubins, or "cpu" (no kernels built)
+    gemm_library: bool = True             # CUDA: CUTLASS GEMMs for linears of >= 128 rows, when nvcc can build them
+    pdl: bool = False                     # CUDA: programmatic dependent launch of every kernel (docs/cuda-notes.md)
 
     @property
     def prefill_chunk(self) -> int:
@@ -199,8 +202,17 @@ class BuildConfig:
             raise ConfigError("max_seq_len must be at least 2")
         if self.num_blocks < 0:
             raise ConfigError("num_blocks must be >= 0")
+        for name in ("gemm_library", "pdl"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.decode_buckets = sorted(set(int(b) for b in self.decode_buckets))
         self.prefill_buckets = sorted(set(int(b) for b in self.prefill_buckets))
         if self.num_blocks == 0:
             self.num_blocks = self.max_num_seqs * self.max_blocks_per_seq
         return self
+
+
+def cache_root() -> Path:
+    """Root of the compile caches (NVRTC cubins, the CUTLASS library): $XSERV_AOT_CACHE, else ~/.cache/xserv-aot.
+    Cached artifacts are keyed by their full inputs, so the location never changes a plan."""
+    return Path(os.environ.get("XSERV_AOT_CACHE", "~/.cache/xserv-aot")).expanduser()

@@ -7,7 +7,6 @@ adding a kernel is a kernel source plus a routing rule here.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Callable
 
@@ -225,20 +224,21 @@ def check_model(manifest: dict) -> None:
         raise KernelBuildError(f"CUDA row norms support hidden_size <= {1024 * 8 * NORM_NC}, got {m['hidden_size']}")
 
 
-def try_cutlass(manifest: dict, out_dir: Path, target: str, progress) -> dict | None:
-    if os.environ.get("XSERV_NO_CUTLASS"):
-        return None
+def try_cutlass(manifest: dict, out_dir: Path, target: str, progress) -> tuple[dict | None, str]:
+    """(the CUTLASS library build, or None, and why not)."""
+    if not manifest["build"].get("gemm_library", True):
+        return None, "off in the build config"
     if not any(int(op.get("rows", 0)) >= CUTLASS_MIN_ROWS for bk in manifest["buckets"] for op in bk["ops"]
                if op["op"] == "linear"):
-        return None
+        return None, f"no linear has {CUTLASS_MIN_ROWS}+ rows"
     try:
         from xserv_aot.plan.cutlass_build import GemmBuildError, build_gemm_library
-    except ImportError:
-        return None
+    except ImportError as e:
+        return None, f"not importable ({e})"
     try:
-        return build_gemm_library(out_dir, target, progress=(lambda msg: progress("gemm", 0, 1)) if progress else None)
-    except GemmBuildError:
-        return None
+        return build_gemm_library(out_dir, target, progress=(lambda msg: progress("gemm", 0, 1)) if progress else None), ""
+    except GemmBuildError as e:
+        return None, str(e)
 
 
 def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable | None = None) -> dict:
@@ -249,7 +249,7 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
     out_dir = Path(out_dir)
     m, b = manifest["model"], manifest["build"]
     cubins = compile_all(out_dir, target, progress)
-    cutlass = try_cutlass(manifest, out_dir, target, progress)
+    cutlass, why_not = try_cutlass(manifest, out_dir, target, progress)
     attn = {"split": P_KEYS, "splits": -(-b["max_seq_len"] // P_KEYS)}
     if attn["splits"] > 1024:
         raise KernelBuildError(f"max_seq_len {b['max_seq_len']} needs {attn['splits']} decode splits (max 1024)")
@@ -276,7 +276,7 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
     section = {"target": target, "nvrtc": nvrtc_version(), "cubins": cubins,
                "functions": {fn: name for name, c in cubins.items() for fn in c["functions"]},
                "signatures": {fn: signatures[fn] for fn in used},
-               "attention": attn, "gemm_library": None, "gemm_configs": {}}
+               "attention": attn, "gemm_library": None, "gemm_library_skipped": why_not or None, "gemm_configs": {}}
     if cutlass is not None:
         section["gemm_library"] = {k: cutlass[k] for k in ("file", "hash", "configs", "build_key") if k in cutlass}
         section["gemm_configs"] = cutlass.get("used", {})

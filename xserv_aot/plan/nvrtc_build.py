@@ -1,5 +1,5 @@
 """NVRTC build of kernels/*.cu into cubins, cached by a hash of the (header-inlined) source, options and NVRTC
-version under $XSERV_AOT_CACHE (default ~/.cache/xserv-aot)."""
+version under config.cache_root()."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -8,6 +8,7 @@ import os
 import re
 from pathlib import Path
 
+from xserv_aot.config import cache_root
 from xserv_aot.plan.kernel_constants import nvrtc_defines
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
@@ -27,7 +28,7 @@ def nvrtc_version() -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XSERV_AOT_CACHE", "~/.cache/xserv-aot")).expanduser() / "nvrtc"
+    return cache_root() / "nvrtc"
 
 
 def expand_source(path: Path) -> str:

@@ -48,8 +48,10 @@ class Buffers:
         return kind, value
 
 
-def op_launches(op: dict, buf: Buffers, funcs: Callable[[str], object], libraries: dict | None = None) -> list:
-    """Prepared launches (Launch / HostCall) for one op, in order; empty for ops fused into a neighbour."""
+def op_launches(op: dict, buf: Buffers, funcs: Callable[[str], object], libraries: dict | None = None,
+                pdl: bool = False) -> list:
+    """Prepared launches (Launch / HostCall) for one op, in order; empty for ops fused into a neighbour.
+    pdl: the plan's build.pdl (programmatic dependent launch of every kernel)."""
     records = op.get("launch")
     if records is None:
         raise LaunchError(f"op {op['op']} has no CUDA launch in the plan; recompile the plan for a GPU target")
@@ -63,5 +65,5 @@ def op_launches(op: dict, buf: Buffers, funcs: Callable[[str], object], librarie
             out.append(HostCall(rec["fn"], libraries[lib].entry(rec["fn"], args)))
         else:
             out.append(Launch(rec["fn"], funcs(rec["fn"]), tuple(rec["grid"]), tuple(rec["block"]), int(rec["smem"]),
-                              args))
+                              args, pdl))
     return out

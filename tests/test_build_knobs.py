@@ -29,8 +29,8 @@ def test_cli_switches_are_recorded_in_the_plan_and_reach_the_launcher(tmp_path):
     assert plan.build.pdl is True and plan.build.gemm_library is False
     assert plan.kernels["gemm_library"] is None and plan.kernels["gemm_library_skipped"] == "off in the build config"
     ops = [op for bk in plan.buckets for op in bk.ops]
-    assert not any(op.get("kernel") == "cutlass" for op in ops)
-    assert any(op["op"] == "linear" and op["rows"] >= 128 for op in ops)      # a CUTLASS-sized linear, routed elsewhere
+    assert not any(op.cuda.kernel == "cutlass" for op in ops)
+    assert any(op.op == "linear" and op.rows >= 128 for op in ops)      # a CUTLASS-sized linear, routed elsewhere
     buf = Buffers(plan, 1 << 40, 2 << 40, 3 << 40)
     launches = [ln for op in ops for ln in op_launches(op, buf, lambda fn: fn, {}, plan.build.pdl)]
     assert launches and all(isinstance(ln, Launch) and ln.pdl for ln in launches)

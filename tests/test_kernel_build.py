@@ -78,11 +78,11 @@ def test_build_kernels_annotates_every_op(tmp_path, monkeypatch):
     funcs = plan.kernels["functions"]
     for bk in plan.buckets:
         for op in bk.ops:
-            assert "kernel" in op and "launch" in op, (bk.name, op["op"])
-            for spec in op["launch"]:
+            assert op.cuda is not None, (bk.name, op.op)
+            for spec in op.cuda.launch:
                 assert spec["fn"] in funcs, spec["fn"]
                 assert all(g >= 1 for g in spec["grid"]) and 1 <= spec["block"][0] <= 1024
-        kinds = {op["op"]: op["kernel"] for op in bk.ops}
+        kinds = {op.op: op.cuda.kernel for op in bk.ops}
         if bk.kind == "decode":
             assert kinds["attention"].startswith("attn_decode")
             assert (kinds["silu_mul"] == "fused_into_previous") == (bk.num_tokens <= kb.GEMV_MAX_ROWS)
@@ -94,8 +94,8 @@ def test_build_kernels_annotates_every_op(tmp_path, monkeypatch):
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "arena buffers overlap"
     assert spans[-1][1] <= plan.arena_size
     assert {"attn_part_o", "attn_part_ml", "sample_scaled", "gemm_splitk_ws"} <= set(plan.arena)
-    splitk = [op for bk in plan.buckets for op in bk.ops if op.get("kernel") == "gemm_64x64_splitk"]
-    assert splitk and all(op["splits"] * op["rows"] * op["n"] <= plan.arena["gemm_splitk_ws"].shape[0] for op in splitk)
+    splitk = [op for bk in plan.buckets for op in bk.ops if op.cuda.kernel == "gemm_64x64_splitk"]
+    assert splitk and all(op.cuda.splits * op.rows * op.n <= plan.arena["gemm_splitk_ws"].shape[0] for op in splitk)
 
 
 def test_float32_plan_is_refused(tmp_path, monkeypatch):

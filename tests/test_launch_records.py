@@ -13,6 +13,7 @@ pytest.importorskip("cuda.core")
 
 from xserv_aot.config import BuildConfig  # noqa: E402
 from xserv_aot.plan import kernel_build as kb  # noqa: E402
+from xserv_aot.plan import launch_records as lr  # noqa: E402
 from xserv_aot.plan import signatures as sg  # noqa: E402
 from xserv_aot.plan.builder import compile_plan  # noqa: E402
 from xserv_aot.plan.cutlass_build import GEMM_CONFIGS  # noqa: E402
@@ -63,7 +64,7 @@ def test_every_record_packs_the_cubin_parameter_sizes_and_points_into_its_buffer
     kinds, library_calls = set(), 0
     for bk in plan.buckets:
         for op in bk.ops:
-            for rec in op["launch"]:
+            for rec in op.cuda.launch:
                 if rec.get("library"):
                     library_calls += 1
                     continue
@@ -83,14 +84,14 @@ def test_bad_records_are_refused_with_one_line():
     params = sg.kernel_signatures("elementwise.cu")["rmsnorm"]
     dtypes = {"x": "bfloat16", "w": "bfloat16", "h": "bfloat16", "logits": "float32"}.__getitem__
     good = [["ptr", "x"], ["ptr", "w"], ["ptr", "h"], ["i32", 64], ["f32", 1e-6]]
-    sg.check_launch({"fn": "rmsnorm", "args": good}, params, dtypes, "bfloat16")
+    lr.check_launch({"fn": "rmsnorm", "args": good}, params, dtypes, "bfloat16")
     bad = {"3 arguments for 5": good[:3], "eps is f32, the record passes i32": good[:4] + [["i32", 1]],
            "H is i32, the record passes ptr": good[:3] + [["ptr", "x"], good[4]],
            "points to bfloat16, 'logits' is float32": [["ptr", "logits"]] + good[1:],
            "'nope' is neither": [["ptr", "nope"]] + good[1:], "unknown argument kind": [["u8", 1]] + good[1:]}
     for msg, args in bad.items():
         with pytest.raises(kb.KernelBuildError, match=msg) as e:
-            sg.check_launch({"fn": "rmsnorm", "args": args}, params, dtypes, "bfloat16")
+            lr.check_launch({"fn": "rmsnorm", "args": args}, params, dtypes, "bfloat16")
         assert "\n" not in str(e.value)
 
 
@@ -101,7 +102,7 @@ def test_cubin_disagreeing_with_the_parsed_signature_is_refused():
 
 
 def test_launcher_refuses_a_library_call_without_the_library(plan):
-    op = next(op for bk in plan.buckets for op in bk.ops if op.get("kernel") == "cutlass")
+    op = next(op for bk in plan.buckets for op in bk.ops if op.cuda.kernel == "cutlass")
     with pytest.raises(LaunchError, match="gemm_library"):
         op_launches(op, Buffers(plan, *BASES), lambda fn: fn, {})
 

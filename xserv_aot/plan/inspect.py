@@ -42,7 +42,7 @@ def describe(plan_dir: Path, ops_bucket: str | None = None) -> str:
         lines.append(f"  {t.offset:>12}  {name:<16} {str(t.shape):<20} {t.dtype}")
     lines += ["", "buckets:"]
     for bk in plan.buckets:
-        kinds = Counter(op["op"] for op in bk.ops)
+        kinds = Counter(op.op for op in bk.ops)
         lines.append(f"  {bk.name:<14} {bk.kind:<8} tokens {bk.num_tokens:>5} seqs {bk.num_seqs:>4}  {len(bk.ops)} ops"
                      f"  ({', '.join(f'{k} x{v}' for k, v in kinds.items())})")
     lines += ["", "bytes read per decode step (batch 1):"]
@@ -57,8 +57,11 @@ def describe(plan_dir: Path, ops_bucket: str | None = None) -> str:
         sigs = plan.kernels.get("signatures", {})
         lines += ["", f"ops of {bk.name}:"]
         for i, op in enumerate(bk.ops):
-            lines.append(f"  {i:>4} {json.dumps({k: v for k, v in op.items() if k != 'launch'})}")
-            lines += [f"       -> {format_launch(rec, sigs.get(rec['fn']))}" for rec in op.get("launch") or []]
+            lines.append(f"  {i:>4} {json.dumps({k: v for k, v in op.to_dict().items() if k != 'cuda'})}")
+            if op.cuda:
+                facts = {k: v for k, v in op.cuda.to_dict().items() if k not in ("kernel", "launch")}
+                lines.append(f"       kernel {op.cuda.kernel}" + (f" {json.dumps(facts)}" if facts else ""))
+                lines += [f"       -> {format_launch(rec, sigs.get(rec['fn']))}" for rec in op.cuda.launch]
     return "\n".join(lines)
 
 

@@ -7,14 +7,18 @@ adding a kernel is a kernel source plus a routing rule here.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 from xserv_aot.plan.kernel_constants import G_MAX, NORM_NC, P_KEYS, gemm_smem, skinny_smem
+from xserv_aot.plan.launch_records import check_launches, f32, i32, kv, launch, library_call, ptr
 from xserv_aot.plan.manifest import place
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
-from xserv_aot.plan.signatures import check_launches, check_sizes, cubin_param_sizes, host_signature, kernel_signatures
+from xserv_aot.plan.op_records import (AddRmsNorm, Attention, Embedding, GatherRows, KernelChoice, Linear, Op,
+                                       QkNormRopeCache, RmsNorm, Sample, SiluMul, op_from_dict)
+from xserv_aot.plan.signatures import check_sizes, cubin_param_sizes, host_signature, kernel_signatures
 
 GEMV_MAX_ROWS = 2            # above this the x re-reads make the GEMV L1/ALU-bound: tensor cores instead
 CUTLASS_MIN_ROWS = 128
@@ -36,171 +40,132 @@ def add_arena_buffer(manifest: dict, name: str, shape: list[int], dtype: str) ->
         arena["buffers"][name] = info.to_dict()
 
 
-def launch(fn: str, grid, block, smem: int = 0, args: list | None = None) -> dict:
-    """A kernel launch record; args: [kind, value] pairs (docs/plan-format.md, "Launch records")."""
-    g = list(grid) + [1] * (3 - len(grid))
-    b = list(block) + [1] * (3 - len(block))
-    return {"fn": fn, "grid": [int(x) for x in g], "block": [int(x) for x in b], "smem": int(smem),
-            "args": list(args or [])}
+def linear_args(op: Linear, fused_silu_out: str | None = None) -> list:
+    """(X, W, bias, out, M, N, K) of the GEMV/GEMM kernels; fused: (X, W, silu_out, M, I, K)."""
+    if fused_silu_out:
+        return [ptr(op.inp), ptr(op.weight), ptr(fused_silu_out), i32(op.rows), i32(op.n // 2), i32(op.k)]
+    return [ptr(op.inp), ptr(op.weight), ptr(op.bias), ptr(op.out), i32(op.rows), i32(op.n), i32(op.k)]
 
 
-def ptr(name: str | None) -> list:
-    return ["ptr", name]
+def kernel(rec: dict, **facts) -> KernelChoice:
+    return KernelChoice(rec["fn"], (rec,), **facts)
 
 
-def i32(v) -> list:
-    return ["i32", int(v)]
-
-
-def f32(v) -> list:
-    return ["f32", float(v)]
-
-
-def linear_args(op: dict, gate: bool = False) -> list:
-    """(X, W, bias, out, M, N, K) of the GEMV/GEMM kernels; gate: (X, W, silu_out, M, I, K)."""
-    if gate:
-        return [ptr(op["inp"]), ptr(op["weight"]), ptr(op["fused_silu_out"]), i32(op["rows"]), i32(int(op["n"]) // 2),
-                i32(op["k"])]
-    return [ptr(op["inp"]), ptr(op["weight"]), ptr(op.get("bias")), ptr(op["out"]), i32(op["rows"]), i32(op["n"]),
-            i32(op["k"])]
-
-
-def plan_skinny(op: dict, suffix: str, fuse_into: str | None, bn: int | None = None) -> None:
+def plan_skinny(op: Linear, suffix: str, fuse_into: str | None, bn: int | None = None) -> KernelChoice:
     """Rows 3..64: one block per 32 (or 64) weight rows, all of K split over its 8 warps (kernels/gemm_skinny.cu).
     bn: force the block width (tests); by default 64 only where that still gives SKINNY_WIDE_MIN_BLOCKS blocks."""
-    rows, n = int(op["rows"]), int(op["n"])
-    mt = next(m for m in (8, 16, 32, 64) if m >= rows)
-    bn = bn or (64 if -(-n // 64) >= SKINNY_WIDE_MIN_BLOCKS else 32)
-    smem = skinny_smem(mt)
+    mt = next(m for m in (8, 16, 32, 64) if m >= op.rows)
+    bn = bn or (64 if -(-op.n // 64) >= SKINNY_WIDE_MIN_BLOCKS else 32)
     if fuse_into:
-        op["fused_silu_out"] = fuse_into
-        fn, grid = f"skinny{bn}_gate_m{mt}", -(-(n // 2) // (bn // 2))
+        fn, grid = f"skinny{bn}_gate_m{mt}", -(-(op.n // 2) // (bn // 2))
     else:
-        fn, grid = f"skinny{bn}_m{mt}_{suffix}", -(-n // bn)
-    op["launch"] = [launch(fn, [grid], [256], smem, linear_args(op, gate=bool(fuse_into)))]
-    op["kernel"] = fn
+        fn, grid = f"skinny{bn}_m{mt}_{suffix}", -(-op.n // bn)
+    return kernel(launch(fn, [grid], [256], skinny_smem(mt), linear_args(op, fuse_into)), fused_silu_out=fuse_into)
 
 
-def plan_linear(op: dict, out_dtype: str, fuse_into: str | None, cutlass: dict | None, decode: bool = False) -> None:
+def plan_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: dict | None,
+                decode: bool = False) -> KernelChoice:
     """fuse_into: the silu_mul output buffer when the next op is silu_mul of this op's output."""
-    rows, n, k = int(op["rows"]), int(op["n"]), int(op["k"])
+    rows, n, k = op.rows, op.n, op.k
     if k % 8 or n % 2:
-        raise KernelBuildError(f"linear {op['weight']}: n={n}, k={k} (CUDA kernels need k % 8 == 0, n even)")
+        raise KernelBuildError(f"linear {op.weight}: n={n}, k={k} (CUDA kernels need k % 8 == 0, n even)")
     suffix = "f32" if out_dtype == "float32" else "bf16"
     if rows <= GEMV_MAX_ROWS:
         mt = next(m for m in (1, 2, 4, 8) if m >= rows)
         if fuse_into:
-            inter = n // 2
-            op["fused_silu_out"] = fuse_into
-            op["launch"] = [launch(f"gemv_gate_m{mt}", [-(-inter // 8)], [256], 0, linear_args(op, gate=True))]
-        else:
-            op["launch"] = [launch(f"gemv_m{mt}_{suffix}", [-(-n // 16)], [256], 0, linear_args(op))]
-        op["kernel"] = op["launch"][0]["fn"]
-        return
+            return kernel(launch(f"gemv_gate_m{mt}", [-(-(n // 2) // 8)], [256], 0, linear_args(op, fuse_into)),
+                          fused_silu_out=fuse_into)
+        return kernel(launch(f"gemv_m{mt}_{suffix}", [-(-n // 16)], [256], 0, linear_args(op)))
     if decode and rows <= SKINNY_MAX_ROWS:
-        plan_skinny(op, suffix, fuse_into if SKINNY_FUSE_GATE else None)
-        return
+        return plan_skinny(op, suffix, fuse_into if SKINNY_FUSE_GATE else None)
     if cutlass is not None and rows >= CUTLASS_MIN_ROWS and n % 8 == 0:
         from xserv_aot.plan.cutlass_build import choose_gemm_config
         cfg = choose_gemm_config(rows, n, k, out_dtype)
-        op["kernel"] = "cutlass"
-        op["gemm_config"] = cfg
-        op["launch"] = [{"fn": GEMM_ENTRY, "library": "gemm_library",
-                         "args": [i32(cfg), ptr(op["inp"]), ptr(op["weight"]), ptr(op["out"]), ptr(op.get("bias")),
-                                  i32(rows), i32(n), i32(k)]}]
         cutlass.setdefault("used", {})[f"{rows}x{n}x{k}"] = cutlass["configs"][cfg]
-        return
+        call = library_call("gemm_library", GEMM_ENTRY, [i32(cfg), ptr(op.inp), ptr(op.weight), ptr(op.out),
+                                                         ptr(op.bias), i32(rows), i32(n), i32(k)])
+        return KernelChoice("cutlass", (call,), gemm_config=cfg)
     tile = "128x128" if rows >= 128 and -(-rows // 128) * -(-n // 128) >= 132 else "64x64"
     bm, bn = (int(x) for x in tile.split("x"))
     blocks = -(-n // bn) * -(-rows // bm)
     splits = min(SPLITK_MAX, -(-SPLITK_TARGET_BLOCKS // blocks), max(1, k // 32 // 8))
     if tile == "64x64" and splits > 1:
         ws = "gemm_splitk_ws"
-        op["launch"] = [launch("gemm_64x64_splitk", [-(-n // bn), -(-rows // bm), splits], [128], gemm_smem(tile),
-                               [ptr(op["inp"]), ptr(op["weight"]), ptr(None), ptr(ws), i32(rows), i32(n), i32(k)]),
-                        launch("splitk_reduce", [min(-(-rows * n // 2 // 256), 4096)], [256], 0,
-                               [ptr(ws), ptr(op.get("bias")), ptr(op["out"]), i32(rows), i32(n), i32(splits),
-                                i32(out_dtype == "float32")])]
-        op["splits"] = splits
-        op["kernel"] = "gemm_64x64_splitk"
-        return
-    fn = f"gemm_{tile}_{suffix}"
-    op["launch"] = [launch(fn, [-(-n // bn), -(-rows // bm)], [256 if bm == 128 else 128], gemm_smem(tile),
-                           linear_args(op))]
-    op["kernel"] = fn
+        return KernelChoice("gemm_64x64_splitk", (
+            launch("gemm_64x64_splitk", [-(-n // bn), -(-rows // bm), splits], [128], gemm_smem(tile),
+                   [ptr(op.inp), ptr(op.weight), ptr(None), ptr(ws), i32(rows), i32(n), i32(k)]),
+            launch("splitk_reduce", [min(-(-rows * n // 2 // 256), 4096)], [256], 0,
+                   [ptr(ws), ptr(op.bias), ptr(op.out), i32(rows), i32(n), i32(splits), i32(out_dtype == "float32")])),
+            splits=splits)
+    return kernel(launch(f"gemm_{tile}_{suffix}", [-(-n // bn), -(-rows // bm)], [256 if bm == 128 else 128],
+                         gemm_smem(tile), linear_args(op)))
 
 
 def norm_threads(hidden: int) -> int:
     return min(1024, -(-(hidden // 8) // 32) * 32)
 
 
-def plan_bucket(bucket: dict, manifest: dict, cutlass: dict | None, attn: dict) -> None:
-    m, kv = manifest["model"], manifest["kv_cache"]
+def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: dict | None,
+                attn: dict) -> list[KernelChoice]:
+    """The kernel choice (with its launch records) of every op of one bucket, in order."""
+    m, kvc = manifest["model"], manifest["kv_cache"]
     hidden, hd, vocab = m["hidden_size"], m["head_dim"], m["vocab_size"]
     nh, nkv = m["num_heads"], m["num_kv_heads"]
-    num_slots, block_size = kv_slots(kv), kv["shape"][3]
+    num_slots, block_size = kv_slots(kvc), kvc["shape"][3]
     arena = manifest["arena"]["buffers"]
-    ops = bucket["ops"]
+    row_threads = [min(ELEMWISE_THREADS, hidden // 8)]
+    out: list[KernelChoice] = []
     for idx, op in enumerate(ops):
-        kind, rows = op["op"], int(op.get("rows", 0))
-        if kind == "embedding":
-            op["launch"] = [launch("embedding", [rows], [min(ELEMWISE_THREADS, hidden // 8)], 0,
-                                   [ptr(op["ids"]), ptr(op["table"]), ptr(op["out"]), i32(hidden), i32(vocab)])]
-        elif kind == "rmsnorm":
-            op["launch"] = [launch(kind, [rows], [norm_threads(hidden)], 0,
-                                   [ptr(op["inp"]), ptr(op["weight"]), ptr(op["out"]), i32(hidden), f32(op["eps"])])]
-        elif kind == "add_rmsnorm":
-            op["launch"] = [launch(kind, [rows], [norm_threads(hidden)], 0,
-                                   [ptr(op["residual"]), ptr(op["delta"]), ptr(op["weight"]), ptr(op["out"]),
-                                    i32(hidden), f32(op["eps"])])]
-        elif kind == "gather_rows":
-            op["launch"] = [launch("gather_rows", [rows], [min(ELEMWISE_THREADS, hidden // 8)], 0,
-                                   [ptr(op["inp"]), ptr(op["indices"]), ptr(op["out"]), i32(hidden),
-                                    i32(arena[op["inp"]]["shape"][0])])]
-        elif kind == "silu_mul":
-            prev = ops[idx - 1] if idx else {}
-            if prev.get("fused_silu_out") == op["out"] and prev.get("out") == op["inp"]:
-                op["launch"] = []
-                op["kernel"] = "fused_into_previous"
-                continue
-            chunks = rows * int(op["inter"]) // 8
-            op["launch"] = [launch("silu_mul", [min(-(-chunks // 256), 4096)], [256], 0,
-                                   [ptr(op["inp"]), ptr(op["out"]), i32(rows), i32(op["inter"])])]
-        elif kind == "linear":
-            nxt = ops[idx + 1] if idx + 1 < len(ops) else {}
-            fuse = nxt["out"] if nxt.get("op") == "silu_mul" and nxt.get("inp") == op["out"] else None
-            plan_linear(op, arena[op["out"]]["dtype"], fuse, cutlass, bucket["kind"] == "decode")
-            continue
-        elif kind == "qk_norm_rope_cache":
-            heads = nh + 2 * nkv
-            op["launch"] = [launch(f"qk_norm_rope_cache_hd{hd}", [rows, -(-heads // 4)], [128], 0,
-                                   [ptr(op["qkv"]), ptr(op["positions"]), ptr(op["slot_mapping"]),
-                                    ptr(op.get("q_norm")), ptr(op.get("k_norm")), ptr(op["cos"]), ptr(op["sin"]),
-                                    ptr(op["q_out"]), ["kv", int(op["layer"])], i32(nh), i32(nkv), f32(op["eps"]),
-                                    i32(num_slots)])]
-        elif kind == "attention":
-            common = [ptr(op["q"]), ["kv", int(op["layer"])], ptr(op["query_start_loc"]), ptr(op["seq_lens"]),
-                      ptr(op["block_tables"])]
-            tail = [i32(block_size), i32(arena[op["block_tables"]]["shape"][1]), i32(num_slots), f32(op["scale"])]
-            if bucket["kind"] == "decode":
-                s_max = attn["splits"]
-                op["launch"] = [launch(f"attn_decode_hd{hd}", [op["num_seqs"], nkv, s_max], [128], 0,
-                                       common + [ptr("attn_part_o"), ptr("attn_part_ml"), ptr("attn_counters"),
-                                                 ptr(op["out"]), i32(rows), i32(nh), i32(nkv), *tail, i32(s_max)])]
-                op["split"] = attn["split"]
-                op["splits"] = s_max
+        rows = op.rows
+        if isinstance(op, Embedding):
+            c = kernel(launch("embedding", [rows], row_threads, 0,
+                              [ptr(op.ids), ptr(op.table), ptr(op.out), i32(hidden), i32(vocab)]))
+        elif isinstance(op, RmsNorm):
+            c = kernel(launch("rmsnorm", [rows], [norm_threads(hidden)], 0,
+                              [ptr(op.inp), ptr(op.weight), ptr(op.out), i32(hidden), f32(op.eps)]))
+        elif isinstance(op, AddRmsNorm):
+            c = kernel(launch("add_rmsnorm", [rows], [norm_threads(hidden)], 0,
+                              [ptr(op.residual), ptr(op.delta), ptr(op.weight), ptr(op.out), i32(hidden),
+                               f32(op.eps)]))
+        elif isinstance(op, GatherRows):
+            c = kernel(launch("gather_rows", [rows], row_threads, 0,
+                              [ptr(op.inp), ptr(op.indices), ptr(op.out), i32(hidden), i32(arena[op.inp]["shape"][0])]))
+        elif isinstance(op, SiluMul):
+            prev, prev_choice = (ops[idx - 1], out[-1]) if idx else (None, None)
+            if prev_choice and prev_choice.fused_silu_out == op.out and getattr(prev, "out", None) == op.inp:
+                c = KernelChoice("fused_into_previous")
             else:
-                op["launch"] = [launch(f"attn_prefill_hd{hd}", [-(-rows // 64) + op["num_seqs"], nh], [128], 0,
-                                       common + [ptr(op["out"]), i32(rows), i32(op["num_seqs"]), i32(nh), i32(nkv),
-                                                 *tail])]
-        elif kind == "sample":
-            op["launch"] = [launch("sample_rows", [rows], [1024], 0,
-                                   [ptr(op[k]) for k in ("logits", "temperature", "top_k", "top_p", "seeds",
-                                                         "sample_offsets", "out")]
-                                   + [ptr("sample_scaled"), i32(vocab)])]
+                c = kernel(launch("silu_mul", [min(-(-(rows * op.inter // 8) // 256), 4096)], [256], 0,
+                                  [ptr(op.inp), ptr(op.out), i32(rows), i32(op.inter)]))
+        elif isinstance(op, Linear):
+            nxt = ops[idx + 1] if idx + 1 < len(ops) else None
+            fuse = nxt.out if isinstance(nxt, SiluMul) and nxt.inp == op.out else None
+            c = plan_linear(op, arena[op.out]["dtype"], fuse, cutlass, kind == "decode")
+        elif isinstance(op, QkNormRopeCache):
+            c = kernel(launch(f"qk_norm_rope_cache_hd{hd}", [rows, -(-(nh + 2 * nkv) // 4)], [128], 0,
+                              [ptr(op.qkv), ptr(op.positions), ptr(op.slot_mapping), ptr(op.q_norm), ptr(op.k_norm),
+                               ptr(op.cos), ptr(op.sin), ptr(op.q_out), kv(op.layer), i32(nh), i32(nkv), f32(op.eps),
+                               i32(num_slots)]))
+        elif isinstance(op, Attention):
+            common = [ptr(op.q), kv(op.layer), ptr(op.query_start_loc), ptr(op.seq_lens), ptr(op.block_tables)]
+            tail = [i32(block_size), i32(arena[op.block_tables]["shape"][1]), i32(num_slots), f32(op.scale)]
+            if kind == "decode":
+                s_max = attn["splits"]
+                c = kernel(launch(f"attn_decode_hd{hd}", [op.num_seqs, nkv, s_max], [128], 0,
+                                  common + [ptr("attn_part_o"), ptr("attn_part_ml"), ptr("attn_counters"),
+                                            ptr(op.out), i32(rows), i32(nh), i32(nkv), *tail, i32(s_max)]),
+                           split=attn["split"], splits=s_max)
+            else:
+                c = kernel(launch(f"attn_prefill_hd{hd}", [-(-rows // 64) + op.num_seqs, nh], [128], 0,
+                                  common + [ptr(op.out), i32(rows), i32(op.num_seqs), i32(nh), i32(nkv), *tail]))
+        elif isinstance(op, Sample):
+            c = kernel(launch("sample_rows", [rows], [1024], 0,
+                              [ptr(op.logits), ptr(op.temperature), ptr(op.top_k), ptr(op.top_p), ptr(op.seeds),
+                               ptr(op.sample_offsets), ptr(op.out), ptr("sample_scaled"), i32(vocab)]))
         else:
-            raise KernelBuildError(f"bucket {bucket['name']}: op {kind!r} has no CUDA kernel")
-        op["kernel"] = op["launch"][0]["fn"]
+            raise KernelBuildError(f"bucket {name}: op {op.op!r} has no CUDA kernel")
+        out.append(c)
+    return out
 
 
 def kv_slots(kv: dict) -> int:
@@ -242,7 +207,8 @@ def try_cutlass(manifest: dict, out_dir: Path, target: str, progress) -> tuple[d
 
 
 def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable | None = None) -> dict:
-    """Annotate every op with `kernel` + `launch`, add workspaces, write cubins; return the kernels section."""
+    """Choose every op's kernel (its `cuda` entry, next to the op), add workspaces, write cubins; return the
+    kernels section."""
     if target not in SUPPORTED_TARGETS:
         raise KernelBuildError(f"unsupported CUDA target {target!r} (supported: {', '.join(SUPPORTED_TARGETS)})")
     check_model(manifest)
@@ -253,8 +219,10 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
     attn = {"split": P_KEYS, "splits": -(-b["max_seq_len"] // P_KEYS)}
     if attn["splits"] > 1024:
         raise KernelBuildError(f"max_seq_len {b['max_seq_len']} needs {attn['splits']} decode splits (max 1024)")
-    for bucket in manifest["buckets"]:
-        plan_bucket(bucket, manifest, cutlass, attn)
+    records = {bk["name"]: [op_from_dict(op, f"bucket {bk['name']} op {i}") for i, op in enumerate(bk["ops"])]
+               for bk in manifest["buckets"]}
+    choices = {bk["name"]: plan_bucket(bk["name"], bk["kind"], records[bk["name"]], manifest, cutlass, attn)
+               for bk in manifest["buckets"]}
     signatures = {fn: p for src in KERNEL_SOURCES for fn, p in kernel_signatures(src).items()}
     for c in cubins.values():
         for fn, sizes in cubin_param_sizes((out_dir / c["file"]).read_bytes()).items():
@@ -267,12 +235,15 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
     add_arena_buffer(manifest, "attn_part_ml", [t_dec, nh, attn["splits"], 2], "float32")
     add_arena_buffer(manifest, "attn_counters", [b["max_num_seqs"], m["num_kv_heads"]], "int32")  # zeroed at start
     add_arena_buffer(manifest, "sample_scaled", [b["max_num_seqs"], m["vocab_size"]], "float32")
-    ws = max([op["splits"] * int(op["rows"]) * int(op["n"]) for bk in manifest["buckets"] for op in bk["ops"]
-              if op.get("kernel") == "gemm_64x64_splitk"] or [0])
+    ws = max([c.splits * op.rows * op.n for name, ops in records.items() for op, c in zip(ops, choices[name])
+              if c.kernel == "gemm_64x64_splitk"] or [0])
     if ws:
         add_arena_buffer(manifest, "gemm_splitk_ws", [ws], "float32")
-    check_launches(manifest, signatures)
-    used = sorted({rec["fn"] for bk in manifest["buckets"] for op in bk["ops"] for rec in op["launch"]})
+    launches = [(name, rec) for name, cs in choices.items() for c in cs for rec in c.launch]
+    check_launches(manifest, launches, signatures)
+    used = sorted({rec["fn"] for _, rec in launches})
+    for bk in manifest["buckets"]:
+        bk["ops"] = [replace(op, cuda=c).to_dict() for op, c in zip(records[bk["name"]], choices[bk["name"]])]
     section = {"target": target, "nvrtc": nvrtc_version(), "cubins": cubins,
                "functions": {fn: name for name, c in cubins.items() for fn in c["functions"]},
                "signatures": {fn: signatures[fn] for fn in used},

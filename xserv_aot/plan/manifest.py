@@ -11,6 +11,7 @@ import numpy as np
 
 from xserv_aot.config import BuildConfig, ModelConfig
 from xserv_aot.dtypes import ITEMSIZE
+from xserv_aot.plan.op_records import Op, OpRecordError, buffer_names, op_from_dict
 
 SCHEMA_VERSION = 2            # 2: launch records carry their arguments (docs/plan-format.md)
 ALIGN = 256
@@ -34,17 +35,31 @@ class TensorInfo:
         return {"offset": self.offset, "shape": list(self.shape), "dtype": self.dtype}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Bucket:
     name: str
     kind: str              # decode | prefill
     num_tokens: int
     num_seqs: int
-    ops: list[dict]
+    ops: tuple[Op, ...]
 
     def to_dict(self) -> dict:
         return {"name": self.name, "kind": self.kind, "num_tokens": self.num_tokens,
-                "num_seqs": self.num_seqs, "ops": self.ops}
+                "num_seqs": self.num_seqs, "ops": [op.to_dict() for op in self.ops]}
+
+    @classmethod
+    def from_dict(cls, d: dict, known_buffers) -> "Bucket":
+        """Validated: every op a known op with exactly its fields, naming buffers the plan has (OpRecordError)."""
+        unknown = set(d) - {"name", "kind", "num_tokens", "num_seqs", "ops"}
+        if unknown:
+            raise OpRecordError(f"bucket {d.get('name')!r}: unknown field {sorted(unknown)[0]!r}")
+        ops = tuple(op_from_dict(op, f"bucket {d['name']} op {i}") for i, op in enumerate(d["ops"]))
+        for i, op in enumerate(ops):
+            missing = [n for n in buffer_names(op) if n not in known_buffers]
+            if missing:
+                raise OpRecordError(f"bucket {d['name']} op {i} ({op.op}): names {missing[0]!r}, which the plan "
+                                    f"has neither as an arena buffer nor as a weight")
+        return cls(d["name"], d["kind"], int(d["num_tokens"]), int(d["num_seqs"]), ops)
 
 
 def place(end: int, shape: list[int], dtype: str, align: int = ALIGN) -> tuple[TensorInfo, int]:
@@ -85,7 +100,8 @@ class Plan:
         self.arena = {k: TensorInfo(**v) for k, v in manifest["arena"]["buffers"].items()}
         self.arena_size = int(manifest["arena"]["size"])
         self.kv_cache = manifest["kv_cache"]
-        self.buckets = [Bucket(**b) for b in manifest["buckets"]]
+        known = self.arena.keys() | self.weights.keys()
+        self.buckets = [Bucket.from_dict(b, known) for b in manifest["buckets"]]
         self.kernels = manifest.get("kernels") or {}
 
     @classmethod
@@ -106,6 +122,8 @@ class Plan:
                             f"{made_by}; this xserv-aot reads schema version {SCHEMA_VERSION}); recompile the plan")
         try:
             plan = cls(plan_dir, manifest)
+        except OpRecordError as e:
+            raise PlanError(f"{path}: {e}") from None
         except (KeyError, TypeError) as e:
             raise PlanError(f"{path}: malformed manifest ({e!r})") from None
         if verify != "none":

@@ -1,5 +1,5 @@
-"""`extern "C"` signatures of the kernels (and of the GEMM library's entry point), parsed from the sources, and the
-check of a launch record's arguments against them (docs/plan-format.md, "Launch records")."""
+"""`extern "C"` signatures of the kernels (and of the GEMM library's entry point), parsed from the sources and
+checked against the compiler's parameter table in each cubin."""
 from __future__ import annotations
 
 import re
@@ -11,7 +11,6 @@ from xserv_aot.plan.nvrtc_build import KERNEL_DIR, KernelBuildError, expand_sour
 SCALAR_TYPES = {"int": "i32", "unsigned": "u32", "unsigned int": "u32", "float": "f32", "u64": "u64",
                 "unsigned long long": "u64", "size_t": "u64", "long long": "i64"}
 POINTEE_DTYPES = {"bf16": "bfloat16", "float": "float32", "int": "int32", "long long": "int64", "void": None}
-ARG_KINDS = ("ptr", "kv", *sorted(set(SCALAR_TYPES.values())))
 TYPE_BYTES = {"ptr": 8, "i32": 4, "u32": 4, "f32": 4, "u64": 8, "i64": 8}
 _KPARAM_INFO, _SVAL = 0x17, 0x04       # .nv.info attribute: one kernel parameter (ordinal, offset, size)
 
@@ -99,46 +98,3 @@ def check_sizes(fn: str, params: list[dict], sizes: list[int]) -> None:
     mine = [TYPE_BYTES[p["type"]] for p in params]
     if mine != sizes:
         raise KernelBuildError(f"kernel {fn}: parsed parameter sizes {mine} differ from the cubin's {sizes}")
-
-
-def check_launch(rec: dict, params: list[dict], buffer_dtype, kv_dtype: str) -> None:
-    """Arguments of one launch record against the function's parameters: count, kind, scalar type, pointee dtype.
-    buffer_dtype(name) -> dtype of an arena buffer or weight (KeyError if neither)."""
-    fn, args = rec["fn"], rec["args"]
-    if len(args) != len(params):
-        raise KernelBuildError(f"launch {fn}: {len(args)} arguments for {len(params)} parameters")
-    for arg, p in zip(args, params):
-        kind, where = arg[0], f"launch {fn}: parameter {p['name']}"
-        if kind not in ARG_KINDS:
-            raise KernelBuildError(f"{where}: unknown argument kind {kind!r}")
-        if (kind in ("ptr", "kv")) != (p["type"] == "ptr") or (p["type"] != "ptr" and kind != p["type"]):
-            raise KernelBuildError(f"{where} is {p['type']}, the record passes {kind}")
-        if kind == "kv":
-            dtype = kv_dtype
-        elif kind == "ptr" and arg[1] is not None:
-            try:
-                dtype = buffer_dtype(arg[1])
-            except KeyError:
-                raise KernelBuildError(f"{where}: {arg[1]!r} is neither an arena buffer nor a weight") from None
-        else:
-            continue
-        if p["pointee"] is not None and dtype != p["pointee"]:
-            raise KernelBuildError(f"{where} points to {p['pointee']}, {arg[1]!r} is {dtype}")
-
-
-def check_launches(manifest: dict, signatures: dict) -> None:
-    """Every launch record against the parsed signature of its function (count, kinds, types, pointee dtypes)."""
-    arena, weights = manifest["arena"]["buffers"], manifest["weights"]["tensors"]
-
-    def dtype_of(name):
-        return (arena.get(name) or weights[name])["dtype"]
-
-    for bk in manifest["buckets"]:
-        for op in bk["ops"]:
-            for rec in op["launch"]:
-                params = signatures.get(rec["fn"])
-                if params is None:
-                    raise KernelBuildError(f"bucket {bk['name']}: launch of {rec['fn']!r}, which no kernel defines")
-                if rec.get("library"):
-                    params = params[:-1]         # the stream, appended by the launcher
-                check_launch(rec, params, dtype_of, manifest["kv_cache"]["dtype"])

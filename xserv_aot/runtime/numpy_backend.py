@@ -47,60 +47,54 @@ class NumpyRunner:
 
     def execute(self, bucket: Bucket) -> None:
         for op in bucket.ops:
-            getattr(self, "op_" + op["op"])(op)
+            getattr(self, "op_" + op.op)(op)
 
     # each op reads arena buffers / weights and writes its output rounded to the buffer's dtype
     def _set(self, name: str, rows: int, val: np.ndarray) -> None:
         self.buf[name][:rows] = round_to(val, self.dtypes[name]).reshape(self.buf[name][:rows].shape)
 
     def op_embedding(self, op):
-        r = op["rows"]
-        self._set(op["out"], r, ops.embedding(self.buf[op["ids"]][:r], self.w[op["table"]]))
+        self._set(op.out, op.rows, ops.embedding(self.buf[op.ids][:op.rows], self.w[op.table]))
 
     def op_rmsnorm(self, op):
-        r = op["rows"]
-        self._set(op["out"], r, ops.rmsnorm(self.buf[op["inp"]][:r], self.w[op["weight"]], op["eps"]))
+        self._set(op.out, op.rows, ops.rmsnorm(self.buf[op.inp][:op.rows], self.w[op.weight], op.eps))
 
     def op_add_rmsnorm(self, op):
-        r = op["rows"]
-        res, _ = ops.add_rmsnorm(self.buf[op["residual"]][:r], self.buf[op["delta"]][:r], self.w[op["weight"]], op["eps"])
-        self._set(op["residual"], r, res)
-        self._set(op["out"], r, ops.rmsnorm(self.buf[op["residual"]][:r], self.w[op["weight"]], op["eps"]))
+        r = op.rows
+        res, _ = ops.add_rmsnorm(self.buf[op.residual][:r], self.buf[op.delta][:r], self.w[op.weight], op.eps)
+        self._set(op.residual, r, res)
+        self._set(op.out, r, ops.rmsnorm(self.buf[op.residual][:r], self.w[op.weight], op.eps))
 
     def op_linear(self, op):
-        r = op["rows"]
-        bias = self.w[op["bias"]] if op.get("bias") else None
-        self._set(op["out"], r, ops.linear(self.buf[op["inp"]][:r], self.w[op["weight"]], bias))
+        bias = self.w[op.bias] if op.bias else None
+        self._set(op.out, op.rows, ops.linear(self.buf[op.inp][:op.rows], self.w[op.weight], bias))
 
     def op_qk_norm_rope_cache(self, op):
-        r, layer = op["rows"], self.kv[op["layer"]]
-        qn = self.w[op["q_norm"]] if op.get("q_norm") else None
-        kn = self.w[op["k_norm"]] if op.get("k_norm") else None
-        q = ops.qk_norm_rope_cache(self.buf[op["qkv"]][:r], self.buf[op["positions"]][:r],
-                                   self.buf[op["slot_mapping"]][:r], qn, kn, self.w[op["cos"]], self.w[op["sin"]],
-                                   layer, op["num_heads"], op["num_kv_heads"], op["head_dim"], op["eps"])
-        written = self.buf[op["slot_mapping"]][:r]
+        r, layer = op.rows, self.kv[op.layer]
+        qn = self.w[op.q_norm] if op.q_norm else None
+        kn = self.w[op.k_norm] if op.k_norm else None
+        q = ops.qk_norm_rope_cache(self.buf[op.qkv][:r], self.buf[op.positions][:r], self.buf[op.slot_mapping][:r],
+                                   qn, kn, self.w[op.cos], self.w[op.sin], layer, op.num_heads, op.num_kv_heads,
+                                   op.head_dim, op.eps)
+        written = self.buf[op.slot_mapping][:r]
         written = written[written >= 0]
         layer[:, written] = round_to(layer[:, written], self.kv_dtype)
-        self._set(op["q_out"], r, q)
+        self._set(op.q_out, r, q)
 
     def op_attention(self, op):
-        r, s = op["rows"], op["num_seqs"]
-        out = ops.attention(self.buf[op["q"]][:r], self.kv[op["layer"]], self.buf[op["query_start_loc"]][: s + 1],
-                            self.buf[op["seq_lens"]][:s], self.buf[op["block_tables"]][:s],
-                            self.plan.build.block_size, op["scale"])
-        self._set(op["out"], r, out)
+        r, s = op.rows, op.num_seqs
+        out = ops.attention(self.buf[op.q][:r], self.kv[op.layer], self.buf[op.query_start_loc][: s + 1],
+                            self.buf[op.seq_lens][:s], self.buf[op.block_tables][:s], self.plan.build.block_size,
+                            op.scale)
+        self._set(op.out, r, out)
 
     def op_silu_mul(self, op):
-        r = op["rows"]
-        self._set(op["out"], r, ops.silu_mul(self.buf[op["inp"]][:r]))
+        self._set(op.out, op.rows, ops.silu_mul(self.buf[op.inp][:op.rows]))
 
     def op_gather_rows(self, op):
-        r = op["rows"]
-        self._set(op["out"], r, ops.gather_rows(self.buf[op["inp"]], self.buf[op["indices"]][:r]))
+        self._set(op.out, op.rows, ops.gather_rows(self.buf[op.inp], self.buf[op.indices][:op.rows]))
 
     def op_sample(self, op):
-        r, b = op["rows"], self.buf
-        self.buf[op["out"]][:r] = ops.sample(b[op["logits"]][:r], b[op["temperature"]][:r], b[op["top_k"]][:r],
-                                             b[op["top_p"]][:r], b[op["seeds"]][:r], b[op["sample_offsets"]][:r])
-
+        r, b = op.rows, self.buf
+        b[op.out][:r] = ops.sample(b[op.logits][:r], b[op.temperature][:r], b[op.top_k][:r], b[op.top_p][:r],
+                                   b[op.seeds][:r], b[op.sample_offsets][:r])

@@ -10,6 +10,7 @@ import math
 from typing import Callable
 
 from xserv_aot.dtypes import ITEMSIZE
+from xserv_aot.plan.op_records import Op
 from xserv_aot.runtime.cuda.driver import HostCall, Launch
 
 
@@ -48,15 +49,14 @@ class Buffers:
         return kind, value
 
 
-def op_launches(op: dict, buf: Buffers, funcs: Callable[[str], object], libraries: dict | None = None,
+def op_launches(op: Op, buf: Buffers, funcs: Callable[[str], object], libraries: dict | None = None,
                 pdl: bool = False) -> list:
     """Prepared launches (Launch / HostCall) for one op, in order; empty for ops fused into a neighbour.
     pdl: the plan's build.pdl (programmatic dependent launch of every kernel)."""
-    records = op.get("launch")
-    if records is None:
-        raise LaunchError(f"op {op['op']} has no CUDA launch in the plan; recompile the plan for a GPU target")
+    if op.cuda is None:
+        raise LaunchError(f"op {op.op} has no CUDA launch in the plan; recompile the plan for a GPU target")
     out = []
-    for rec in records:
+    for rec in op.cuda.launch:
         args = [buf.resolve(a) for a in rec["args"]]
         lib = rec.get("library")
         if lib:

@@ -62,7 +62,7 @@ class CudaRunner:
         smem = {}
         for bk in self.plan.buckets:
             for op in bk.ops:
-                for rec in op.get("launch") or []:
+                for rec in op.cuda.launch if op.cuda else ():
                     if not rec.get("library"):
                         smem[rec["fn"]] = max(smem.get(rec["fn"], 0), int(rec["smem"]))
         self._smem = smem

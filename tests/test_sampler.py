@@ -9,7 +9,7 @@ import pytest
 
 from xserv_aot.engine.api import SamplingParams
 from xserv_aot.engine.sampler import apply_penalties, draw, sample_token
-from xserv_aot.runtime.numpy_ops import uniform
+from xserv_aot.rng import uniform
 
 
 def ref_uniform(seed, offset):

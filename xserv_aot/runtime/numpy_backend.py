@@ -5,15 +5,16 @@ import numpy as np
 
 from xserv_aot.dtypes import decode, round_to, storage_dtype
 from xserv_aot.plan.manifest import Bucket, Plan
-from xserv_aot.plan.weights import dummy_tensors
+from xserv_aot.plan.dummy_weights import dummy_tensors
 from xserv_aot.runtime import numpy_ops as ops
 from xserv_aot.runtime.batch import BatchDescription, StepResult, stage_inputs
 
 
 def load_weights(plan: Plan) -> dict[str, np.ndarray]:
     """plan weight name -> float32 array (bf16 words widened once, at load)."""
-    if plan.weights_file is None:
-        return {name: arr for name, arr, _ in dummy_tensors(plan.model, plan.build.max_seq_len, plan.dummy_seed)}
+    if plan.weights_file is None:      # the plan's dtype, as the GPU generator writes them
+        return {name: arr if rope else round_to(arr, plan.build.dtype)
+                for name, arr, rope in dummy_tensors(plan.model, plan.build.max_seq_len, int(plan.dummy_seed or 0))}
     raw = plan.weights_bytes()
     out = {}
     for name, info in plan.weights.items():

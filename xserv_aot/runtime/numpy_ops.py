@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-_M64 = (1 << 64) - 1
+from xserv_aot.rng import uniform
 
 
 def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
@@ -96,16 +96,6 @@ def silu_mul(x: np.ndarray) -> np.ndarray:
 
 def gather_rows(x: np.ndarray, idx) -> np.ndarray:
     return x[np.asarray(idx, dtype=np.int64)]
-
-
-def uniform(seed: int, offset: int) -> float:
-    """splitmix64 of (seed, offset) -> [0, 1) with 24 bits (docs/plan-format.md); identical on every backend and in
-    the host sampler (engine/sampler.py)."""
-    z = (int(seed) + (int(offset) + 1) * 0x9E3779B97F4A7C15) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    z ^= z >> 31
-    return (z >> 40) * 2.0 ** -24
 
 
 def truncated_draw(p: np.ndarray, order: np.ndarray, top_p: float, min_p: float, seed: int, offset: int) -> int:

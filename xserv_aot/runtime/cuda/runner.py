@@ -92,18 +92,16 @@ class CudaRunner:
                 self.dev.htod_async(self.weights_ptr + off, host.ctypes.data, n)
                 self.dev.sync()
             return
+        from xserv_aot.plan.dummy_weights import tensor_params
+        from xserv_aot.plan.weights import rope_tables, weight_specs
         fill = self.func("fill_normal_bf16")
-        seed = int(self.plan.dummy_seed or 0)
-        for idx, (name, info) in enumerate(self.plan.weights.items()):
-            ptr = self.weights_ptr + info.offset
-            if name in ("rope_cos", "rope_sin"):
-                continue
+        for index, name in enumerate(weight_specs(self.plan.model)):
+            info = self.plan.weights[name]
             n = int(np.prod(info.shape))
-            mean, std = (1.0, 0.1) if len(info.shape) == 1 else (0.0, float(info.shape[1]) ** -0.5)
+            tseed, mean, std = tensor_params(int(self.plan.dummy_seed or 0), index, info.shape)
             Launch("fill_normal_bf16", fill, (min(-(-n // 256), 65536), 1, 1), (256, 1, 1), 0,
-                   [("ptr", ptr), ("u64", n), ("u64", (seed * 1000003 + idx) & (2**64 - 1)), ("f32", mean),
+                   [("ptr", self.weights_ptr + info.offset), ("u64", n), ("u64", tseed), ("f32", mean),
                     ("f32", std)])(self.dev.stream)
-        from xserv_aot.plan.weights import rope_tables
         cos, sin = rope_tables(self.plan.model, self.plan.build.max_seq_len)
         self.dev.htod(self.weights_ptr + self.plan.weights["rope_cos"].offset, cos)
         self.dev.htod(self.weights_ptr + self.plan.weights["rope_sin"].offset, sin)

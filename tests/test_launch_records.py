@@ -113,3 +113,15 @@ def test_inspect_ops_shows_arguments(plan):
     assert "kv_layer=kv[1]" in text and "num_slots=" in text
     text = describe(plan.dir, "prefill_256")
     assert "gemm_library:xserv_gemm_bf16(config=" in text and "bias=layers.0.qkv_bias" in text
+
+
+def test_pointer_arguments_resolve_names_offsets_kv_layers_and_null(plan):
+    buf = Buffers(plan, *BASES)
+    kv = plan.kv_cache
+    layer_bytes = 2 * kv["shape"][2] * kv["shape"][3] * kv["shape"][4] * kv["shape"][5] * 2    # bf16, K and V
+    assert buf.resolve(["ptr", "x", 512]) == ("ptr", BASES[1] + plan.arena["x"].offset + 512)
+    assert buf.resolve(["ptr", "final_norm"]) == ("ptr", BASES[0] + plan.weights["final_norm"].offset)
+    assert buf.resolve(["kv", 1]) == ("ptr", BASES[2] + layer_bytes)
+    assert buf.resolve(["ptr", None]) == ("ptr", 0) and buf.resolve(["f32", 0.5]) == ("f32", 0.5)
+    with pytest.raises(LaunchError, match="'nope'"):
+        buf.resolve(["ptr", "nope"])

@@ -51,3 +51,10 @@ def test_switches_must_be_booleans(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps(CONFIG))
     r = cli("compile", tmp_path / "c.json", "-o", tmp_path / "plan", *SMALL, "--build-config", tmp_path / "b.json")
     assert_one_line_error(r, "gemm_library must be true or false")
+
+
+def test_a_misspelt_build_setting_is_refused(tmp_path):
+    (tmp_path / "b.json").write_text(json.dumps({"pld": True}))
+    (tmp_path / "c.json").write_text(json.dumps(CONFIG))
+    r = cli("compile", tmp_path / "c.json", "-o", tmp_path / "plan", *SMALL, "--build-config", tmp_path / "b.json")
+    assert_one_line_error(r, "unknown build setting 'pld'")

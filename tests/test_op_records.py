@@ -64,3 +64,12 @@ def test_kernel_choice_round_trips_next_to_its_op():
     d = op.to_dict()
     assert d["cuda"] == {"kernel": "gemv_m1_bf16", "launch": [rec], "fused_silu_out": "act"}
     assert op_from_dict(d) == op
+
+
+def test_unknown_build_setting_in_a_manifest_is_refused(plan_dir, tmp_path):
+    m = json.loads((plan_dir / "manifest.json").read_text())
+    m["build"]["no_cutlass"] = True
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PlanError, match="unknown build setting 'no_cutlass'"):
+        Plan.load(tmp_path / "p", verify="none")

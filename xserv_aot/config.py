@@ -182,8 +182,13 @@ class BuildConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "BuildConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        """A build config (a --build-config file, a manifest's build section); an unknown key is an error, so a
+        misspelt setting is never silently dropped."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            raise ConfigError(f"unknown build setting {unknown[0]!r} (known: {', '.join(names)})")
+        return cls(**d)
 
     def validate(self) -> "BuildConfig":
         if self.dtype not in ("bfloat16", "float32"):

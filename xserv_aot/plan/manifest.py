@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xserv_aot.config import BuildConfig, ModelConfig
+from xserv_aot.config import BuildConfig, ConfigError, ModelConfig
 from xserv_aot.dtypes import ITEMSIZE
 from xserv_aot.plan.op_records import Op, OpRecordError, buffer_names, op_from_dict
 
@@ -122,7 +122,7 @@ class Plan:
                             f"{made_by}; this xserv-aot reads schema version {SCHEMA_VERSION}); recompile the plan")
         try:
             plan = cls(plan_dir, manifest)
-        except OpRecordError as e:
+        except (OpRecordError, ConfigError) as e:
             raise PlanError(f"{path}: {e}") from None
         except (KeyError, TypeError) as e:
             raise PlanError(f"{path}: malformed manifest ({e!r})") from None

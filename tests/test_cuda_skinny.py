@@ -32,7 +32,7 @@ def skinny_op(M, N, K, out_dtype, bn=None, gate=False):
 
 def run_linear(lib, choice, x, w, b, out_dtype):
     (spec,) = choice.launch
-    M, N = spec["args"][4][1], spec["args"][5][1]
+    M, N = spec.args[4][1], spec.args[5][1]
     out = lib.empty((M, N), out_dtype)
     lib.launch_record(spec, {"x": x, "w": w, "b": b, "out": out})
     return out.numpy()
@@ -76,7 +76,7 @@ def test_skinny_gate_silu(lib, rng, M, inter, K, bn):
     w = bf(rng.standard_normal((2 * inter, K), dtype=np.float32) * np.float32(K ** -0.5))
     _, op = skinny_op(M, 2 * inter, K, "bfloat16", bn, gate=True)
     (spec,) = op.launch
-    assert "_gate_" in spec["fn"]
+    assert "_gate_" in spec.fn
     out = lib.empty((M, inter), "bfloat16")
     lib.launch_record(spec, {"x": lib.to_device(x, "bfloat16"), "w": lib.to_device(w, "bfloat16"), "silu_out": out})
     check(out.numpy(), ref.silu_mul(bf(ref.linear(x, w))))
@@ -90,7 +90,7 @@ def test_routing_by_rows(rows, kind, want):
     assert kb.plan_linear(op, "bfloat16", None, None, kind == "decode").kernel == want
     wide = kb.plan_linear(Linear(rows=16, n=151936, k=4096, inp="x", weight="w", bias=None, out="y"), "float32", None,
                           None, True)
-    assert wide.kernel == "skinny64_m16_f32" and wide.launch[0]["grid"][0] * 64 >= 151936
+    assert wide.kernel == "skinny64_m16_f32" and wide.launch[0].grid[0] * 64 >= 151936
 
 
 def test_skinny_smem_fits_the_rings_and_the_partial_sums():

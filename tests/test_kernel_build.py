@@ -80,8 +80,8 @@ def test_build_kernels_annotates_every_op(tmp_path, monkeypatch):
         for op in bk.ops:
             assert op.cuda is not None, (bk.name, op.op)
             for spec in op.cuda.launch:
-                assert spec["fn"] in funcs, spec["fn"]
-                assert all(g >= 1 for g in spec["grid"]) and 1 <= spec["block"][0] <= 1024
+                assert spec.fn in funcs, spec.fn
+                assert all(g >= 1 for g in spec.grid) and 1 <= spec.block[0] <= 1024
         kinds = {op.op: op.cuda.kernel for op in bk.ops}
         if bk.kind == "decode":
             assert kinds["attention"].startswith("attn_decode")

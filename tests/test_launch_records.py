@@ -65,15 +65,15 @@ def test_every_record_packs_the_cubin_parameter_sizes_and_points_into_its_buffer
     for bk in plan.buckets:
         for op in bk.ops:
             for rec in op.cuda.launch:
-                if rec.get("library"):
+                if rec.library:
                     library_calls += 1
                     continue
-                packed = [buf.resolve(a) for a in rec["args"]]
-                assert [ctypes.sizeof(C_TYPES[t]) for t, _ in packed] == tables[rec["fn"]], rec["fn"]
-                for a, (_, v) in zip(rec["args"], packed):
+                packed = [buf.resolve(a) for a in rec.args]
+                assert [ctypes.sizeof(C_TYPES[t]) for t, _ in packed] == tables[rec.fn], rec.fn
+                for a, (_, v) in zip(rec.args, packed):
                     kinds.add(a[0])
                     if a[0] == "ptr" and a[1] is not None:
-                        assert v == spans[a[1]][0], (rec["fn"], a)
+                        assert v == spans[a[1]][0], (rec.fn, a)
                     if a[0] == "kv":
                         assert 0 <= v - BASES[2] < plan.kv_cache["size"]
     assert {"ptr", "kv", "i32", "f32"} <= kinds and library_calls > 0
@@ -84,14 +84,14 @@ def test_bad_records_are_refused_with_one_line():
     params = sg.kernel_signatures("elementwise.cu")["rmsnorm"]
     dtypes = {"x": "bfloat16", "w": "bfloat16", "h": "bfloat16", "logits": "float32"}.__getitem__
     good = [["ptr", "x"], ["ptr", "w"], ["ptr", "h"], ["i32", 64], ["f32", 1e-6]]
-    lr.check_launch({"fn": "rmsnorm", "args": good}, params, dtypes, "bfloat16")
+    lr.check_launch(lr.launch("rmsnorm", [1], [32], 0, good), params, dtypes, "bfloat16")
     bad = {"3 arguments for 5": good[:3], "eps is f32, the record passes i32": good[:4] + [["i32", 1]],
            "H is i32, the record passes ptr": good[:3] + [["ptr", "x"], good[4]],
            "points to bfloat16, 'logits' is float32": [["ptr", "logits"]] + good[1:],
            "'nope' is neither": [["ptr", "nope"]] + good[1:], "unknown argument kind": [["u8", 1]] + good[1:]}
     for msg, args in bad.items():
         with pytest.raises(kb.KernelBuildError, match=msg) as e:
-            lr.check_launch({"fn": "rmsnorm", "args": args}, params, dtypes, "bfloat16")
+            lr.check_launch(lr.launch("rmsnorm", [1], [32], 0, args), params, dtypes, "bfloat16")
         assert "\n" not in str(e.value)
 
 

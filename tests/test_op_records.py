@@ -10,7 +10,7 @@ import pytest
 from xserv_aot.config import BuildConfig
 from xserv_aot.plan.builder import compile_plan
 from xserv_aot.plan.manifest import Plan, PlanError
-from xserv_aot.plan.op_records import KernelChoice, Linear, op_from_dict
+from xserv_aot.plan.op_records import KernelChoice, LaunchRecord, Linear, OpRecordError, op_from_dict
 
 CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 64, "hidden_size": 32,
           "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -58,12 +58,19 @@ def test_bad_op_entries_are_refused_with_one_line(plan_dir, tmp_path, edit, need
 
 
 def test_kernel_choice_round_trips_next_to_its_op():
-    rec = {"fn": "gemv_m1_bf16", "grid": [1, 1, 1], "block": [256, 1, 1], "smem": 0, "args": [["i32", 1]]}
+    rec = LaunchRecord("gemv_m1_bf16", (("ptr", "h"), ("i32", 1)), (1, 1, 1), (256, 1, 1), 0)
     op = Linear(rows=1, inp="h", weight="w", bias=None, out="o", n=8, k=8,
                 cuda=KernelChoice("gemv_m1_bf16", (rec,), fused_silu_out="act"))
-    d = op.to_dict()
-    assert d["cuda"] == {"kernel": "gemv_m1_bf16", "launch": [rec], "fused_silu_out": "act"}
+    d = json.loads(json.dumps(op.to_dict()))
+    assert d["cuda"] == {"kernel": "gemv_m1_bf16", "fused_silu_out": "act",
+                         "launch": [{"fn": "gemv_m1_bf16", "grid": [1, 1, 1], "block": [256, 1, 1], "smem": 0,
+                                     "args": [["ptr", "h"], ["i32", 1]]}]}
     assert op_from_dict(d) == op
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        op.cuda.launch[0].smem = 1
+    d["cuda"]["launch"][0]["color"] = 1
+    with pytest.raises(OpRecordError, match="bad launch record"):
+        op_from_dict(d)
 
 
 def test_unknown_build_setting_in_a_manifest_is_refused(plan_dir, tmp_path):

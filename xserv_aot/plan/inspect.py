@@ -61,14 +61,14 @@ def describe(plan_dir: Path, ops_bucket: str | None = None) -> str:
             if op.cuda:
                 facts = {k: v for k, v in op.cuda.to_dict().items() if k not in ("kernel", "launch")}
                 lines.append(f"       kernel {op.cuda.kernel}" + (f" {json.dumps(facts)}" if facts else ""))
-                lines += [f"       -> {format_launch(rec, sigs.get(rec['fn']))}" for rec in op.cuda.launch]
+                lines += [f"       -> {format_launch(rec, sigs.get(rec.fn))}" for rec in op.cuda.launch]
     return "\n".join(lines)
 
 
-def format_launch(rec: dict, params: list[dict] | None) -> str:
+def format_launch(rec, params: list[dict] | None) -> str:
     """fn<<<grid, block, smem>>>(param=value, ...) for a kernel; lib:fn(param=value, ...) for a host-library call."""
-    names = [p["name"] for p in params or []] + [f"arg{i}" for i in range(len(params or []), len(rec["args"]))]
-    args = ", ".join(f"{n}={'kv[' + str(a[1]) + ']' if a[0] == 'kv' else a[1]}" for n, a in zip(names, rec["args"]))
-    if rec.get("library"):
-        return f"{rec['library']}:{rec['fn']}({args})"
-    return f"{rec['fn']}<<<{tuple(rec['grid'])}, {tuple(rec['block'])}, {rec['smem']}>>>({args})"
+    names = [p["name"] for p in params or []] + [f"arg{i}" for i in range(len(params or []), len(rec.args))]
+    args = ", ".join(f"{n}={'kv[' + str(a[1]) + ']' if a[0] == 'kv' else a[1]}" for n, a in zip(names, rec.args))
+    if rec.library:
+        return f"{rec.library}:{rec.fn}({args})"
+    return f"{rec.fn}<<<{rec.grid}, {rec.block}, {rec.smem}>>>({args})"

@@ -16,8 +16,8 @@ from xserv_aot.plan.launch_records import check_launches, f32, i32, kv, launch, 
 from xserv_aot.plan.manifest import place
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
-from xserv_aot.plan.op_records import (AddRmsNorm, Attention, Embedding, GatherRows, KernelChoice, Linear, Op,
-                                       QkNormRopeCache, RmsNorm, Sample, SiluMul, op_from_dict)
+from xserv_aot.plan.op_records import (AddRmsNorm, Attention, Embedding, GatherRows, KernelChoice, LaunchRecord, Linear,
+                                       Op, QkNormRopeCache, RmsNorm, Sample, SiluMul, op_from_dict)
 from xserv_aot.plan.signatures import check_sizes, cubin_param_sizes, host_signature, kernel_signatures
 
 GEMV_MAX_ROWS = 2            # above this the x re-reads make the GEMV L1/ALU-bound: tensor cores instead
@@ -47,8 +47,8 @@ def linear_args(op: Linear, fused_silu_out: str | None = None) -> list:
     return [ptr(op.inp), ptr(op.weight), ptr(op.bias), ptr(op.out), i32(op.rows), i32(op.n), i32(op.k)]
 
 
-def kernel(rec: dict, **facts) -> KernelChoice:
-    return KernelChoice(rec["fn"], (rec,), **facts)
+def kernel(rec: LaunchRecord, **facts) -> KernelChoice:
+    return KernelChoice(rec.fn, (rec,), **facts)
 
 
 def plan_skinny(op: Linear, suffix: str, fuse_into: str | None, bn: int | None = None) -> KernelChoice:
@@ -241,7 +241,7 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
         add_arena_buffer(manifest, "gemm_splitk_ws", [ws], "float32")
     launches = [(name, rec) for name, cs in choices.items() for c in cs for rec in c.launch]
     check_launches(manifest, launches, signatures)
-    used = sorted({rec["fn"] for _, rec in launches})
+    used = sorted({rec.fn for _, rec in launches})
     for bk in manifest["buckets"]:
         bk["ops"] = [replace(op, cuda=c).to_dict() for op, c in zip(records[bk["name"]], choices[bk["name"]])]
     section = {"target": target, "nvrtc": nvrtc_version(), "cubins": cubins,

@@ -3,44 +3,44 @@ against the parsed kernel signatures (plan.signatures) at compile time."""
 from __future__ import annotations
 
 from xserv_aot.plan.nvrtc_build import KernelBuildError
+from xserv_aot.plan.op_records import LaunchRecord
 from xserv_aot.plan.signatures import SCALAR_TYPES
 
 ARG_KINDS = ("ptr", "kv", *sorted(set(SCALAR_TYPES.values())))
 
 
-def launch(fn: str, grid, block, smem: int = 0, args: list | None = None) -> dict:
-    """A kernel launch record; args: [kind, value] pairs."""
-    g = list(grid) + [1] * (3 - len(grid))
-    b = list(block) + [1] * (3 - len(block))
-    return {"fn": fn, "grid": [int(x) for x in g], "block": [int(x) for x in b], "smem": int(smem),
-            "args": list(args or [])}
+def launch(fn: str, grid, block, smem: int = 0, args: list | None = None) -> LaunchRecord:
+    """A kernel launch: grid and block padded to three dimensions."""
+    g = tuple(int(x) for x in grid) + (1,) * (3 - len(grid))
+    b = tuple(int(x) for x in block) + (1,) * (3 - len(block))
+    return LaunchRecord(fn, tuple(args or ()), g, b, int(smem))
 
 
-def library_call(library: str, fn: str, args: list) -> dict:
+def library_call(library: str, fn: str, args: list) -> LaunchRecord:
     """A call of a host library's entry point (the launcher appends the stream)."""
-    return {"fn": fn, "library": library, "args": list(args)}
+    return LaunchRecord(fn, tuple(args), library=library)
 
 
-def ptr(name: str | None) -> list:
-    return ["ptr", name]
+def ptr(name: str | None) -> tuple:
+    return ("ptr", name)
 
 
-def kv(layer: int) -> list:
-    return ["kv", int(layer)]
+def kv(layer: int) -> tuple:
+    return ("kv", int(layer))
 
 
-def i32(v) -> list:
-    return ["i32", int(v)]
+def i32(v) -> tuple:
+    return ("i32", int(v))
 
 
-def f32(v) -> list:
-    return ["f32", float(v)]
+def f32(v) -> tuple:
+    return ("f32", float(v))
 
 
-def check_launch(rec: dict, params: list[dict], buffer_dtype, kv_dtype: str) -> None:
+def check_launch(rec: LaunchRecord, params: list[dict], buffer_dtype, kv_dtype: str) -> None:
     """Arguments of one launch record against the function's parameters: count, kind, scalar type, pointee dtype.
     buffer_dtype(name) -> dtype of an arena buffer or weight (KeyError if neither)."""
-    fn, args = rec["fn"], rec["args"]
+    fn, args = rec.fn, rec.args
     if len(args) != len(params):
         raise KernelBuildError(f"launch {fn}: {len(args)} arguments for {len(params)} parameters")
     for arg, p in zip(args, params):
@@ -71,9 +71,9 @@ def check_launches(manifest: dict, records, signatures: dict) -> None:
         return (arena.get(name) or weights[name])["dtype"]
 
     for bucket, rec in records:
-        params = signatures.get(rec["fn"])
+        params = signatures.get(rec.fn)
         if params is None:
-            raise KernelBuildError(f"bucket {bucket}: launch of {rec['fn']!r}, which no kernel defines")
-        if rec.get("library"):
+            raise KernelBuildError(f"bucket {bucket}: launch of {rec.fn!r}, which no kernel defines")
+        if rec.library:
             params = params[:-1]         # the stream, appended by the launcher
         check_launch(rec, params, dtype_of, manifest["kv_cache"]["dtype"])

@@ -13,10 +13,37 @@ class OpRecordError(ValueError):
 
 
 @dataclass(frozen=True)
+class LaunchRecord:
+    """One launch (docs/plan-format.md "Launch records"): a kernel with its geometry, or a host-library entry point
+    (library set, no geometry; the launcher appends the stream). args: one tuple per C parameter."""
+    fn: str
+    args: tuple[tuple, ...]
+    grid: tuple[int, int, int] | None = None
+    block: tuple[int, int, int] | None = None
+    smem: int = 0
+    library: str | None = None
+
+    def to_dict(self) -> dict:
+        args = [list(a) for a in self.args]
+        if self.library:
+            return {"fn": self.fn, "library": self.library, "args": args}
+        return {"fn": self.fn, "grid": list(self.grid), "block": list(self.block), "smem": self.smem, "args": args}
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str) -> "LaunchRecord":
+        keys = {"fn", "library", "args"} if d.get("library") else {"fn", "grid", "block", "smem", "args"}
+        if not isinstance(d, dict) or set(d) != keys:
+            raise OpRecordError(f"{where}: bad launch record (fields {sorted(d) if isinstance(d, dict) else d})")
+        geometry = {} if d.get("library") else {"grid": tuple(d["grid"]), "block": tuple(d["block"]),
+                                                "smem": int(d["smem"])}
+        return cls(d["fn"], tuple(tuple(a) for a in d["args"]), library=d.get("library"), **geometry)
+
+
+@dataclass(frozen=True)
 class KernelChoice:
-    """What plan.kernel_build chose for one op; launch holds the launch records runtime/cuda/launch.py replays."""
+    """What plan.kernel_build chose for one op; launch holds the records runtime/cuda/launch.py replays."""
     kernel: str                          # "fused_into_previous": the previous op computes this one
-    launch: tuple[dict, ...] = ()
+    launch: tuple[LaunchRecord, ...] = ()
     fused_silu_out: str | None = None    # linear: writes silu(gate) * up here (the next silu_mul is fused)
     splits: int | None = None            # split-K partitions (linear), split-KV partitions (decode attention)
     split: int | None = None             # decode attention: keys per split
@@ -24,7 +51,7 @@ class KernelChoice:
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
-        d["launch"] = list(self.launch)
+        d["launch"] = [rec.to_dict() for rec in self.launch]
         return d
 
     @classmethod
@@ -32,7 +59,8 @@ class KernelChoice:
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown or "kernel" not in d:
             raise OpRecordError(f"{where}: bad cuda entry (unknown {sorted(unknown)} / missing kernel)")
-        return cls(**{**d, "launch": tuple(d.get("launch") or ())})
+        launch = tuple(LaunchRecord.from_dict(r, f"{where} launch {i}") for i, r in enumerate(d.get("launch") or ()))
+        return cls(**{**d, "launch": launch})
 
 
 @dataclass(frozen=True)

@@ -69,8 +69,8 @@ class KernelLib:
         if sync:
             self.dev.sync()
 
-    def launch_record(self, rec: dict, buffers: dict[str, DeviceArray | None], sync: bool = True):
-        """Run a plan launch record (plan.kernel_build) with its ["ptr", name] arguments bound to buffers."""
+    def launch_record(self, rec, buffers: dict[str, DeviceArray | None], sync: bool = True):
+        """Run a plan LaunchRecord (plan.kernel_build) with its ("ptr", name) arguments bound to buffers."""
         args = [("ptr", buffers[a[1]].ptr if buffers.get(a[1]) is not None else 0) if a[0] == "ptr" else (a[0], a[1])
-                for a in rec["args"]]
-        self.launch(rec["fn"], rec["grid"], rec["block"], args, smem=rec["smem"], sync=sync)
+                for a in rec.args]
+        self.launch(rec.fn, rec.grid, rec.block, args, smem=rec.smem, sync=sync)

@@ -1,8 +1,8 @@
 """The one generic launcher: replay a bucket's launch records (plan.kernel_build) as prepared launches.
 
-A record is {fn, grid, block, smem, args} for a kernel or {fn, library, args} for a host-library entry point
-(the stream is appended); each argument is [kind, value]: ["ptr", buffer name | null], ["kv", layer] or a scalar
-[i32|u32|u64|i64|f32, value] (docs/plan-format.md, "Launch records").
+A record (plan.op_records.LaunchRecord) is a kernel with its grid, block and smem, or a host-library entry point
+(the stream is appended); each argument is (kind, value): ("ptr", buffer name | None[, byte offset]),
+("kv", layer) or a scalar (i32|u32|u64|i64|f32, value) (docs/plan-format.md, "Launch records").
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class Buffers:
     def kv_layer(self, layer: int) -> int:
         return self.kv + int(layer) * self.layer_bytes
 
-    def resolve(self, arg: list) -> tuple[str, object]:
+    def resolve(self, arg) -> tuple[str, object]:
         """One record argument -> (C type, value) with device pointers filled in."""
         kind, value = arg[0], arg[1]
         if kind == "ptr":
@@ -57,13 +57,11 @@ def op_launches(op: Op, buf: Buffers, funcs: Callable[[str], object], libraries:
         raise LaunchError(f"op {op.op} has no CUDA launch in the plan; recompile the plan for a GPU target")
     out = []
     for rec in op.cuda.launch:
-        args = [buf.resolve(a) for a in rec["args"]]
-        lib = rec.get("library")
-        if lib:
-            if not libraries or lib not in libraries:
-                raise LaunchError(f"launch {rec['fn']} needs the plan's {lib}, which was not loaded")
-            out.append(HostCall(rec["fn"], libraries[lib].entry(rec["fn"], args)))
+        args = [buf.resolve(a) for a in rec.args]
+        if rec.library:
+            if not libraries or rec.library not in libraries:
+                raise LaunchError(f"launch {rec.fn} needs the plan's {rec.library}, which was not loaded")
+            out.append(HostCall(rec.fn, libraries[rec.library].entry(rec.fn, args)))
         else:
-            out.append(Launch(rec["fn"], funcs(rec["fn"]), tuple(rec["grid"]), tuple(rec["block"]), int(rec["smem"]),
-                              args, pdl))
+            out.append(Launch(rec.fn, funcs(rec.fn), rec.grid, rec.block, rec.smem, args, pdl))
     return out

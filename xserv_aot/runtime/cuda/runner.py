@@ -63,8 +63,8 @@ class CudaRunner:
         for bk in self.plan.buckets:
             for op in bk.ops:
                 for rec in op.cuda.launch if op.cuda else ():
-                    if not rec.get("library"):
-                        smem[rec["fn"]] = max(smem.get(rec["fn"], 0), int(rec["smem"]))
+                    if not rec.library:
+                        smem[rec.fn] = max(smem.get(rec.fn, 0), rec.smem)
         self._smem = smem
         self._funcs: dict[str, object] = {}
         self.libraries = {}

@@ -204,9 +204,12 @@ __device__ __forceinline__ void attn_decode_batched_impl(
         attn_decode_batched_impl<HD, GM, TILE, STAGES>(q, kv_layer, qsl, seq_lens, block_tables, part_o,     \
                                                        part_ml, counters, out, T, nh, nkv, block_size,       \
                                                        max_blocks, num_slots, scale); }
-#define DECODE_BATCHED_VARIANTS(TILE, STAGES)                                                                \
-    DECODE_BATCHED_KERNEL(64, 4, TILE, STAGES) DECODE_BATCHED_KERNEL(64, 8, TILE, STAGES)                    \
-    DECODE_BATCHED_KERNEL(128, 4, TILE, STAGES) DECODE_BATCHED_KERNEL(128, 8, TILE, STAGES)
-
-DECODE_BATCHED_VARIANTS(64, 2)      // 64 KB of K/V tiles a block at hd 128: 3 blocks an SM
-DECODE_BATCHED_VARIANTS(32, 2)      // 32 KB: up to 5 blocks an SM (registers)
+// 64 x 2: 64 KB of K/V tiles a block at hd 128 (3 blocks an SM); 32 x 2: 32 KB (up to 5 by registers)
+DECODE_BATCHED_KERNEL(64, 4, 64, 2)
+DECODE_BATCHED_KERNEL(64, 8, 64, 2)
+DECODE_BATCHED_KERNEL(128, 4, 64, 2)
+DECODE_BATCHED_KERNEL(128, 8, 64, 2)
+DECODE_BATCHED_KERNEL(64, 4, 32, 2)
+DECODE_BATCHED_KERNEL(64, 8, 32, 2)
+DECODE_BATCHED_KERNEL(128, 4, 32, 2)
+DECODE_BATCHED_KERNEL(128, 8, 32, 2)

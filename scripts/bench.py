@@ -186,20 +186,22 @@ def bench_throughput(plan, res: dict, steps: int) -> None:
 
 
 def bench_pdl(plan, res: dict, steps: int) -> None:
-    """Batch-1 and batch-8 decode again with programmatic dependent launch on (XSERV_PDL=1): what PDL buys."""
+    """Batch-1 and batch-8 decode again with programmatic dependent launch on (build.pdl): what PDL buys. The
+    plan is reused with pdl switched on in memory (a plan compiled with --pdl launches the same way)."""
+    import copy
+    import dataclasses
+
     from xserv_aot.runtime.cuda.runner import CudaRunner
-    os.environ["XSERV_PDL"] = "1"
+    pdl_plan = copy.copy(plan)
+    pdl_plan.build = dataclasses.replace(plan.build, pdl=True)
+    runner = CudaRunner(pdl_plan)
     try:
-        runner = CudaRunner(plan)
-        try:
-            for b, ctx in ((1, 128), (1, 4096), (8, 256)):
-                t = step_times(runner, decode_batch(plan, b, ctx), steps)
-                res[f"decode_b{b}_ctx{ctx}_pdl"] = {"ms_per_step": float(np.median(t)), "tok_per_s": b * 1e3 / float(np.median(t))}
-                log(f"decode b{b} ctx {ctx} with PDL: {np.median(t):.3f} ms/step = {b * 1e3 / np.median(t):.1f} tok/s")
-        finally:
-            runner.close()
+        for b, ctx in ((1, 128), (1, 4096), (8, 256)):
+            t = step_times(runner, decode_batch(plan, b, ctx), steps)
+            res[f"decode_b{b}_ctx{ctx}_pdl"] = {"ms_per_step": float(np.median(t)), "tok_per_s": b * 1e3 / float(np.median(t))}
+            log(f"decode b{b} ctx {ctx} with PDL: {np.median(t):.3f} ms/step = {b * 1e3 / np.median(t):.1f} tok/s")
     finally:
-        os.environ.pop("XSERV_PDL")
+        runner.close()
 
 
 def gemv_sweep(res: dict, copies: int = 8, reps: int = 5) -> None:
@@ -307,7 +309,7 @@ def report(res: dict, args, plan) -> str:
     for b, ctx in ((1, 128), (1, 4096), (8, 256)):
         r = d.get(f"decode_b{b}_ctx{ctx}_pdl")
         if r:
-            lines.append(f"| decode batch {b}, context {ctx}, PDL on (XSERV_PDL=1) | {r['ms_per_step']:.3f} | "
+            lines.append(f"| decode batch {b}, context {ctx}, PDL on (build.pdl) | {r['ms_per_step']:.3f} | "
                          f"{r['tok_per_s']:.1f} | |")
     for b in (8, 32, 64):
         r = d.get(f"decode_b{b}_ctx256")
@@ -344,7 +346,7 @@ def main():
     ap.add_argument("--out", help="markdown report path")
     ap.add_argument("--json")
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--pdl", action="store_true", help="also time decode with XSERV_PDL=1")
+    ap.add_argument("--pdl", action="store_true", help="also time decode with PDL on (build.pdl)")
     ap.add_argument("--throughput", action="store_true",
                     help="only the batched decode / mixed-step table with floors and large-bucket profiles")
     ap.add_argument("--gemv-sweep", action="store_true", help="also time batch-1 GEMV variants on the 8B shapes")

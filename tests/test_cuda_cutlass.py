@@ -1,8 +1,8 @@
 """libxserv_gemm.so on the GPU: bf16 TN GEMMs vs a float64 reference, CUDA-graph replay, timings vs cuBLAS.
 
-The library comes from $XSERV_GEMM_LIB, else build/cutlass/kernels/libxserv_gemm.so (written by
+The library comes from --gemm-lib, else build/cutlass/kernels/libxserv_gemm.so (written by
 cutlass_build.build_gemm_library(Path("build/cutlass"))), else it is built here.
-Timings: $XSERV_GEMM_BENCH_OUT=file.json writes the table; $XSERV_GEMM_SWEEP=1 adds an M sweep per config.
+Timings: --gemm-bench-out file.json writes the table; --gemm-sweep adds an M sweep per config.
 """
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ PAD_ROWS = 5
 
 
 @pytest.fixture(scope="module")
-def gemm(tmp_path_factory) -> CutlassGemm:
-    env = os.environ.get("XSERV_GEMM_LIB")
-    path = Path(env) if env else ROOT / "build" / "cutlass" / "kernels" / cb.LIBRARY_NAME
+def gemm(tmp_path_factory, pytestconfig) -> CutlassGemm:
+    given = pytestconfig.getoption("--gemm-lib")
+    path = Path(given) if given else ROOT / "build" / "cutlass" / "kernels" / cb.LIBRARY_NAME
     if not path.is_file():
         try:
             out = tmp_path_factory.mktemp("gemm")
@@ -152,10 +152,10 @@ def _bench(gemm, n: int, k: int, m: int, configs) -> dict:
     return row
 
 
-def test_timing_table(gemm):
+def test_timing_table(gemm, pytestconfig):
     bf16_cfgs = [i for i in range(len(gemm.configs)) if gemm.out_bytes(i) == 2]
     ms = [2048]
-    if os.environ.get("XSERV_GEMM_SWEEP"):
+    if pytestconfig.getoption("--gemm-sweep"):
         ms = [16, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
     table = {f"{name} N={n} K={k} M={m}": _bench(gemm, n, k, m, bf16_cfgs) for name, n, k in SHAPES for m in ms}
     table["logits N=151936 K=4096 M=2048 f32out"] = _bench_f32(gemm, 151936, 4096, 2048)
@@ -163,8 +163,8 @@ def test_timing_table(gemm):
     print()
     for key, row in table.items():
         print(f"{key:36s} " + "  ".join(f"{n}={v:.0f}" if isinstance(v, float) else f"{n}={v}" for n, v in row.items()))
-    if os.environ.get("XSERV_GEMM_BENCH_OUT"):
-        Path(os.environ["XSERV_GEMM_BENCH_OUT"]).write_text(json.dumps(table, indent=1))
+    if pytestconfig.getoption("--gemm-bench-out"):
+        Path(pytestconfig.getoption("--gemm-bench-out")).write_text(json.dumps(table, indent=1))
     at_2048 = [row[row["chosen"]] for key, row in table.items() if key.endswith("M=2048")]
     assert min(at_2048) > 300, at_2048  # TFLOP/s: far below this means the wgmma path is not in use
 

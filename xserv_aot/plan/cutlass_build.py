@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from xserv_aot.config import cache_root
+
 LIBRARY_NAME = "libxserv_gemm.so"
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cutlass"
 # Index = the library's config argument; must match kernels/cutlass/gemm_sm90_configs.h (checked by the tests).
@@ -100,7 +102,7 @@ def build_key(sources: list[Path], nvcc_ver: str, includes: list[Path]) -> str:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("XSERV_AOT_CACHE", "~/.cache/xserv-aot")).expanduser() / "cutlass"
+    return cache_root() / "cutlass"
 
 
 def _run(cmd: list[str]) -> None:

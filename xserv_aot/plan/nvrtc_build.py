@@ -1,5 +1,5 @@
 """NVRTC build of kernels/*.cu into cubins, cached by a hash of the (header-inlined) source, options and NVRTC
-version under $XSERV_AOT_CACHE (default ~/.cache/xserv-aot)."""
+version under config.cache_root()."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -7,6 +7,9 @@ import hashlib
 import os
 import re
 from pathlib import Path
+
+from xserv_aot.config import cache_root
+from xserv_aot.plan.kernel_constants import nvrtc_defines
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 KERNEL_SOURCES = ("elementwise.cu", "gemv.cu", "gemm_mma.cu", "gemm_skinny.cu", "rope_cache.cu", "attention_decode.cu",
@@ -25,7 +28,7 @@ def nvrtc_version() -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XSERV_AOT_CACHE", "~/.cache/xserv-aot")).expanduser() / "nvrtc"
+    return cache_root() / "nvrtc"
 
 
 def expand_source(path: Path) -> str:
@@ -45,7 +48,7 @@ def expand_source(path: Path) -> str:
 
 def compile_options(target: str) -> dict:
     return {"arch": "sm_90a" if target in ("sm_90a", "sm_90") else target, "std": "c++17",
-            "ptxas_options": ["-v"]}
+            "ptxas_options": ["-v"], "define_macro": nvrtc_defines()}
 
 
 def compile_source(name: str, target: str) -> tuple[bytes, str, str]:

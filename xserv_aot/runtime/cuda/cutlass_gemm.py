@@ -89,6 +89,19 @@ class CutlassGemm:
             raise CutlassGemmError(f"xserv_gemm_bf16_ex(config={self.configs[config]}, M={M}, N={N}, K={K}, "
                                    f"splits={splits}): status {status}: {msg}")
 
+    def entry(self, fn: str, args: list[tuple[str, object]]):
+        """A launch record's call of entry point fn: args packed once; returns call(stream_handle)."""
+        from xserv_aot.runtime.cuda.driver import C_TYPES
+        cfn = getattr(self._lib, fn)
+        vals = [C_TYPES[t](v if t != "ptr" else (v or None)) for t, v in args]
+
+        def call(stream_handle: int) -> None:
+            status = cfn(*vals, _c_ptr(stream_handle or None))
+            if status != 0:
+                msg = self._lib.xserv_gemm_status_string(status).decode()
+                raise CutlassGemmError(f"{fn}({', '.join(str(v.value) for v in vals)}): status {status}: {msg}")
+        return call
+
     def _check_config(self, config: int) -> None:
         if not 0 <= config < len(self.configs):
             raise CutlassGemmError(f"GEMM config {config} out of range 0..{len(self.configs) - 1}")

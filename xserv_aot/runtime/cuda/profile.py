@@ -40,12 +40,12 @@ def prefill_batch(plan, num_tokens: int, context: int) -> BatchDescription:
 def op_bytes(op: dict, plan, context: int, num_seqs: int) -> int:
     """Fewest bytes the op must move through device memory (inputs once, outputs once)."""
     m = plan.model
-    rows, H, dt = int(op.get("rows", 0)), m.hidden_size, 2
-    kind = op["op"]
+    rows, H, dt = op.rows, m.hidden_size, 2
+    kind = op.op
     if kind == "linear":
-        out_b = 4 if plan.arena[op["out"]].dtype == "float32" else 2
-        n, k = int(op["n"]), int(op["k"])
-        out_n = n // 2 if op.get("fused_silu_out") else n
+        out_b = 4 if plan.arena[op.out].dtype == "float32" else 2
+        n, k = op.n, op.k
+        out_n = n // 2 if op.cuda and op.cuda.fused_silu_out else n
         return n * k * dt + rows * k * dt + rows * out_n * out_b
     if kind == "attention":
         kv = num_seqs * context * m.num_kv_heads * m.head_dim * dt * 2
@@ -57,7 +57,7 @@ def op_bytes(op: dict, plan, context: int, num_seqs: int) -> int:
     if kind == "add_rmsnorm":
         return 4 * rows * H * dt
     if kind == "silu_mul":
-        return 3 * rows * int(op["inter"]) * dt
+        return 3 * rows * op.inter * dt
     if kind == "sample":
         return rows * m.vocab_size * 4
     return 0
@@ -95,7 +95,7 @@ def profile_runner(runner, bucket: str = "decode_1", context: int = 128, reps: i
         times.append(dev.elapsed_ms(g0, g1))
     med = np.median(per_op, axis=0)
     ctx = context if bk.kind == "decode" else max(context, bk.num_tokens)
-    ops = [(i, op["op"], op.get("kernel", "?"), float(med[i]), op_bytes(op, plan, ctx, batch.num_seqs))
+    ops = [(i, op.op, op.cuda.kernel if op.cuda else "?", float(med[i]), op_bytes(op, plan, ctx, batch.num_seqs))
            for i, op in enumerate(bk.ops)]
     return {"bucket": bucket, "context": context, "ops": ops, "graph_ms": float(np.median(times)),
             "eager_ms": float(med.sum())}

@@ -78,8 +78,46 @@ def test_parse_ncu_csv_sample():
 def test_kernels_match_plan_ops_in_order(gpu_plan):  # noqa: F811
     bk = gpu_plan.buckets[0]
     matched = nsight.match_kernels(nsight.parse_ncu_csv(SAMPLE.read_text()), bk, "gemv")
-    gemv_ops = [i for i, op in enumerate(bk.ops) if op.get("launch") and op["kernel"].startswith("gemv")]
+    gemv_ops = [i for i, op in enumerate(bk.ops) if op.cuda.launch and op.cuda.kernel.startswith("gemv")]
     assert [m[1] for m in matched] == gemv_ops[:4] and all(m[3] for m in matched)
+
+
+CUTLASS_KERNEL = ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cute::tuple<int, int, int, int>, "
+                  "cutlass::gemm::collective::CollectiveMma<...>>>(T1::Params)")
+
+
+def hand_bucket():
+    """Ops laid out as a Qwen3 decode/mixed bucket of the lent H200 plan: CUTLASS library calls, an attention op
+    with two launches (prefill + batched decode), a fused silu_mul that launches nothing."""
+    from types import SimpleNamespace
+
+    from xserv_aot.plan.op_records import KernelChoice, LaunchRecord
+
+    def k(*fns):
+        return KernelChoice(fns[0], tuple(LaunchRecord(f, (), (1, 1, 1), (32, 1, 1)) for f in fns))
+
+    lib = KernelChoice("cutlass", (LaunchRecord("xserv_gemm_bf16_ex", (), library="gemm_library"),))
+    cuda = [k("rmsnorm"), lib, k("qk_norm_rope_cache_hd128"), k("attn_prefill_hd128", "attn_decode_tc_s2_hd128"),
+            lib, k("add_rmsnorm"), lib, KernelChoice("fused_into_previous"), lib, k("sample_rows")]
+    return SimpleNamespace(name="prefill_64", ops=[SimpleNamespace(op=f"op{i}", cuda=c) for i, c in enumerate(cuda)])
+
+
+def test_kernels_match_ops_with_several_launches_and_library_calls():
+    names = ["rmsnorm", CUTLASS_KERNEL, CUTLASS_KERNEL, "qk_norm_rope_cache_hd128", "attn_prefill_hd128",
+             "attn_decode_tc_s2_hd128", "memset_like_helper", CUTLASS_KERNEL, "add_rmsnorm", CUTLASS_KERNEL,
+             CUTLASS_KERNEL, "sample_rows"]
+    kernels = [nsight.KernelMetrics(i, n) for i, n in enumerate(names)]
+    got = [(m[1], m[3]) for m in nsight.match_kernels(kernels, hand_bucket())]
+    assert got == [(0, True), (1, True), (1, False), (2, True), (3, True), (3, False), (None, False), (4, True),
+                   (5, True), (6, True), (8, True), (9, True)]
+    filtered = nsight.match_kernels(kernels[4:6], hand_bucket(), "attn_decode")     # --kernel attn_decode
+    assert [(m[1], m[3]) for m in filtered] == [(None, False), (3, True)]
+
+
+def test_kernel_base_name():
+    assert nsight.kernel_base_name("rmsnorm") == "rmsnorm"
+    assert nsight.kernel_base_name("void f<int>(T1::Params)") == "f<int>"
+    assert not nsight.launch_matches(hand_bucket().ops[0].cuda.launch[0], "add_rmsnorm")
 
 
 def test_profile_nsys_with_a_fake_nsys(gpu_plan, tmp_path):  # noqa: F811
@@ -106,7 +144,7 @@ def test_profile_ncu_with_a_fake_ncu(gpu_plan, tmp_path):  # noqa: F811
     assert r.returncode == 0, r.stderr
     rows = [ln.split() for ln in r.stdout.splitlines()[2:]]
     assert [int(x[0]) for x in rows] == [i for i, op in enumerate(gpu_plan.buckets[0].ops)
-                                         if op.get("launch") and op["kernel"].startswith("gemv")][:4]
+                                         if op.cuda.launch and op.cuda.kernel.startswith("gemv")][:4]
     from xserv_aot.plan.roofline import op_bytes
     op = gpu_plan.buckets[0].ops[int(rows[2][0])]
     assert float(rows[2][7]) == pytest.approx(op_bytes(op, gpu_plan, 128, 1) / 1e6, abs=0.01)

@@ -178,3 +178,33 @@ def test_random_load_respects_limits_and_frees_everything():
                 s.finish(q, "length")
                 done += 1
     assert done == 30 and s.block_manager.num_used_blocks == 0
+
+
+def test_mixed_step_caps_prompt_tokens_while_decodes_run():
+    """With decodes running, a long prompt gets at most mixed_prefill_tokens a step (exact rows and blocks);
+    alone, it takes the whole prefill chunk."""
+    random.seed(11)
+    s = Scheduler(mkbuild(prefill_buckets=[4, 8], mixed_prefill_tokens=3, num_blocks=32))
+    a = mkseq(2, "a")
+    s.add(a)
+    o = step(s)
+    assert o.seqs == [a] and o.num_new_tokens == [2] and o.batch.block_tables == [[0]]
+    long = mkseq(12, "long")
+    s.add(long)
+    o = step(s)                                   # a decodes, long takes 3 prompt tokens (not 7)
+    assert o.seqs == [a, long] and o.num_new_tokens == [1, 3] and o.samples == [True, False]
+    assert o.batch.query_start_loc == [0, 1, 4] and o.batch.positions == [2, 0, 1, 2]
+    assert o.batch.block_tables == [[0], [1, 2, 3]] and o.batch.slot_mapping == [2, 4, 5, 6]
+    o = step(s)
+    assert o.num_new_tokens == [1, 3] and o.batch.positions == [3, 3, 4, 5] and o.batch.slot_mapping == [3, 7, 8, 9]
+    s.finish(a, "stop")
+    o = step(s)                                   # no decodes left: the chunk budget is the largest bucket
+    assert o.seqs == [long] and o.num_new_tokens == [6] and o.batch.positions == list(range(6, 12))
+
+
+def test_mixed_prefill_tokens_bounds():
+    import pytest
+    from xserv_aot.config import ConfigError
+    with pytest.raises(ConfigError, match="mixed_prefill_tokens"):
+        mkbuild(mixed_prefill_tokens=9)
+    assert mkbuild().mixed_prefill_budget == 8 and mkbuild(mixed_prefill_tokens=5).mixed_prefill_budget == 5

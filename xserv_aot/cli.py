@@ -56,6 +56,8 @@ def compile(
     kv_memory_gib: Optional[float] = typer.Option(None, "--kv-memory", help="size the KV pool in GiB instead of --num-blocks"),
     dtype: Optional[str] = typer.Option(None, help="bfloat16 | float32"),
     target: Optional[str] = typer.Option(None, help="GPU arch for kernels (sm_90a) or cpu"),
+    gemm_library: Optional[bool] = typer.Option(None, help="CUTLASS GEMMs for linears of >= 128 rows (default on)"),
+    pdl: Optional[bool] = typer.Option(None, help="programmatic dependent launch of every kernel (default off)"),
     dummy_weights: bool = typer.Option(False, help="random weights from the config alone (benchmarks)"),
     seed: int = typer.Option(0, help="seed for --dummy-weights"),
     force: bool = typer.Option(False, help="replace an existing plan"),
@@ -68,7 +70,8 @@ def compile(
 
     base = json.loads(build_config.read_text()) if build_config else {}
     given = dict(max_num_seqs=max_num_seqs, decode_buckets=_ints(decode_buckets), prefill_buckets=_ints(prefill_buckets),
-                 max_seq_len=max_seq_len, block_size=block_size, num_blocks=num_blocks, dtype=dtype, target=target)
+                 max_seq_len=max_seq_len, block_size=block_size, num_blocks=num_blocks, dtype=dtype, target=target,
+                 gemm_library=gemm_library, pdl=pdl)
     base.update({k: v for k, v in given.items() if v is not None})
     if max_num_seqs and not decode_buckets and "decode_buckets" not in base:
         base["decode_buckets"] = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_num_seqs] + [max_num_seqs]

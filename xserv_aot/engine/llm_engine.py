@@ -20,15 +20,15 @@ from typing import Callable
 import numpy as np
 
 from xserv_aot.config import BuildConfig
-from xserv_aot.engine.api import (EngineFailedError, EngineStats, InvalidRequestError, RequestOutput,
-                                  RequestTooLongError, SamplingParams, TokenLogprob)
-from xserv_aot.engine.sampler import MAX_LOGPROBS, sample_token
+from xserv_aot.engine.api import (MAX_LOGPROBS, MAX_STOP, PENALTY_RANGE, REPETITION_PENALTY_RANGE,
+                                  TEMPERATURE_RANGE, EngineFailedError, EngineStats, InvalidRequestError,
+                                  RequestOutput, RequestTooLongError, SamplingParams, TokenLogprob)
+from xserv_aot.engine.sampler import sample_token
 from xserv_aot.engine.scheduler import Scheduler, SchedulerOutput
 from xserv_aot.engine.sequence import Sequence
 from xserv_aot.runtime.batch import StepResult
 from xserv_aot.runtime.nvtx import ranges as nvtx_ranges
 
-MAX_STOP_STRINGS = 4
 
 
 def _default_detokenizer(tokenizer):
@@ -48,25 +48,28 @@ def check_request(prompt_ids: list[int], params: SamplingParams, build: BuildCon
     p = params
     if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
         bad(f"max_tokens must be an integer >= 1, got {p.max_tokens!r}")
-    if not 0 <= p.temperature <= 100:
-        bad(f"temperature must be in [0, 100], got {p.temperature}")
+    lo, hi = TEMPERATURE_RANGE
+    if not lo <= p.temperature <= hi:
+        bad(f"temperature must be in [{lo:g}, {hi:g}], got {p.temperature}")
     if not 0 < p.top_p <= 1:
         bad(f"top_p must be in (0, 1], got {p.top_p}")
     if not isinstance(p.top_k, int) or not 0 <= p.top_k < 2**31:
         bad(f"top_k must be an integer in [0, 2**31) (0 = off), got {p.top_k!r}")
     if not 0 <= p.min_p <= 1:
         bad(f"min_p must be in [0, 1], got {p.min_p}")
-    if not 0.01 <= p.repetition_penalty <= 100:
-        bad(f"repetition_penalty must be in [0.01, 100], got {p.repetition_penalty}")
+    lo, hi = REPETITION_PENALTY_RANGE
+    if not lo <= p.repetition_penalty <= hi:
+        bad(f"repetition_penalty must be in [{lo:g}, {hi:g}], got {p.repetition_penalty}")
+    lo, hi = PENALTY_RANGE
     for name in ("presence_penalty", "frequency_penalty"):
-        if not -2 <= getattr(p, name) <= 2:
-            bad(f"{name} must be in [-2, 2], got {getattr(p, name)}")
+        if not lo <= getattr(p, name) <= hi:
+            bad(f"{name} must be in [{lo:g}, {hi:g}], got {getattr(p, name)}")
     if p.logprobs is not None and not (isinstance(p.logprobs, int) and 0 <= p.logprobs <= MAX_LOGPROBS):
         bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {p.logprobs!r}")
     if p.seed is not None and not isinstance(p.seed, (int, np.integer)):
         bad(f"seed must be an integer, got {p.seed!r}")
-    if len(p.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in p.stop):
-        bad(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
+    if len(p.stop) > MAX_STOP or any(not isinstance(s, str) or not s for s in p.stop):
+        bad(f"stop must be at most {MAX_STOP} non-empty strings")
     if p.stop and not can_detokenize:
         bad("stop strings need a tokenizer, and this engine has none")
     n = len(prompt_ids)

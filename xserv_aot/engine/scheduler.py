@@ -4,7 +4,8 @@ Each step: (1) running sequences with one uncomputed token (decodes), oldest fir
 block, the newest running sequence not yet scheduled this step is preempted (blocks freed, back to the front of
 the waiting queue, recomputed later), possibly itself. (2) running sequences still prefilling, oldest first, and
 (3) waiting sequences in arrival order (none when this step preempted), each taking a chunk of what is left of
-the token budget `prefill_chunk`, with at most `max_num_seqs` running. A sequence that cannot get its blocks
+the token budget `prefill_chunk`, with at most `max_num_seqs` running. A step that carries decodes gives prompts
+at most `mixed_prefill_budget` tokens, so a long prompt delays running decodes by one such step, never more. A sequence that cannot get its blocks
 while it is the only one holding any can never run: it finishes with an error instead of deadlocking.
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Scheduler:
     def __init__(self, build: BuildConfig, enable_prefix_caching: bool = True):
         self.max_num_seqs = build.max_num_seqs
         self.token_budget = build.prefill_chunk
+        self.mixed_prefill_budget = build.mixed_prefill_budget
         self.block_size = build.block_size
         self.block_manager = BlockManager(build.num_blocks, build.block_size, enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
@@ -80,8 +82,10 @@ class Scheduler:
 
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        prompt_budget = self.mixed_prefill_budget if decodes else budget   # prompt tokens this step may take
         for seq in decodes + prefills:
-            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+            is_prompt = seq.num_uncomputed_tokens > 1
+            if seq.status is not SequenceStatus.RUNNING or budget == 0 or (is_prompt and prompt_budget == 0):
                 continue
             while not bm.can_append(seq):
                 victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
@@ -95,12 +99,15 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             bm.append(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, budget, prompt_budget if is_prompt else 1)
             rows.append((seq, n))
             scheduled.add(id(seq))
             budget -= n
+            if is_prompt:
+                prompt_budget -= n
 
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (self.waiting and not preempted and min(budget, prompt_budget) > 0
+               and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
             if not bm.can_allocate(seq):
                 if self.running:
@@ -113,9 +120,10 @@ class Scheduler:
                 seq.num_prompt_cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, budget, prompt_budget)
             rows.append((seq, n))
             budget -= n
+            prompt_budget -= n
         return self._build(rows, preempted, failed)
 
     def _fail_too_big(self, seq: Sequence, failed: list[Sequence]) -> None:

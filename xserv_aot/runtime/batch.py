@@ -53,6 +53,41 @@ class BatchDescription:
         return self
 
 
+# input buffer -> value of padding rows (token rows for the first three, sequence rows for the rest)
+TOKEN_PADDING = {"input_ids": 0, "positions": 0, "slot_mapping": -1}
+SEQ_PADDING = {"seq_lens": 0, "logits_indices": 0, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seeds": 0,
+               "sample_offsets": 0}
+
+
+def stage_inputs(batch: BatchDescription, dst: dict[str, np.ndarray], num_tokens: int, num_seqs: int) -> None:
+    """Write the batch padded to a bucket of num_tokens rows / num_seqs sequences into the input buffers dst (arrays
+    with at least that many rows; docs/plan-format.md "Arena buffers"). Padding token rows get slot -1 (no KV write),
+    padding sequences an empty query range at the end, seq_len 0 and greedy sampling; a sequence whose block table
+    is shorter than the buffer's row has the rest zeroed. ValueError when the batch does not fit."""
+    nt, ns = batch.num_tokens, batch.num_seqs
+    if nt > num_tokens or ns > num_seqs:
+        raise ValueError(f"batch of {nt} tokens / {ns} seqs does not fit a bucket of {num_tokens} / {num_seqs}")
+    batch.fill_sampling_defaults()
+    for name, pad in TOKEN_PADDING.items():
+        dst[name][:nt] = getattr(batch, name)
+        dst[name][nt:num_tokens] = pad
+    qsl = dst["query_start_loc"]
+    qsl[:ns + 1] = batch.query_start_loc
+    qsl[ns + 1:num_seqs + 1] = batch.query_start_loc[-1]
+    bt = dst["block_tables"]
+    for i, row in enumerate(batch.block_tables):
+        if len(row) > bt.shape[1]:
+            raise ValueError(f"block table of seq {i} has {len(row)} blocks (max {bt.shape[1]})")
+        bt[i, :len(row)] = row
+        bt[i, len(row):] = 0
+    last = np.asarray(batch.query_start_loc[1:], dtype=np.int64) - 1
+    values = {"seq_lens": batch.seq_lens, "logits_indices": np.maximum(last, 0), "temperature": batch.temperature,
+              "top_k": batch.top_k, "top_p": batch.top_p, "seeds": batch.seeds, "sample_offsets": batch.sample_offsets}
+    for name, pad in SEQ_PADDING.items():
+        dst[name][:ns] = values[name]
+        dst[name][ns:num_seqs] = pad
+
+
 @dataclass
 class StepResult:
     sampled_ids: np.ndarray              # int32 [num_seqs], sampled on the device with the batch's params

@@ -15,11 +15,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from xserv_aot.plan.op_records import LaunchRecord
+
 TIME, DRAM_READ, DRAM_WRITE = "gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum"
 DRAM_PCT = "dram__throughput.avg.pct_of_peak_sustained_elapsed"
 SM_PCT = "sm__throughput.avg.pct_of_peak_sustained_elapsed"
 OCCUPANCY = "sm__warps_active.avg.pct_of_peak_sustained_active"
 NCU_METRICS = (TIME, DRAM_READ, DRAM_WRITE, DRAM_PCT, SM_PCT, OCCUPANCY)
+LIBRARY_KERNELS = {"gemm_library": "cutlass"}      # a library call's kernels: names containing this
 UNITS = {"nsecond": 1e-9, "ns": 1e-9, "usecond": 1e-6, "us": 1e-6, "msecond": 1e-3, "ms": 1e-3, "second": 1.0,
          "s": 1.0, "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12, "%": 1.0, "": 1.0}
 
@@ -85,26 +88,47 @@ def parse_ncu_csv(text: str) -> list[KernelMetrics]:
     return [kernels[i] for i in sorted(kernels)]
 
 
-def plan_launches(bucket) -> list[tuple[int, dict, str]]:
-    """(op index, op, kernel function) for every launch of the bucket, in order."""
-    return [(i, op, spec["fn"]) for i, op in enumerate(bucket.ops) for spec in op.get("launch") or []]
+def plan_launches(bucket) -> list[tuple[int, object, LaunchRecord]]:
+    """(op index, op, launch record) for every launch of the bucket, in order (an op may have several)."""
+    return [(i, op, rec) for i, op in enumerate(bucket.ops) if op.cuda for rec in op.cuda.launch]
+
+
+def kernel_base_name(name: str) -> str:
+    """ncu's demangled name without return type and parameters: "void f<T>(int)" -> "f<T>"; extern "C" names
+    are unchanged."""
+    return name.removeprefix("void ").split("(", 1)[0].strip()
+
+
+def launch_matches(rec: LaunchRecord, kernel_name: str) -> bool:
+    """A kernel record by its function name; a library call by its library's kernel names (LIBRARY_KERNELS)."""
+    if rec.library:
+        return LIBRARY_KERNELS.get(rec.library, rec.library) in kernel_name
+    return kernel_base_name(kernel_name) == rec.fn
 
 
 def match_kernels(kernels: list[KernelMetrics], bucket, kernel_filter: str | None = None) -> list[tuple]:
-    """[(KernelMetrics, op index | None, op | None, first launch of that op)]: launches in order, by function name."""
+    """[(KernelMetrics, op index | None, op | None, first kernel of that op)], in launch order. A kernel takes the
+    next plan launch it matches (skipped launches were filtered out or not profiled); further kernels of the
+    library a call just ran (CUTLASS runs more than one for some problems) stay with that call's op; a kernel no
+    launch matches gets no op and consumes nothing. kernel_filter: the --kernel regex, applied to kernel records'
+    function names (library calls are kept: ncu applies the regex to their real kernel names)."""
     import re
-    expected = [x for x in plan_launches(bucket) if kernel_filter is None or re.search(kernel_filter, x[2])]
-    out, j, seen = [], 0, set()
+    expected = [x for x in plan_launches(bucket)
+                if kernel_filter is None or x[2].library or re.search(kernel_filter, x[2].fn)]
+    out, j, seen, last_call = [], 0, set(), None
     for k in kernels:
-        while j < len(expected) and expected[j][2] not in k.name:
-            j += 1
-        if j == len(expected):
+        if (last_call is not None and launch_matches(last_call[2], k.name)
+                and not (j < len(expected) and launch_matches(expected[j][2], k.name))):
+            out.append((k, last_call[0], last_call[1], False))
+            continue
+        at = next((n for n in range(j, len(expected)) if launch_matches(expected[n][2], k.name)), None)
+        if at is None:
             out.append((k, None, None, False))
             continue
-        i, op, _ = expected[j]
+        i, op, rec = expected[at]
         out.append((k, i, op, i not in seen))
         seen.add(i)
-        j += 1
+        j, last_call = at + 1, expected[at] if rec.library else None
     return out
 
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import numpy as np
 
-from xserv_aot.plan.roofline import ceilings_for, floor_s, launches, op_bytes, op_flops
+from xserv_aot.plan.roofline import bucket_costs, ceilings_for, floor_s, launches
 from xserv_aot.runtime.batch import BatchDescription
 
 NULL = contextlib.nullcontext()
+
 
 def decode_batch(plan, num_seqs: int, context: int) -> BatchDescription:
     """num_seqs sequences, each decoding its token at position context - 1 (blocks laid out contiguously)."""
@@ -53,9 +54,9 @@ def profile_runner(runner, bucket: str = "decode_1", context: int = 128, reps: i
     nv, names = runner.nvtx, runner.op_names.get(bucket)
     for r in range(reps):
         dev.record(ev[0])
-        for i, launches in enumerate(runner.launches[bucket]):
-            with nv.range(names[i]) if names and launches else NULL:
-                for ln in launches:
+        for i, op_lns in enumerate(runner.launches[bucket]):
+            with nv.range(names[i]) if names and op_lns else NULL:
+                for ln in op_lns:
                     ln(dev.stream)
             dev.record(ev[i + 1])
         dev.sync()
@@ -73,9 +74,8 @@ def profile_runner(runner, bucket: str = "decode_1", context: int = 128, reps: i
         dev.record(g1)
         times.append(dev.elapsed_ms(g0, g1))
     med = np.median(per_op, axis=0)
-    ctx = context if bk.kind == "decode" else max(context, bk.num_tokens)
-    ops = [(i, op["op"], op.get("kernel", "?"), float(med[i]), op_bytes(op, plan, ctx, batch.num_seqs),
-            op_flops(op, plan, ctx, batch.num_seqs)) for i, op in enumerate(bk.ops) if launches(op)]
+    ops = [(i, op.op, op.cuda.kernel, float(med[i]), nbytes, flops)
+           for i, op, nbytes, flops in bucket_costs(plan, bk, context) if launches(op)]
     return {"bucket": bucket, "context": context, "ops": ops, "graph_ms": float(np.median(times)),
             "eager_ms": float(med.sum())}
 

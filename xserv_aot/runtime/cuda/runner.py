@@ -12,10 +12,10 @@ from typing import Callable
 
 import numpy as np
 
-from xserv_aot.dtypes import STORAGE
+from xserv_aot.dtypes import STORAGE, decode
 from xserv_aot.plan.ops import INPUT_BUFFERS
 from xserv_aot.plan.roofline import op_name
-from xserv_aot.runtime.batch import BatchDescription, StepResult
+from xserv_aot.runtime.batch import BatchDescription, StepResult, stage_inputs
 from xserv_aot.runtime.cuda.driver import Device, Launch
 from xserv_aot.runtime.cuda.launch import Buffers, op_launches
 from xserv_aot.runtime.nvtx import ranges
@@ -52,7 +52,7 @@ class CudaRunner:
         self.log(f"cuda: {dev.name}: weights {plan.manifest['weights']['size'] / 2**30:.2f} GiB, arena "
                  f"{plan.arena_size / 2**20:.1f} MiB, kv {self.kv_bytes / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f}s")
         self._setup_staging()
-        self.launches = {bk.name: [op_launches(op, self.buf, self.func, self.gemm) for op in bk.ops]
+        self.launches = {bk.name: [op_launches(op, self.buf, self.func, self.libraries, plan.build.pdl) for op in bk.ops]
                          for bk in plan.buckets}
         self.buckets = {bk.name: bk for bk in plan.buckets}
         self.graphs: dict[str, object] = {}
@@ -69,15 +69,16 @@ class CudaRunner:
         smem = {}
         for bk in self.plan.buckets:
             for op in bk.ops:
-                for spec in op.get("launch") or []:
-                    smem[spec["fn"]] = max(smem.get(spec["fn"], 0), int(spec["smem"]))
+                for rec in op.cuda.launch if op.cuda else ():
+                    if not rec.library:
+                        smem[rec.fn] = max(smem.get(rec.fn, 0), rec.smem)
         self._smem = smem
         self._funcs: dict[str, object] = {}
-        self.gemm = None
+        self.libraries = {}
         lib = k.get("gemm_library")
         if lib:
             from xserv_aot.runtime.cuda.cutlass_gemm import CutlassGemm
-            self.gemm = CutlassGemm(self.plan.dir / lib["file"])
+            self.libraries["gemm_library"] = CutlassGemm(self.plan.dir / lib["file"])
 
     def func(self, name: str):
         if name not in self._funcs:
@@ -98,18 +99,16 @@ class CudaRunner:
                 self.dev.htod_async(self.weights_ptr + off, host.ctypes.data, n)
                 self.dev.sync()
             return
+        from xserv_aot.plan.dummy_weights import tensor_params
+        from xserv_aot.plan.weights import rope_tables, weight_specs
         fill = self.func("fill_normal_bf16")
-        seed = int(self.plan.dummy_seed or 0)
-        for idx, (name, info) in enumerate(self.plan.weights.items()):
-            ptr = self.weights_ptr + info.offset
-            if name in ("rope_cos", "rope_sin"):
-                continue
+        for index, name in enumerate(weight_specs(self.plan.model)):
+            info = self.plan.weights[name]
             n = int(np.prod(info.shape))
-            mean, std = (1.0, 0.1) if len(info.shape) == 1 else (0.0, float(info.shape[1]) ** -0.5)
+            tseed, mean, std = tensor_params(int(self.plan.dummy_seed or 0), index, info.shape)
             Launch("fill_normal_bf16", fill, (min(-(-n // 256), 65536), 1, 1), (256, 1, 1), 0,
-                   [("ptr", ptr), ("u64", n), ("u64", (seed * 1000003 + idx) & (2**64 - 1)), ("f32", mean),
+                   [("ptr", self.weights_ptr + info.offset), ("u64", n), ("u64", tseed), ("f32", mean),
                     ("f32", std)])(self.dev.stream)
-        from xserv_aot.plan.weights import rope_tables
         cos, sin = rope_tables(self.plan.model, self.plan.build.max_seq_len)
         self.dev.htod(self.weights_ptr + self.plan.weights["rope_cos"].offset, cos)
         self.dev.htod(self.weights_ptr + self.plan.weights["rope_sin"].offset, sin)
@@ -140,42 +139,10 @@ class CudaRunner:
                                 seq_lens=[0], block_tables=[[0]]).fill_sampling_defaults()
 
     def stage(self, batch: BatchDescription, bk) -> None:
-        t, s = bk.num_tokens, bk.num_seqs
-        nt, ns = batch.num_tokens, batch.num_seqs
-        if nt > t or ns > s:
-            raise CudaRunnerError(f"batch of {nt} tokens / {ns} seqs does not fit bucket {bk.name}")
-        batch.fill_sampling_defaults()
-        v = self.views
-        v["input_ids"][:nt] = batch.input_ids
-        v["input_ids"][nt:t] = 0
-        v["positions"][:nt] = batch.positions
-        v["positions"][nt:t] = 0
-        v["slot_mapping"][:nt] = batch.slot_mapping
-        v["slot_mapping"][nt:t] = -1
-        qsl = v["query_start_loc"]
-        qsl[:ns + 1] = batch.query_start_loc
-        qsl[ns + 1:s + 1] = batch.query_start_loc[-1]
-        v["seq_lens"][:ns] = batch.seq_lens
-        v["seq_lens"][ns:s] = 0
-        bt = v["block_tables"]
-        for i, row in enumerate(batch.block_tables):
-            if len(row) > bt.shape[1]:
-                raise CudaRunnerError(f"block table of seq {i} has {len(row)} blocks (max {bt.shape[1]})")
-            bt[i, :len(row)] = row
-        li = v["logits_indices"]
-        li[:ns] = np.asarray(batch.query_start_loc[1:], dtype=np.int32) - 1
-        li[ns:s] = 0
-        np.maximum(li[:ns], 0, out=li[:ns])
-        v["temperature"][:ns] = batch.temperature
-        v["temperature"][ns:s] = 0.0
-        v["top_k"][:ns] = batch.top_k
-        v["top_k"][ns:s] = 0
-        v["top_p"][:ns] = batch.top_p
-        v["top_p"][ns:s] = 1.0
-        v["seeds"][:ns] = batch.seeds
-        v["seeds"][ns:s] = 0
-        v["sample_offsets"][:ns] = batch.sample_offsets
-        v["sample_offsets"][ns:s] = 0
+        try:
+            stage_inputs(batch, self.views, bk.num_tokens, bk.num_seqs)
+        except ValueError as e:
+            raise CudaRunnerError(f"bucket {bk.name}: {e}") from None
         self.dev.htod_async(self.arena_ptr + self.in_lo, self.pinned_in.ctypes.data, self.in_bytes)
 
     def _finish(self, batch: BatchDescription) -> StepResult:
@@ -249,10 +216,7 @@ class CudaRunner:
     def read_buffer(self, name: str) -> np.ndarray:
         """Copy an arena buffer back (tests, debugging); bfloat16 comes back as float32."""
         info = self.plan.arena[name]
-        raw = self.dev.dtoh(self.buf(name), info.shape, STORAGE[info.dtype])
-        if info.dtype == "bfloat16":
-            return (raw.astype(np.uint32) << 16).view(np.float32)
-        return raw
+        return decode(self.dev.dtoh(self.buf(name), info.shape, STORAGE[info.dtype]), info.dtype)
 
     def reset_kv(self) -> None:
         self.dev.memset(self.kv_ptr, 0, self.kv_bytes)

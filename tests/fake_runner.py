@@ -134,7 +134,9 @@ class FaultyRunner:
     Calls are counted from 0. A call fails when its index is in fail_calls, when `always` is set, or while
     `fail_next` > 0 (decremented per failure; settable from another thread while the engine is idle).
     bad_result_calls: run normally but return a StepResult without logits, so postprocess fails mid-way.
+    remote_methods: what a test may call across the engine process boundary (engine.call_runner).
     """
+    remote_methods = ("fail_next_calls", "num_failures")
 
     def __init__(self, inner, fail_calls=(), always: bool = False, bad_result_calls=()):
         self.inner, self.plan = inner, inner.plan
@@ -156,3 +158,9 @@ class FaultyRunner:
 
     def reset_kv(self) -> None:
         self.inner.reset_kv()
+
+    def fail_next_calls(self, n: int) -> None:
+        self.fail_next = n
+
+    def num_failures(self) -> int:
+        return self.failures

@@ -138,12 +138,14 @@ def plan(tmp_path_factory):
     return out
 
 
-def test_sigterm_mid_stream_ends_streams_and_exits_0(plan, tmp_path):
+@pytest.mark.parametrize("process_flag", ["--engine-process", "--no-engine-process"])
+def test_sigterm_mid_stream_ends_streams_and_exits_0(plan, tmp_path, process_flag):
     port, grace = free_port(), 1.0
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "xserv_aot.cli", "serve", str(plan), "--backend", "cpu",
-                             "--port", str(port), "--shutdown-grace", str(grace), "--model-name", "tiny"],
+                             "--port", str(port), "--shutdown-grace", str(grace), "--model-name", "tiny",
+                             process_flag],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         def up():

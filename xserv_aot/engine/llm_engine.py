@@ -14,6 +14,7 @@ and consecutive_failures say what happened).
 """
 from __future__ import annotations
 
+import logging
 import random
 from typing import Callable
 
@@ -28,6 +29,12 @@ from xserv_aot.engine.sequence import Sequence
 from xserv_aot.runtime.batch import StepResult
 
 MAX_STOP_STRINGS = 4
+log = logging.getLogger(__name__)
+
+
+def one_line(e: BaseException) -> str:
+    msg = " ".join(str(e).split())
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
 def _default_detokenizer(tokenizer):
@@ -156,9 +163,17 @@ class LLMEngine:
         self._inflight, self.consecutive_failures = None, 0
         return outputs
 
+    def step_or_recover(self) -> list[RequestOutput]:
+        """One step; when it raises, the failure policy (recover) decides which requests end."""
+        try:
+            return self.step()
+        except Exception as e:
+            log.exception("engine step failed")
+            return self.recover(f"engine step failed: {one_line(e)}")
+
     def postprocess(self, out: SchedulerOutput, result: StepResult | None) -> list[RequestOutput]:
         self.scheduler.commit(out)
-        outputs = [self._finish(seq, [], seq.flush_text(), seq.finish_reason, None) for seq in out.failed]
+        outputs = [self._finish(seq, [], seq.text.flush(), seq.finish_reason, None) for seq in out.failed]
         if result is None:
             return outputs
         sampled = np.asarray(result.sampled_ids).reshape(-1)
@@ -177,22 +192,21 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
         seq.append_token(token)
-        p = seq.params
-        text, reason = "", None
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            reason = "stop"
-            text = seq.flush_text()
-        else:
-            text, hit = seq.feed_text(seq.detokenizer.add(token) if seq.detokenizer is not None else "")
-            if hit:
-                reason = "stop"
-            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_seq_len:
-                reason = "length"
-                text += seq.flush_text()
+        text, reason = seq.text.step(token, self.id_finish(seq, token))
         lps = [lp] if lp is not None else None
         if reason is not None:
             return self._finish(seq, [token], text, reason, lps)
         return self._output(seq, [token], text, lps)
+
+    def id_finish(self, seq: Sequence, token: int) -> str | None:
+        """The finish decided by ids alone, after token was appended: "stop" (EOS unless ignore_eos, or a stop
+        token id), "length" (max_tokens or max_seq_len), or None."""
+        p = seq.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_seq_len:
+            return "length"
+        return None
 
     def _finish(self, seq: Sequence, tokens: list[int], text: str, reason: str, lps) -> RequestOutput:
         self._seqs.pop(seq.request_id, None)

@@ -67,7 +67,7 @@ class FakeRunner:
         written: dict[int, int] = {}
         for i in range(s):
             lo, hi = b.query_start_loc[i], b.query_start_loc[i + 1]
-            bt, L = b.block_tables[i], b.seq_lens[i]
+            bt, L = list(b.block_tables[i]), int(b.seq_lens[i])
             assert hi > lo and L <= bld.max_seq_len and len(bt) <= bld.max_blocks_per_seq
             assert -(-L // bs) <= len(bt) and all(0 <= x < bld.num_blocks for x in bt)
             for j, r in enumerate(range(lo, hi)):
@@ -76,7 +76,7 @@ class FakeRunner:
                 assert b.slot_mapping[r] == bt[p // bs] * bs + p % bs, (i, r)
                 written[bt[p // bs]] = i
         for i, bt in enumerate(b.block_tables):
-            for blk in bt:
+            for blk in list(bt)[:-(-int(b.seq_lens[i]) // bs)]:          # past seq_len: padding or not yet used
                 assert written.get(blk, i) == i, f"seq {i} shares block {blk} that seq {written[blk]} writes"
 
     def run(self, batch: BatchDescription) -> StepResult:
@@ -95,8 +95,8 @@ class FakeRunner:
             assert (self.kv_pos[slots] == p).all(), f"seq {i}: KV pool holds positions {self.kv_pos[slots]}"
             row = context_logits(self.kv_tokens[slots].tolist(), self.vocab_size)
             logits.append(row)
-            sampled.append(draw(row, batch.temperature[i], batch.top_k[i], batch.top_p[i], 0.0,
-                                batch.seeds[i], batch.sample_offsets[i]))
+            sampled.append(draw(row, float(batch.temperature[i]), int(batch.top_k[i]), float(batch.top_p[i]), 0.0,
+                                int(batch.seeds[i]), int(batch.sample_offsets[i])))
         return StepResult(np.asarray(sampled, dtype=np.int32),
                           np.stack(logits) if batch.need_logits else None)
 

@@ -27,6 +27,7 @@ from xserv_aot.engine.sampler import MAX_LOGPROBS, sample_token
 from xserv_aot.engine.scheduler import Scheduler, SchedulerOutput
 from xserv_aot.engine.sequence import Sequence
 from xserv_aot.runtime.batch import StepResult
+from xserv_aot.runtime.input_batch import InputBatch
 
 MAX_STOP_STRINGS = 4
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class LLMEngine:
         self.vocab_size = vocab_size if vocab_size is not None else getattr(model, "vocab_size", None)
         self.max_seq_len = self.build.max_seq_len
         self.scheduler = Scheduler(self.build, enable_prefix_caching)
+        self.input_batch = InputBatch(self.build)
         self.max_consecutive_failures = max_consecutive_failures
         self.failed: str | None = None                 # set when the engine has failed permanently
         self.consecutive_failures = 0
@@ -158,7 +160,13 @@ class LLMEngine:
         self._inflight = out = self.scheduler.schedule()
         if self.on_scheduled is not None:
             self.on_scheduled()
-        result = self.runner.run(out.batch) if not out.is_empty else None
+        result = None
+        if out.is_empty:
+            self.input_batch.apply(out.update)
+        else:
+            out.batch = self.input_batch.prepare(out.update)
+            result = self.runner.run(out.batch)
+            self.input_batch.record(result.sampled_ids)
         outputs = self.postprocess(out, result)
         self._inflight, self.consecutive_failures = None, 0
         return outputs
@@ -180,11 +188,12 @@ class LLMEngine:
         for i, seq in enumerate(out.seqs):
             if not out.samples[i] or seq.is_finished:
                 continue                                   # mid-prefill chunk: its sampled id is not a token
-            if seq.params.needs_host_sampling:
+            if seq.needs_host_sampling:
                 if result.logits is None:
                     raise RuntimeError("runner returned no logits for a batch with need_logits set")
                 token, lp = sample_token(np.asarray(result.logits[i]), seq.params, seq.prompt_ids,
                                          seq.output_ids, seq.seed, seq.num_output_tokens)
+                self.scheduler.host_token(seq, token)
             else:
                 token, lp = int(sampled[i]), None
             outputs.append(self._append(seq, token, lp))

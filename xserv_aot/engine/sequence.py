@@ -34,6 +34,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.text = TextOutput(detokenizer, params.stop)
+        self.needs_host_sampling = params.needs_host_sampling
+        self.row: int | None = None                # persistent batch row while running (scheduler-assigned)
+        self.num_blocks_sent = 0                   # block ids the runner side knows for this row
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,12 @@ query_start_loc[i]:query_start_loc[i+1]; after this step its context is seq_lens
 so its new tokens sit at positions seq_lens[i] - n_new .. seq_lens[i] - 1. The runner pads the batch to the
 plan's smallest bucket with num_tokens >= batch.num_tokens and num_seqs >= batch.num_seqs; padding token rows get
 slot -1 (kernels skip them) and padding sequences get seq_len 0 and an empty query range.
+
+The engine does not rebuild a BatchDescription every step: the scheduler sends a BatchUpdate (what changed: new
+rows with their tokens and block table, removed rows, newly allocated blocks, host-sampled tokens, and the tokens
+scheduled per row), and runtime.input_batch.InputBatch, which keeps every row's state in persistent arrays,
+turns it into this step's BatchDescription of NumPy arrays with a fixed number of vectorized operations.
+Fields may be lists or NumPy arrays; block_tables may be a 2-D array [num_seqs, width].
 """
 from __future__ import annotations
 
@@ -30,6 +36,21 @@ class BatchDescription:
     sample_offsets: list[int] = field(default_factory=list)  # index of the token being generated (RNG counter)
     need_logits: bool = False            # copy float32 logits back to the host
 
+    def block_table_array(self, num_rows: int, width: int) -> np.ndarray:
+        """Block tables as int32 [num_rows, width], zero-padded (rows past num_seqs are padding sequences)."""
+        out = np.zeros((num_rows, width), dtype=np.int32)
+        tables = self.block_tables
+        if isinstance(tables, np.ndarray):
+            if tables.shape[1] > width:
+                raise ValueError(f"block tables are {tables.shape[1]} blocks wide (max {width})")
+            out[:len(tables), :tables.shape[1]] = tables
+            return out
+        for i, row in enumerate(tables):
+            if len(row) > width:
+                raise ValueError(f"block table of seq {i} has {len(row)} blocks (max {width})")
+            out[i, :len(row)] = row
+        return out
+
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
@@ -40,17 +61,38 @@ class BatchDescription:
 
     def fill_sampling_defaults(self) -> "BatchDescription":
         n = self.num_seqs
-        if not self.temperature:
-            self.temperature = [0.0] * n
-        if not self.top_k:
-            self.top_k = [0] * n
-        if not self.top_p:
-            self.top_p = [1.0] * n
-        if not self.seeds:
-            self.seeds = [0] * n
-        if not self.sample_offsets:
-            self.sample_offsets = [0] * n
+        for name, default in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("seeds", 0),
+                              ("sample_offsets", 0)):
+            if len(getattr(self, name)) == 0:
+                setattr(self, name, [default] * n)
         return self
+
+
+@dataclass
+class NewRow:
+    """A sequence entering the persistent batch (admitted, or re-admitted after preemption)."""
+    row: int                             # persistent row id in [0, max_num_seqs)
+    token_ids: list[int]                 # every token so far: prompt + outputs
+    num_prompt_tokens: int
+    num_computed_tokens: int             # KV already present (prefix cache hits)
+    block_ids: list[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+
+@dataclass
+class BatchUpdate:
+    """What changed since the previous step, then this step's rows. Applied in field order."""
+    new_tokens: list[tuple[int, int]] = field(default_factory=list)   # (row, token): the host sampled it, not the device
+    removed: list[int] = field(default_factory=list)                  # rows that left (finished, preempted, aborted)
+    new_rows: list[NewRow] = field(default_factory=list)
+    new_blocks: list[tuple[int, list[int]]] = field(default_factory=list)   # (row, block ids appended)
+    rows: list[int] = field(default_factory=list)                     # this step's rows, in batch order
+    num_scheduled: list[int] = field(default_factory=list)            # tokens computed per row this step
+    need_logits: bool = False
+    reset: bool = False                  # forget every row first (after a failed step)
 
 
 @dataclass

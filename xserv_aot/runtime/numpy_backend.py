@@ -28,13 +28,15 @@ def stage(batch: BatchDescription, bucket: Bucket, max_blocks: int) -> dict[str,
     batch.fill_sampling_defaults()
     t, s, nt, ns = bucket.num_tokens, bucket.num_seqs, batch.num_tokens, batch.num_seqs
     assert nt <= t and ns <= s, "batch does not fit its bucket"
-    tok = lambda vals, pad: np.array(list(vals) + [pad] * (t - nt), dtype=np.int32)
-    seq = lambda vals, pad, dt: np.array(list(vals) + [pad] * (s - ns), dtype=dt)
-    qsl = np.array(list(batch.query_start_loc) + [nt] * (s - ns), dtype=np.int32)
-    tables = np.zeros((s, max_blocks), dtype=np.int32)
-    for i, row in enumerate(batch.block_tables):
-        tables[i, : len(row)] = row
-    last = [batch.query_start_loc[i + 1] - 1 for i in range(ns)]
+    def padded(vals, size, pad, dt):
+        out = np.full(size, pad, dtype=dt)
+        out[:len(vals)] = vals
+        return out
+    tok = lambda vals, pad: padded(vals, t, pad, np.int32)
+    seq = lambda vals, pad, dt: padded(vals, s, pad, dt)
+    qsl = padded(batch.query_start_loc, s + 1, nt, np.int32)
+    tables = batch.block_table_array(s, max_blocks)
+    last = np.asarray(batch.query_start_loc[1:], dtype=np.int32) - 1
     return {
         "input_ids": tok(batch.input_ids, 0),
         "positions": tok(batch.positions, 0),

@@ -151,10 +151,10 @@ class CudaRunner:
         v["seq_lens"][:ns] = batch.seq_lens
         v["seq_lens"][ns:s] = 0
         bt = v["block_tables"]
-        for i, row in enumerate(batch.block_tables):
-            if len(row) > bt.shape[1]:
-                raise CudaRunnerError(f"block table of seq {i} has {len(row)} blocks (max {bt.shape[1]})")
-            bt[i, :len(row)] = row
+        try:
+            bt[:ns] = batch.block_table_array(ns, bt.shape[1])
+        except ValueError as e:
+            raise CudaRunnerError(str(e)) from None
         li = v["logits_indices"]
         li[:ns] = np.asarray(batch.query_start_loc[1:], dtype=np.int32) - 1
         li[ns:s] = 0

@@ -49,6 +49,7 @@ class FakeRunner:
                                     model=SimpleNamespace(vocab_size=vocab_size, eos_token_ids=list(eos_token_ids)))
         self.fail_when = fail_when            # callable(batch) -> bool: raise RuntimeError for that step
         self.batches: list[BatchDescription] = []
+        self.last_sampled = np.zeros(build.max_num_seqs, dtype=np.int32)   # what sampled_ids holds on a device
         self.reset_kv()
 
     def reset_kv(self) -> None:
@@ -85,9 +86,10 @@ class FakeRunner:
         if self.fail_when is not None and self.fail_when(batch):
             raise RuntimeError("injected runner failure")
         bs = self.build.block_size
-        for tok, pos, slot in zip(batch.input_ids, batch.positions, batch.slot_mapping):
-            if slot >= 0:
-                self.kv_tokens[slot], self.kv_pos[slot] = tok, pos
+        prev = batch.prev_rows if len(batch.prev_rows) else [-1] * batch.num_tokens
+        for tok, p, pos, slot in zip(batch.input_ids, prev, batch.positions, batch.slot_mapping):
+            if slot >= 0:               # like resolve_input_ids: a pending token comes from the last sampled ids
+                self.kv_tokens[slot], self.kv_pos[slot] = (self.last_sampled[p] if p >= 0 else tok), pos
         logits, sampled = [], []
         for i in range(batch.num_seqs):
             p = np.arange(batch.seq_lens[i])
@@ -97,8 +99,14 @@ class FakeRunner:
             logits.append(row)
             sampled.append(draw(row, float(batch.temperature[i]), int(batch.top_k[i]), float(batch.top_p[i]), 0.0,
                                 int(batch.seeds[i]), int(batch.sample_offsets[i])))
-        return StepResult(np.asarray(sampled, dtype=np.int32),
-                          np.stack(logits) if batch.need_logits else None)
+        self.last_sampled = np.asarray(sampled, dtype=np.int32)
+        return StepResult(self.last_sampled.copy(), np.stack(logits) if batch.need_logits else None)
+
+    def launch(self, batch: BatchDescription) -> StepResult:
+        return self.run(batch)
+
+    def wait(self, handle: StepResult) -> StepResult:
+        return handle
 
 
 PIECES = [c for c in "abcdefghijklmnopqrstuvwxyz"] + ["th", "e ", "ing", " the", "!", "?", ". ", "xy", "z\n"]
@@ -158,6 +166,12 @@ class FaultyRunner:
 
     def reset_kv(self) -> None:
         self.inner.reset_kv()
+
+    def launch(self, batch: BatchDescription) -> StepResult:
+        return self.run(batch)
+
+    def wait(self, handle: StepResult) -> StepResult:
+        return handle
 
     def fail_next_calls(self, n: int) -> None:
         self.fail_next = n

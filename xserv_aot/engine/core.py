@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import signal
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -45,6 +47,39 @@ class CoreSpec:
     output_hwm: int = 64                 # output messages buffered before send waits
     socket_buffer: int = 0               # SO_SNDBUF/SO_RCVBUF bytes (0: the OS default); tests make it small
     poll_s: float = 0.1
+
+
+class CoreProcess:
+    """`python -m xserv_aot.engine.core` with the pickled spec on stdin (no re-import of the caller's __main__,
+    the caller's sys.path as PYTHONPATH); `sentinel` is a pidfd that becomes readable when the process exits."""
+
+    def __init__(self, spec: CoreSpec):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.popen = subprocess.Popen([sys.executable, "-m", "xserv_aot.engine.core"], stdin=subprocess.PIPE, env=env)
+        self.pid = self.popen.pid
+        self.sentinel = os.pidfd_open(self.pid)
+        self.popen.stdin.write(pickle.dumps(spec))
+        self.popen.stdin.close()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        self.popen.kill()
+        self.popen.wait()
+
+    def close(self) -> None:
+        os.close(self.sentinel)
 
 
 def make_socket(ctx: zmq.Context, kind: int, addr: str, *, bind: bool, hwm: int = 0, buffer: int = 0) -> zmq.Socket:
@@ -200,5 +235,4 @@ def run_engine_core(spec: CoreSpec) -> None:
 
 
 if __name__ == "__main__":
-    import pickle
     run_engine_core(pickle.load(sys.stdin.buffer))

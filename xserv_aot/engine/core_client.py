@@ -16,10 +16,7 @@ import dataclasses
 import itertools
 import logging
 import os
-import pickle
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 from typing import AsyncIterator, Callable
@@ -29,69 +26,11 @@ import zmq
 from xserv_aot.engine import messages as M
 from xserv_aot.engine.api import (EngineFailedError, EngineStats, InvalidRequestError, QueueFullError,
                                   RequestOutput, SamplingParams)
-from xserv_aot.engine.core import CoreSpec, make_socket
+from xserv_aot.engine.core import CoreProcess, CoreSpec, make_socket
 from xserv_aot.engine.llm_engine import check_request
-from xserv_aot.engine.text_output import TextOutput
+from xserv_aot.engine.text_output import RequestStream
 
 log = logging.getLogger(__name__)
-
-
-class _Stream:
-    def __init__(self, loop: asyncio.AbstractEventLoop, detokenizer, stops: list[str]):
-        self.loop, self.queue = loop, asyncio.Queue()
-        self.text = TextOutput(detokenizer, stops)
-        self.done = False
-
-    def process(self, w: M.WireOutput) -> tuple[RequestOutput, bool]:
-        """The RequestOutput for one core output; True when a stop string ended it here (the core still runs it)."""
-        tokens, reason, text, stopped_here = w.new_token_ids, None, "", False
-        for j, tok in enumerate(w.new_token_ids):
-            last = j == len(w.new_token_ids) - 1
-            delta, reason = self.text.step(tok, w.finish_reason if last and w.finish_reason in ("stop", "length")
-                                           else None)
-            text += delta
-            if reason is not None:
-                tokens, stopped_here = w.new_token_ids[:j + 1], not last or w.finish_reason is None
-                break
-        reason = reason or w.finish_reason
-        dropped = len(w.new_token_ids) - len(tokens)
-        lps = w.logprobs[:len(tokens)] if w.logprobs is not None else None
-        self.done = reason is not None
-        return RequestOutput(w.request_id, tokens, text, reason, lps, w.num_prompt_tokens,
-                             w.num_generated_tokens - dropped, w.num_cached_tokens, w.error), stopped_here
-
-
-class CoreProcess:
-    """`python -m xserv_aot.engine.core` with the pickled spec on stdin (no re-import of the caller's __main__,
-    the caller's sys.path as PYTHONPATH); `sentinel` is a pidfd that becomes readable when the process exits."""
-
-    def __init__(self, spec: CoreSpec):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.popen = subprocess.Popen([sys.executable, "-m", "xserv_aot.engine.core"], stdin=subprocess.PIPE, env=env)
-        self.pid = self.popen.pid
-        self.sentinel = os.pidfd_open(self.pid)
-        self.popen.stdin.write(pickle.dumps(spec))
-        self.popen.stdin.close()
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.popen.poll()
-
-    def is_alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def join(self, timeout: float | None = None) -> None:
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def kill(self) -> None:
-        self.popen.kill()
-        self.popen.wait()
-
-    def close(self) -> None:
-        os.close(self.sentinel)
 
 
 class EngineCoreClient:
@@ -112,7 +51,7 @@ class EngineCoreClient:
                           engine_kwargs=engine_kwargs or {}, output_hwm=output_hwm, socket_buffer=socket_buffer)
         self._lock = threading.Lock()                 # guards _streams, _stats, counters, _dead, _closed
         self._send_lock = threading.Lock()            # the input socket is used from the loop and the reader
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._stats = EngineStats(0, 0, 0, plan.build.num_blocks, 0, 0, accepting=False)
         self._num_sent_adds = self._num_adds_received = 0
         self._dead: str | None = None
@@ -202,7 +141,7 @@ class EngineCoreClient:
         params = params if params is not None else SamplingParams()
         check_request(prompt_ids, params, self.build, self.vocab_size, True)
         from xserv_aot.detokenizer import IncrementalDetokenizer
-        stream = _Stream(asyncio.get_running_loop(), IncrementalDetokenizer(self.tokenizer, True), params.stop)
+        stream = RequestStream(asyncio.get_running_loop(), IncrementalDetokenizer(self.tokenizer, True), params.stop)
         msg = M.AddRequest(request_id, [int(t) for t in prompt_ids], dataclasses.replace(params, stop=[]))
         with self._lock:
             if self._closed or self._dead is not None:
@@ -317,7 +256,7 @@ class EngineCoreClient:
                 self.abort(w.request_id)
             self._put(stream, out)
 
-    def _put(self, stream: _Stream, out: RequestOutput) -> None:
+    def _put(self, stream: RequestStream, out: RequestOutput) -> None:
         try:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
         except RuntimeError:                          # that event loop is closed; nobody is listening

@@ -41,6 +41,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, build: BuildConfig, enable_prefix_caching: bool = True):
         self.max_num_seqs = build.max_num_seqs
+        self.max_seq_len = build.max_seq_len
         self.token_budget = build.prefill_chunk
         self.block_size = build.block_size
         self.block_manager = BlockManager(build.num_blocks, build.block_size, enable_prefix_caching)
@@ -89,7 +90,7 @@ class Scheduler:
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
-            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+            if seq.status is not SequenceStatus.RUNNING or budget == 0 or self._ends_pending(seq):
                 continue
             while not bm.can_append(seq):
                 victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
@@ -125,6 +126,11 @@ class Scheduler:
             rows.append((seq, n))
             budget -= n
         return self._build(rows, preempted, failed)
+
+    def _ends_pending(self, seq: Sequence) -> bool:
+        """Its pending token (overlapped steps) is its last (max_tokens or max_seq_len): nothing more to compute."""
+        return bool(seq.num_pending) and (seq.num_output_tokens >= seq.params.max_tokens
+                                          or seq.num_tokens >= self.max_seq_len)
 
     def _fail_too_big(self, seq: Sequence, failed: list[Sequence]) -> None:
         need = self.block_manager.blocks_needed(seq.num_tokens)
@@ -167,9 +173,19 @@ class Scheduler:
 
     def commit(self, out: SchedulerOutput) -> None:
         """After the runner ran out.batch: advance computed tokens and register newly full blocks."""
+        self.advance(out)
+        self.cache(out.seqs)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """Once out.batch is launched: its tokens count as computed."""
         for seq, n in zip(out.seqs, out.num_new_tokens):
             if seq.status is SequenceStatus.RUNNING:
                 seq.num_computed_tokens += n
+
+    def cache(self, seqs: list[Sequence]) -> None:
+        """Register newly full computed blocks; every token below num_computed_tokens must be known by now."""
+        for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.cache_blocks(seq)
 
     def recover(self, failed: list[Sequence]) -> None:

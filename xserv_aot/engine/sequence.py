@@ -2,6 +2,8 @@
 
 Invariant: token_ids = prompt + outputs; KV exists for token_ids[:num_computed_tokens]. A step schedules
 token_ids[num_computed_tokens:num_computed_tokens + n]; when that reaches num_tokens, the step samples the next token.
+That token is appended as a placeholder when the step is launched and resolved when its result arrives (the last
+num_pending tokens are placeholders; with overlapped steps one can be the input of the next step already).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class Sequence:
         self.needs_host_sampling = params.needs_host_sampling
         self.row: int | None = None                # persistent batch row while running (scheduler-assigned)
         self.num_blocks_sent = 0                   # block ids the runner side knows for this row
+        self.num_pending = 0                       # trailing placeholder tokens (sampled on the device, not yet seen)
 
     @property
     def num_tokens(self) -> int:
@@ -65,8 +68,31 @@ class Sequence:
     def block_tokens(self, i: int, block_size: int) -> list[int]:
         return self.token_ids[i * block_size:(i + 1) * block_size]
 
+    @property
+    def num_known_output_tokens(self) -> int:
+        return self.num_output_tokens - self.num_pending
+
+    @property
+    def known_output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending]
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(int(token_id))
+
+    def append_placeholder(self) -> None:
+        self.token_ids.append(-1)
+        self.num_pending += 1
+
+    def resolve_placeholder(self, token_id: int) -> None:
+        """The oldest placeholder becomes token_id."""
+        assert self.num_pending > 0, f"{self.request_id}: no placeholder to resolve"
+        self.token_ids[len(self.token_ids) - self.num_pending] = int(token_id)
+        self.num_pending -= 1
+
+    def drop_pending(self) -> None:
+        if self.num_pending:
+            del self.token_ids[-self.num_pending:]
+            self.num_pending = 0
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "

@@ -6,6 +6,10 @@ core process (which sees only ids from the core) both use it.
 """
 from __future__ import annotations
 
+import asyncio
+
+from xserv_aot.engine.api import RequestOutput
+
 
 class TextOutput:
     def __init__(self, detokenizer, stops: list[str]):
@@ -51,3 +55,31 @@ class TextOutput:
             text += self._held
         self._held = ""
         return text
+
+
+class RequestStream:
+    """The API process's side of one request of the engine core process: its asyncio queue and its text."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, detokenizer, stops: list[str]):
+        self.loop, self.queue = loop, asyncio.Queue()
+        self.text = TextOutput(detokenizer, stops)
+        self.done = False
+
+    def process(self, w) -> tuple[RequestOutput, bool]:
+        """The RequestOutput for one core output (messages.WireOutput); True when a stop string ended it here
+        (the core still runs it)."""
+        tokens, reason, text, stopped_here = w.new_token_ids, None, "", False
+        for j, tok in enumerate(w.new_token_ids):
+            last = j == len(w.new_token_ids) - 1
+            delta, reason = self.text.step(tok, w.finish_reason if last and w.finish_reason in ("stop", "length")
+                                           else None)
+            text += delta
+            if reason is not None:
+                tokens, stopped_here = w.new_token_ids[:j + 1], not last or w.finish_reason is None
+                break
+        reason = reason or w.finish_reason
+        dropped = len(w.new_token_ids) - len(tokens)
+        lps = w.logprobs[:len(tokens)] if w.logprobs is not None else None
+        self.done = reason is not None
+        return RequestOutput(w.request_id, tokens, text, reason, lps, w.num_prompt_tokens,
+                             w.num_generated_tokens - dropped, w.num_cached_tokens, w.error), stopped_here

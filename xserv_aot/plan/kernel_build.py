@@ -120,7 +120,9 @@ def plan_bucket(bucket: dict, manifest: dict, cutlass: dict | None, attn: dict) 
     ops = bucket["ops"]
     for idx, op in enumerate(ops):
         kind, rows = op["op"], int(op.get("rows", 0))
-        if kind == "embedding":
+        if kind == "resolve_input_ids":
+            op["launch"] = [launch("resolve_input_ids", [-(-rows // ELEMWISE_THREADS)], [ELEMWISE_THREADS])]
+        elif kind == "embedding":
             op["launch"] = [launch("embedding", [rows], [min(ELEMWISE_THREADS, hidden // 8)])]
         elif kind in ("rmsnorm", "add_rmsnorm"):
             op["launch"] = [launch(kind, [rows], [norm_threads(hidden)])]

@@ -21,6 +21,7 @@ def arena_buffers(m: ModelConfig, b: BuildConfig) -> dict[str, tuple[list[int], 
         "top_p": ([s], "float32"),
         "seeds": ([s], "int64"),
         "sample_offsets": ([s], "int32"),
+        "prev_rows": ([t], "int32"),
         "x": ([t, m.hidden_size], act),
         "h": ([t, m.hidden_size], act),
         "qkv": ([t, m.q_size + 2 * m.kv_size], act),
@@ -36,14 +37,16 @@ def arena_buffers(m: ModelConfig, b: BuildConfig) -> dict[str, tuple[list[int], 
 
 
 INPUT_BUFFERS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
-                 "logits_indices", "temperature", "top_k", "top_p", "seeds", "sample_offsets")
+                 "logits_indices", "temperature", "top_k", "top_p", "seeds", "sample_offsets", "prev_rows")
 
 
 def bucket_ops(m: ModelConfig, t: int, s: int) -> list[dict]:
     """Ops for a bucket of t token rows and s sequences."""
     eps, hd = m.rms_norm_eps, m.head_dim
     h, inter, nqkv = m.hidden_size, m.intermediate_size, m.q_size + 2 * m.kv_size
-    ops: list[dict] = [{"op": "embedding", "ids": "input_ids", "table": "embed_tokens", "out": "x", "rows": t}]
+    ops: list[dict] = [{"op": "resolve_input_ids", "ids": "input_ids", "prev_rows": "prev_rows",
+                        "sampled": "sampled_ids", "rows": t},
+                       {"op": "embedding", "ids": "input_ids", "table": "embed_tokens", "out": "x", "rows": t}]
     for li in range(m.num_layers):
         p = f"layers.{li}."
         if li == 0:

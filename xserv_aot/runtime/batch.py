@@ -35,6 +35,9 @@ class BatchDescription:
     seeds: list[int] = field(default_factory=list)           # 0 <= seed < 2**63
     sample_offsets: list[int] = field(default_factory=list)  # index of the token being generated (RNG counter)
     need_logits: bool = False            # copy float32 logits back to the host
+    # overlapped steps: prev_rows[i] >= 0 means token i is the previous step's sampled_ids[prev_rows[i]], still on
+    # the device (input_ids[i] is a placeholder); empty or -1: input_ids[i] as given
+    prev_rows: list[int] = field(default_factory=list)       # [num_tokens]
 
     def block_table_array(self, num_rows: int, width: int) -> np.ndarray:
         """Block tables as int32 [num_rows, width], zero-padded (rows past num_seqs are padding sequences)."""

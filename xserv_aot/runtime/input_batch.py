@@ -2,9 +2,11 @@
 indexed by a row id the scheduler assigns, updated by BatchUpdate deltas (vLLM v1's InputBatch idea).
 
 prepare(update) applies the deltas (Python work proportional to what changed) and builds the step's
-BatchDescription with a fixed number of NumPy operations; record(sampled) appends the device-sampled token of
-every row that sampled, so decode tokens never travel back from the scheduler (a host-sampled token comes back
-as BatchUpdate.new_tokens and replaces it).
+BatchDescription with a fixed number of NumPy operations. launched() appends a placeholder for every row that
+samples in that step; resolve(record, sampled_ids) fills them in once the step's result is on the host, so decode
+tokens never travel back from the scheduler (a host-sampled token comes back as BatchUpdate.new_tokens).
+Overlapped steps: a step prepared while the previous one is still running takes each pending token from the
+device (prev_rows[i] = the row's index in the previous batch; the plan's resolve_input_ids op reads sampled_ids).
 """
 from __future__ import annotations
 
@@ -28,15 +30,20 @@ class InputBatch:
         self.top_p = np.ones(n, dtype=np.float64)
         self.seeds = np.zeros(n, dtype=np.int64)
         self.active = np.zeros(n, dtype=bool)
-        self._sampling_rows: np.ndarray | None = None         # rows of the last step that sampled
+        self.generation = np.zeros(n, dtype=np.int64)         # bumped when a row gets a new sequence
+        self.pending_pos = np.full(n, -1, dtype=np.int32)     # position of the row's unresolved token, or -1
+        self.pending_idx = np.full(n, -1, dtype=np.int32)     # its index in the last launched batch
+        self._rows = self._sampling = None                    # the last prepared step
 
     def apply(self, u: BatchUpdate) -> None:
         if u.reset:
             self.active[:] = False
+            self.pending_pos[:] = -1
         for row, tok in u.new_tokens:
             self.token_ids[row, self.num_tokens[row] - 1] = tok
         for row in u.removed:
             self.active[row] = False
+            self.pending_pos[row] = -1
         for r in u.new_rows:
             assert not self.active[r.row], f"row {r.row} is in use"
             n, nb = len(r.token_ids), len(r.block_ids)
@@ -48,6 +55,7 @@ class InputBatch:
             self.temperature[r.row], self.top_k[r.row], self.top_p[r.row] = r.temperature, r.top_k, r.top_p
             self.seeds[r.row] = r.seed
             self.active[r.row] = True
+            self.generation[r.row] += 1
         for row, blocks in u.new_blocks:
             nb = self.num_blocks[row]
             self.block_table[row, nb:nb + len(blocks)] = blocks
@@ -68,22 +76,40 @@ class InputBatch:
         slots = self.block_table[token_row, positions // bs] * bs + positions % bs
         seq_lens = start + n
         self.num_computed[rows] = seq_lens
-        self._sampling_rows = rows[seq_lens == self.num_tokens[rows]]
-        self._sampled_mask = seq_lens == self.num_tokens[rows]
+        self._rows, self._sampling = rows, seq_lens == self.num_tokens[rows]
+        pending = positions == self.pending_pos[token_row]
+        prev_rows = np.where(pending, self.pending_idx[token_row], -1).astype(np.int32)
         width = int(self.num_blocks[rows].max()) if len(rows) else 0
         return BatchDescription(
             input_ids=self.token_ids[token_row, positions], positions=positions, slot_mapping=slots.astype(np.int32),
             query_start_loc=qsl, seq_lens=seq_lens, block_tables=self.block_table[rows, :width],
             temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows],
             seeds=self.seeds[rows], sample_offsets=self.num_tokens[rows] - self.num_prompt[rows],
-            need_logits=u.need_logits)
+            need_logits=u.need_logits, prev_rows=prev_rows)
+
+    def launched(self) -> tuple:
+        """The last prepared step is running: each sampling row gets a placeholder for its token.
+        Returns the record resolve() needs: (rows, batch indices, positions, generations)."""
+        idx = np.flatnonzero(self._sampling).astype(np.int32)
+        rows = self._rows[idx]
+        room = self.num_tokens[rows] < self.token_ids.shape[1]   # a row at max_seq_len finishes by length
+        rows, idx = rows[room], idx[room]
+        pos = self.num_tokens[rows].copy()
+        self.token_ids[rows, pos] = 0
+        self.num_tokens[rows] += 1
+        self.pending_pos[:] = -1                              # only the latest step's tokens are on the device
+        self.pending_pos[rows], self.pending_idx[rows] = pos, idx
+        return rows, idx, pos, self.generation[rows].copy()
+
+    def resolve(self, record: tuple, sampled_ids: np.ndarray) -> None:
+        """That step's result is here: its tokens replace the placeholders of rows still held by the same sequence."""
+        rows, idx, pos, gen = record
+        keep = self.generation[rows] == gen
+        rows, idx, pos = rows[keep], idx[keep], pos[keep]
+        self.token_ids[rows, pos] = np.asarray(sampled_ids).reshape(-1)[idx]
+        done = self.pending_pos[rows] == pos
+        self.pending_pos[rows[done]] = -1
 
     def record(self, sampled_ids: np.ndarray) -> None:
-        """After the step: append each sampling row's device-sampled token (sampled_ids[i] is batch row i)."""
-        rows = self._sampling_rows
-        if rows is None or not len(rows):
-            return
-        toks = np.asarray(sampled_ids).reshape(-1)[:len(self._sampled_mask)][self._sampled_mask]
-        room = self.num_tokens[rows] < self.token_ids.shape[1]   # a row at max_seq_len finishes by length
-        self.token_ids[rows[room], self.num_tokens[rows[room]]] = toks[room]
-        self.num_tokens[rows[room]] += 1
+        """Non-overlapped: launched() and resolve() at once."""
+        self.resolve(self.launched(), sampled_ids)

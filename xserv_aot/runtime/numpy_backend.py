@@ -50,6 +50,7 @@ def stage(batch: BatchDescription, bucket: Bucket, max_blocks: int) -> dict[str,
         "top_p": seq(batch.top_p, 1.0, np.float32),
         "seeds": seq(batch.seeds, 0, np.int64),
         "sample_offsets": seq(batch.sample_offsets, 0, np.int32),
+        "prev_rows": tok(batch.prev_rows, -1),
     }
 
 
@@ -67,14 +68,28 @@ class NumpyRunner:
     def reset_kv(self) -> None:
         self.kv[:] = 0
 
+    overlaps = False                     # launch runs the step at once: overlapping gains nothing on the CPU
+
     def run(self, batch: BatchDescription) -> StepResult:
         bucket = self.plan.bucket_for(batch.num_tokens, batch.num_seqs)
-        for name, arr in stage(batch, bucket, self.plan.build.max_blocks_per_seq).items():
+        staged = stage(batch, bucket, self.plan.build.max_blocks_per_seq)
+        if "prev_rows" not in self.buf:
+            if (staged.pop("prev_rows") >= 0).any():
+                raise ValueError("this plan has no resolve_input_ids op (compiled before overlapped steps); "
+                                 "recompile it")
+        for name, arr in staged.items():
             self.buf[name][tuple(slice(0, d) for d in arr.shape)] = arr
         self.execute(bucket)
         n = batch.num_seqs
         logits = self.buf["logits"][:n].copy() if batch.need_logits else None
         return StepResult(self.buf["sampled_ids"][:n].copy(), logits)
+
+    def launch(self, batch: BatchDescription) -> StepResult:
+        """The step runs here and now; its sampled_ids stay in the arena for the next step's resolve_input_ids."""
+        return self.run(batch)
+
+    def wait(self, handle: StepResult) -> StepResult:
+        return handle
 
     def execute(self, bucket: Bucket) -> None:
         for op in bucket.ops:
@@ -83,6 +98,11 @@ class NumpyRunner:
     # each op reads arena buffers / weights and writes its output rounded to the buffer's dtype
     def _set(self, name: str, rows: int, val: np.ndarray) -> None:
         self.buf[name][:rows] = round_to(val, self.dtypes[name]).reshape(self.buf[name][:rows].shape)
+
+    def op_resolve_input_ids(self, op):
+        r = op["rows"]
+        b = self.buf
+        b[op["ids"]][:r] = ops.resolve_input_ids(b[op["ids"]][:r], b[op["prev_rows"]][:r], b[op["sampled"]])
 
     def op_embedding(self, op):
         r = op["rows"]

@@ -58,6 +58,8 @@ def op_launches(op: dict, buf: Buffers, funcs: Callable[[str], object], gemm=Non
         return [HostCall(f"cutlass[{cfg}]", lambda s: gemm.gemm(cfg, a, w, c, bias or None, rows, n, k, s))]
 
     def args_for(fn: str) -> list[tuple[str, object]]:
+        if kind == "resolve_input_ids":
+            return [(P, buf(op["ids"])), (P, buf(op["prev_rows"])), (P, buf(op["sampled"])), (I32, rows)]
         if kind == "embedding":
             return [(P, buf(op["ids"])), (P, buf(op["table"])), (P, buf(op["out"])), (I32, m.hidden_size),
                     (I32, m.vocab_size)]

@@ -115,3 +115,14 @@ def test_a_failed_step_under_overlap_ends_only_the_requests_in_flight():
         want = expected(prompt, params)
         assert ids == want[:len(ids)] if f"r{i}" in errored else ids == want, f"r{i}"
     assert_idle_and_free(eng)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_blocks_of_a_request_that_ends_in_its_first_step_are_cached(overlap):
+    eng = mkengine(overlap=overlap)
+    prompt = list(range(10, 23))                                   # 13 tokens: 3 full blocks of 4
+    first = eng.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))[0]
+    again = eng.generate([prompt + [1]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 12
+    assert again.new_token_ids == expected(prompt + [1], SamplingParams(temperature=0.0, max_tokens=3,
+                                                                        ignore_eos=True))

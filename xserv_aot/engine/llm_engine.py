@@ -151,6 +151,7 @@ class LLMEngine:
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return None
+        seq.drop_pending()
         self.scheduler.finish(seq, "abort")
         return self._output(seq, [], "")
 
@@ -173,10 +174,10 @@ class LLMEngine:
         outputs = [self._finish(seq, [], seq.text.flush(), seq.finish_reason, None) for seq in out.failed]
         launched = self._launch(out)
         if self._running is not None:
-            outputs += self._complete(*self._running)
-            self._running = None
+            running, self._running = self._running, None
+            outputs += self._complete(*running, latest=out)
         if launched is not None and (not self.overlap or out.update.need_logits):
-            outputs += self._complete(out, *launched)
+            outputs += self._complete(out, *launched, latest=out)
         elif launched is not None:
             self._running = (out, *launched)
         self._inflight = [self._running[0]] if self._running is not None else []
@@ -196,13 +197,11 @@ class LLMEngine:
                 seq.append_placeholder()
         return handle, record
 
-    def _complete(self, out: SchedulerOutput, handle, record) -> list[RequestOutput]:
+    def _complete(self, out: SchedulerOutput, handle, record, latest: SchedulerOutput) -> list[RequestOutput]:
+        """Read out's result; latest (the step launched last) has its inputs all known once out's are resolved."""
         result = self.runner.wait(handle) if self.overlap else handle
         self.input_batch.resolve(record, result.sampled_ids)
-        outputs = self.postprocess(out, result)
-        latest = self._running[0] if self._running is not None and self._running[0] is not out else out
-        self.scheduler.cache(latest.seqs)             # every token below num_computed is known now
-        return outputs
+        return self.postprocess(out, result, latest)
 
     def step_or_recover(self) -> list[RequestOutput]:
         """One step; when it raises, the failure policy (recover) decides which requests end."""
@@ -212,9 +211,10 @@ class LLMEngine:
             log.exception("engine step failed")
             return self.recover(f"engine step failed: {one_line(e)}")
 
-    def postprocess(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
-        """Resolve the step's placeholders with its tokens, in row order, and check stop conditions."""
-        outputs = []
+    def postprocess(self, out: SchedulerOutput, result: StepResult, latest: SchedulerOutput) -> list[RequestOutput]:
+        """Resolve the step's placeholders with its tokens; register the blocks out and latest (the step launched
+        last) computed, whose tokens are all known now; then check stop conditions, in row order."""
+        new = []
         sampled = np.asarray(result.sampled_ids).reshape(-1)
         for i, seq in enumerate(out.seqs):
             if not out.samples[i] or seq.is_finished:
@@ -227,11 +227,12 @@ class LLMEngine:
                 self.scheduler.host_token(seq, token)
             else:
                 token, lp = int(sampled[i]), None
-            outputs.append(self._append(seq, token, lp))
-        return outputs
+            seq.resolve_placeholder(token)
+            new.append((seq, token, lp))
+        self.scheduler.cache(out.seqs if latest is out else out.seqs + latest.seqs)
+        return [self._append(seq, token, lp) for seq, token, lp in new]
 
     def _append(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
-        seq.resolve_placeholder(token)
         text, reason = seq.text.step(token, self.id_finish(seq, token))
         lps = [lp] if lp is not None else None
         if reason is not None:
@@ -256,7 +257,7 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, tokens: list[int], text: str, lps=None) -> RequestOutput:
         return RequestOutput(seq.request_id, tokens, text, seq.finish_reason, lps, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.num_prompt_cached_tokens or 0, seq.error)
+                             seq.num_known_output_tokens, seq.num_prompt_cached_tokens or 0, seq.error)
 
     def recover(self, error: str) -> list[RequestOutput]:
         """After step() raised: the requests of the failed step end with finish_reason "error" (all requests when

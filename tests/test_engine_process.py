@@ -25,7 +25,7 @@ import zmq
 from tests.fake_engine import LiveServer, tiny_plan, wait_until
 from tests.fake_runner import FakeRunner
 from tests.test_engine import VOCAB, expected, mkbuild
-from tests.test_shutdown import ROOT, Stream, free_port
+from tests.test_shutdown import ROOT, Stream, free_port, wait_healthy
 from xserv_aot.engine import messages as M
 from xserv_aot.engine.api import EngineFailedError, SamplingParams
 from xserv_aot.engine.core import EngineCore, make_socket
@@ -248,15 +248,6 @@ def serve(plan, port: int, log):
     return subprocess.Popen([sys.executable, "-m", "xserv_aot.cli", "serve", str(plan), "--backend", "cpu",
                              "--port", str(port), "--model-name", "tiny", "--shutdown-grace", "5"],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-
-
-def wait_healthy(url: str, proc) -> None:
-    def up():
-        try:
-            return httpx.get(url + "/health", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-    assert wait_until(lambda: up() or proc.poll() is not None, timeout=90) and proc.poll() is None
 
 
 def test_serve_exits_non_zero_when_the_engine_core_dies(plan, tmp_path):

@@ -138,6 +138,16 @@ def plan(tmp_path_factory):
     return out
 
 
+def wait_healthy(url: str, proc) -> None:
+    """Until the server process answers /health 200 (it must not exit meanwhile)."""
+    def up():
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+    assert wait_until(lambda: up() or proc.poll() is not None, timeout=90) and proc.poll() is None
+
+
 @pytest.mark.parametrize("process_flag", ["--engine-process", "--no-engine-process"])
 def test_sigterm_mid_stream_ends_streams_and_exits_0(plan, tmp_path, process_flag):
     port, grace = free_port(), 1.0
@@ -148,12 +158,7 @@ def test_sigterm_mid_stream_ends_streams_and_exits_0(plan, tmp_path, process_fla
                              process_flag],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        def up():
-            try:
-                return httpx.get(url + "/health", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-        assert wait_until(lambda: up() or proc.poll() is not None, timeout=90) and proc.poll() is None
+        wait_healthy(url, proc)
         long = Stream(url, {"model": "tiny", "prompt": "river violet engine", "max_tokens": 2000, "temperature": 0,
                             "ignore_eos": True})
         long.start()

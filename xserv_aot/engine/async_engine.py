@@ -20,13 +20,25 @@ import dataclasses
 import logging
 import queue
 import threading
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from xserv_aot.engine.api import (EngineFailedError, EngineStats, InvalidRequestError, QueueFullError,
                                   RequestOutput, SamplingParams)
 from xserv_aot.engine.llm_engine import LLMEngine, one_line
 
 log = logging.getLogger(__name__)
+
+
+async def until_finished(q: asyncio.Queue, closed: Callable[[bool], None]) -> AsyncIterator[RequestOutput]:
+    """Yield a request's outputs up to its final one; closed(finished) runs however the consumer stops."""
+    finished = False
+    try:
+        while not finished:
+            out = await q.get()
+            finished = out.finish_reason is not None
+            yield out
+    finally:
+        closed(finished)
 
 
 class AsyncEngine:
@@ -84,17 +96,14 @@ class AsyncEngine:
             self._streams[request_id] = (loop, q)
             self._pending_adds += 1
             self._commands.put(("add", request_id, list(prompt_ids), params))
-        finished = False
-        try:
-            while not finished:
-                out = await q.get()
-                finished = out.finish_reason is not None
-                yield out
-        finally:
+
+        def closed(finished: bool) -> None:
             with self._lock:
                 self._streams.pop(request_id, None)
             if not finished:
                 self._commands.put(("abort", request_id))
+        async for out in until_finished(q, closed):
+            yield out
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the engine frees the request's blocks before its next step. Unknown ids are ignored."""

@@ -26,6 +26,7 @@ import zmq
 from xserv_aot.engine import messages as M
 from xserv_aot.engine.api import (EngineFailedError, EngineStats, InvalidRequestError, QueueFullError,
                                   RequestOutput, SamplingParams)
+from xserv_aot.engine.async_engine import until_finished
 from xserv_aot.engine.core import CoreProcess, CoreSpec, make_socket
 from xserv_aot.engine.llm_engine import check_request
 from xserv_aot.engine.text_output import RequestStream
@@ -154,17 +155,14 @@ class EngineCoreClient:
                 raise EngineFailedError("the engine core is not reachable")
             self._streams[request_id] = stream
             self._num_sent_adds += 1
-        finished = False
-        try:
-            while not finished:
-                out = await stream.queue.get()
-                finished = out.finish_reason is not None
-                yield out
-        finally:
+
+        def closed(finished: bool) -> None:
             with self._lock:
                 self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+        async for out in until_finished(stream.queue, closed):
+            yield out
 
     def abort(self, request_id: str) -> None:
         self._send(M.Abort([request_id]))

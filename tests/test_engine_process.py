@@ -153,6 +153,24 @@ def merged(outs):
             outs[-1].num_generated_tokens, [lp.token_id for o in outs for lp in (o.logprobs or [])])
 
 
+def test_the_api_side_rejects_malformed_messages_from_the_core_and_keeps_streaming(plan):
+    ae = build_engine(plan, backend="cpu", engine_process=True)
+    ae.start()
+    try:
+        ctx = zmq.Context()
+        intruder = make_socket(ctx, zmq.PUSH, f"ipc://{ae._dir}/out", bind=False)
+        for junk in (b"\x00garbage", msgspec.msgpack.encode(["Outputs", "not a list", {}, 1])):
+            intruder.send(junk)
+        assert wait_until(lambda: ae.num_rejected == 2)
+        intruder.close()
+        ctx.term()
+        p = SamplingParams(max_tokens=5, **GREEDY)
+        outs = gather(ae, "after", ae.tokenizer.encode("signal"), p)
+        assert outs[-1].finish_reason == "length" and outs[-1].num_generated_tokens == 5
+    finally:
+        ae.shutdown()
+
+
 def test_outputs_across_the_process_boundary_equal_the_in_process_engine(plan):
     tok = build_engine(plan, backend="cpu").tokenizer
     ids = tok.encode("lantern orbit signal")
@@ -244,9 +262,9 @@ def gone(pid: int) -> bool:
         return True
 
 
-def serve(plan, port: int, log):
+def serve(plan, port: int, log, grace: float = 5.0):
     return subprocess.Popen([sys.executable, "-m", "xserv_aot.cli", "serve", str(plan), "--backend", "cpu",
-                             "--port", str(port), "--model-name", "tiny", "--shutdown-grace", "5"],
+                             "--port", str(port), "--model-name", "tiny", "--shutdown-grace", str(grace)],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -285,3 +303,27 @@ def test_engine_core_exits_by_itself_when_the_server_is_sigkilled(plan, tmp_path
             proc.kill()
             proc.wait()
     assert wait_until(lambda: gone(core), timeout=10), f"engine core {core} outlived its server"
+
+
+def test_sigterm_drains_the_server_and_the_engine_core(plan, tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "serve.log", "wb") as log:
+        proc = serve(plan, port, log, grace=0.5)
+        try:
+            wait_healthy(url, proc)
+            core = core_pid_of(proc.pid)
+            stream = Stream(url, {"model": "tiny", "prompt": "meadow", "max_tokens": 200, "ignore_eos": True})
+            stream.start()
+            stream.wait_for_chunks(2)
+            proc.send_signal(signal.SIGTERM)
+            reason, text = stream.finish()
+            assert reason == "abort" and text
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert gone(core)                                  # reaped by the server, not orphaned
+    out = (tmp_path / "serve.log").read_text(errors="replace")
+    assert "Traceback" not in out and "killing it" not in out, out[-3000:]

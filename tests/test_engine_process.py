@@ -12,8 +12,6 @@ import functools
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 
@@ -25,7 +23,7 @@ import zmq
 from tests.fake_engine import LiveServer, tiny_plan, wait_until
 from tests.fake_runner import FakeRunner
 from tests.test_engine import VOCAB, expected, mkbuild
-from tests.test_shutdown import ROOT, Stream, free_port, wait_healthy
+from tests.test_shutdown import Stream, free_port, serve_log, serve_process, wait_healthy
 from xserv_aot.engine import messages as M
 from xserv_aot.engine.api import EngineFailedError, SamplingParams
 from xserv_aot.engine.core import EngineCore, make_socket
@@ -262,68 +260,47 @@ def gone(pid: int) -> bool:
         return True
 
 
-def serve(plan, port: int, log, grace: float = 5.0):
-    return subprocess.Popen([sys.executable, "-m", "xserv_aot.cli", "serve", str(plan), "--backend", "cpu",
-                             "--port", str(port), "--model-name", "tiny", "--shutdown-grace", str(grace)],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-
-
 def test_serve_exits_non_zero_when_the_engine_core_dies(plan, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with open(tmp_path / "serve.log", "wb") as log:
-        proc = serve(plan, port, log)
-        try:
-            wait_healthy(url, proc)
-            stream = Stream(url, {"model": "tiny", "prompt": "orbit", "max_tokens": 200, "ignore_eos": True})
-            stream.start()
-            stream.wait_for_chunks(2)
-            os.kill(core_pid_of(proc.pid), signal.SIGKILL)
-            stream.join(30)
-            assert stream.events[-1] == "[DONE]" and "error" in stream.events[-2]
-            assert proc.wait(timeout=60) == 1
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    out = (tmp_path / "serve.log").read_text(errors="replace")
+    with serve_process(plan, port, 5.0, tmp_path) as proc:
+        wait_healthy(url, proc)
+        stream = Stream(url, {"model": "tiny", "prompt": "orbit", "max_tokens": 200, "ignore_eos": True})
+        stream.start()
+        stream.wait_for_chunks(2)
+        os.kill(core_pid_of(proc.pid), signal.SIGKILL)
+        stream.join(30)
+        assert stream.events[-1] == "[DONE]" and "error" in stream.events[-2]
+        assert proc.wait(timeout=60) == 1
+    out = serve_log(tmp_path)
     assert "error: the engine core process exited unexpectedly (status -9); the server stopped" in out, out[-2000:]
     assert "Traceback" not in out, out[-3000:]
 
 
 def test_engine_core_exits_by_itself_when_the_server_is_sigkilled(plan, tmp_path):
     port = free_port()
-    with open(tmp_path / "serve.log", "wb") as log:
-        proc = serve(plan, port, log)
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}", proc)
-            core = core_pid_of(proc.pid)
-            assert core is not None and not gone(core)
-        finally:
-            proc.kill()
-            proc.wait()
+    with serve_process(plan, port, 5.0, tmp_path) as proc:
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
+        core = core_pid_of(proc.pid)
+        assert core is not None and not gone(core)
+        proc.kill()
+        proc.wait()
     assert wait_until(lambda: gone(core), timeout=10), f"engine core {core} outlived its server"
 
 
 def test_sigterm_drains_the_server_and_the_engine_core(plan, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with open(tmp_path / "serve.log", "wb") as log:
-        proc = serve(plan, port, log, grace=0.5)
-        try:
-            wait_healthy(url, proc)
-            core = core_pid_of(proc.pid)
-            stream = Stream(url, {"model": "tiny", "prompt": "meadow", "max_tokens": 200, "ignore_eos": True})
-            stream.start()
-            stream.wait_for_chunks(2)
-            proc.send_signal(signal.SIGTERM)
-            reason, text = stream.finish()
-            assert reason == "abort" and text
-            assert proc.wait(timeout=60) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with serve_process(plan, port, 0.5, tmp_path) as proc:
+        wait_healthy(url, proc)
+        core = core_pid_of(proc.pid)
+        stream = Stream(url, {"model": "tiny", "prompt": "meadow", "max_tokens": 200, "ignore_eos": True})
+        stream.start()
+        stream.wait_for_chunks(2)
+        proc.send_signal(signal.SIGTERM)
+        reason, text = stream.finish()
+        assert reason == "abort" and text
+        assert proc.wait(timeout=60) == 0
     assert gone(core)                                  # reaped by the server, not orphaned
-    out = (tmp_path / "serve.log").read_text(errors="replace")
+    out = serve_log(tmp_path)
     assert "Traceback" not in out and "killing it" not in out, out[-3000:]

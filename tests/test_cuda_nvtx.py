@@ -28,8 +28,8 @@ def test_ranges_named_from_the_plan_and_outputs_unchanged(plan):  # noqa: F811
         r.run_eager("decode_2", decode_batch(plan, 2, 40))
         bk = r.buckets["decode_2"]
         ops = [f"+{op_name('decode_2', i, op)}" for i, op in enumerate(bk.ops) if op.cuda.launch]
-        assert [e for e in rec.events if e != "-"] == ["+eager decode_2", *ops]
-        assert rec.events.count("-") == len(ops) + 1
+        assert [e for e in rec.events if e != "-"] == ["+eager decode_2", *ops, "+finish"]
+        assert rec.events.count("-") == len(ops) + 2
     finally:
         r.close()
 

@@ -17,7 +17,7 @@ from xserv_aot.plan.manifest import place
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
 from xserv_aot.plan.op_records import (AddRmsNorm, Attention, Embedding, GatherRows, KernelChoice, LaunchRecord, Linear,
-                                       Op, QkNormRopeCache, RmsNorm, Sample, SiluMul, op_from_dict)
+                                       Op, QkNormRopeCache, ResolveInputIds, RmsNorm, Sample, SiluMul, op_from_dict)
 from xserv_aot.plan.signatures import check_sizes, cubin_param_sizes, host_signature, kernel_signatures
 
 GEMV_MAX_ROWS = 2            # above this the x re-reads make the GEMV L1/ALU-bound: tensor cores instead
@@ -200,7 +200,10 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
     out: list[KernelChoice] = []
     for idx, op in enumerate(ops):
         rows = op.rows
-        if isinstance(op, Embedding):
+        if isinstance(op, ResolveInputIds):
+            c = kernel(launch("resolve_input_ids", [-(-rows // ELEMWISE_THREADS)], [ELEMWISE_THREADS], 0,
+                              [ptr(op.ids), ptr(op.prev_rows), ptr(op.sampled), i32(rows)]))
+        elif isinstance(op, Embedding):
             c = kernel(launch("embedding", [rows], row_threads, 0,
                               [ptr(op.ids), ptr(op.table), ptr(op.out), i32(hidden), i32(vocab)]))
         elif isinstance(op, RmsNorm):

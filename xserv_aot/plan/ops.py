@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from xserv_aot.config import BuildConfig, ModelConfig
 from xserv_aot.plan.op_records import (AddRmsNorm, Attention, Embedding, GatherRows, Linear, Op, QkNormRopeCache,
-                                       RmsNorm, Sample, SiluMul)
+                                       ResolveInputIds, RmsNorm, Sample, SiluMul)
 
 
 def arena_buffers(m: ModelConfig, b: BuildConfig) -> dict[str, tuple[list[int], str]]:
@@ -23,6 +23,7 @@ def arena_buffers(m: ModelConfig, b: BuildConfig) -> dict[str, tuple[list[int], 
         "top_p": ([s], "float32"),
         "seeds": ([s], "int64"),
         "sample_offsets": ([s], "int32"),
+        "prev_rows": ([t], "int32"),
         "x": ([t, m.hidden_size], act),
         "h": ([t, m.hidden_size], act),
         "qkv": ([t, m.q_size + 2 * m.kv_size], act),
@@ -38,7 +39,7 @@ def arena_buffers(m: ModelConfig, b: BuildConfig) -> dict[str, tuple[list[int], 
 
 
 INPUT_BUFFERS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
-                 "logits_indices", "temperature", "top_k", "top_p", "seeds", "sample_offsets")
+                 "logits_indices", "temperature", "top_k", "top_p", "seeds", "sample_offsets", "prev_rows")
 
 
 def bucket_ops(m: ModelConfig, t: int, s: int) -> list[Op]:
@@ -46,7 +47,8 @@ def bucket_ops(m: ModelConfig, t: int, s: int) -> list[Op]:
     eps, hd = m.rms_norm_eps, m.head_dim
     h, inter, nqkv = m.hidden_size, m.intermediate_size, m.q_size + 2 * m.kv_size
     heads = dict(num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=hd)
-    ops: list[Op] = [Embedding(ids="input_ids", table="embed_tokens", out="x", rows=t)]
+    ops: list[Op] = [ResolveInputIds(ids="input_ids", prev_rows="prev_rows", sampled="sampled_ids", rows=t),
+                     Embedding(ids="input_ids", table="embed_tokens", out="x", rows=t)]
     for li in range(m.num_layers):
         p = f"layers.{li}."
         if li == 0:

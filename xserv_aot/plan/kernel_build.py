@@ -17,7 +17,7 @@ from xserv_aot.plan.launch_records import check_launches, f32, i32, kernel, kv, 
 from xserv_aot.plan.manifest import place
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
-from xserv_aot.plan.op_records import (AddRmsNorm, Attention, Embedding, GatherRows, KernelChoice, LaunchRecord, Linear,
+from xserv_aot.plan.op_records import (AddRmsNorm, Attention, Embedding, GatherRows, KernelChoice, Linear,
                                        Op, QkNormRopeCache, ResolveInputIds, RmsNorm, Sample, SiluMul, op_from_dict)
 from xserv_aot.plan.signatures import check_sizes, cubin_param_sizes, host_signature, kernel_signatures
 

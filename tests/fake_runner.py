@@ -17,7 +17,7 @@ import numpy as np
 from xserv_aot.config import BuildConfig
 from xserv_aot.engine.api import SamplingParams
 from tests.ref_sampling import ref_draw, ref_sample_token
-from xserv_aot.engine.sampler import MIN_TEMPERATURE
+from xserv_aot.engine.api import GREEDY_BELOW
 from xserv_aot.runtime.batch import BatchDescription, StepResult
 
 
@@ -34,9 +34,9 @@ def reference_generate(prompt: list[int], params: SamplingParams, seed: int, voc
     while len(out) < params.max_tokens:
         logits = context_logits(prompt + out, vocab_size)
         if params.needs_host_sampling:
-            tok, _, _ = ref_sample_token(logits.tolist(), params, prompt, out, seed, len(out), MIN_TEMPERATURE)
+            tok, _, _ = ref_sample_token(logits.tolist(), params, prompt, out, seed, len(out), GREEDY_BELOW)
         else:
-            t = params.temperature if params.temperature >= MIN_TEMPERATURE else 0.0
+            t = params.temperature if params.temperature >= GREEDY_BELOW else 0.0
             tok = ref_draw(logits.tolist(), t, params.top_k, params.top_p, 0.0, seed, len(out))
         out.append(tok)
         if (tok in eos_token_ids and not params.ignore_eos) or tok in params.stop_token_ids:
@@ -52,6 +52,7 @@ class FakeRunner:
                                     model=SimpleNamespace(vocab_size=vocab_size, eos_token_ids=list(eos_token_ids)))
         self.fail_when = fail_when            # callable(batch) -> bool: raise RuntimeError for that step
         self.batches: list[BatchDescription] = []
+        self.last_sampled = np.zeros(build.max_num_seqs, dtype=np.int32)   # what sampled_ids holds on a device
         self.reset_kv()
 
     def reset_kv(self) -> None:
@@ -70,7 +71,7 @@ class FakeRunner:
         written: dict[int, int] = {}
         for i in range(s):
             lo, hi = b.query_start_loc[i], b.query_start_loc[i + 1]
-            bt, L = b.block_tables[i], b.seq_lens[i]
+            bt, L = list(b.block_tables[i]), int(b.seq_lens[i])
             assert hi > lo and L <= bld.max_seq_len and len(bt) <= bld.max_blocks_per_seq
             assert -(-L // bs) <= len(bt) and all(0 <= x < bld.num_blocks for x in bt)
             for j, r in enumerate(range(lo, hi)):
@@ -79,7 +80,7 @@ class FakeRunner:
                 assert b.slot_mapping[r] == bt[p // bs] * bs + p % bs, (i, r)
                 written[bt[p // bs]] = i
         for i, bt in enumerate(b.block_tables):
-            for blk in bt:
+            for blk in list(bt)[:-(-int(b.seq_lens[i]) // bs)]:          # past seq_len: padding or not yet used
                 assert written.get(blk, i) == i, f"seq {i} shares block {blk} that seq {written[blk]} writes"
 
     def run(self, batch: BatchDescription) -> StepResult:
@@ -88,9 +89,10 @@ class FakeRunner:
         if self.fail_when is not None and self.fail_when(batch):
             raise RuntimeError("injected runner failure")
         bs = self.build.block_size
-        for tok, pos, slot in zip(batch.input_ids, batch.positions, batch.slot_mapping):
-            if slot >= 0:
-                self.kv_tokens[slot], self.kv_pos[slot] = tok, pos
+        prev = batch.prev_rows if len(batch.prev_rows) else [-1] * batch.num_tokens
+        for tok, p, pos, slot in zip(batch.input_ids, prev, batch.positions, batch.slot_mapping):
+            if slot >= 0:               # like resolve_input_ids: a pending token comes from the last sampled ids
+                self.kv_tokens[slot], self.kv_pos[slot] = (self.last_sampled[p] if p >= 0 else tok), pos
         logits, sampled = [], []
         for i in range(batch.num_seqs):
             p = np.arange(batch.seq_lens[i])
@@ -98,10 +100,16 @@ class FakeRunner:
             assert (self.kv_pos[slots] == p).all(), f"seq {i}: KV pool holds positions {self.kv_pos[slots]}"
             row = context_logits(self.kv_tokens[slots].tolist(), self.vocab_size)
             logits.append(row)
-            sampled.append(ref_draw(row.tolist(), batch.temperature[i], batch.top_k[i], batch.top_p[i], 0.0,
-                                    batch.seeds[i], batch.sample_offsets[i]))
-        return StepResult(np.asarray(sampled, dtype=np.int32),
-                          np.stack(logits) if batch.need_logits else None)
+            sampled.append(ref_draw(row.tolist(), float(batch.temperature[i]), int(batch.top_k[i]),
+                                    float(batch.top_p[i]), 0.0, int(batch.seeds[i]), int(batch.sample_offsets[i])))
+        self.last_sampled = np.asarray(sampled, dtype=np.int32)
+        return StepResult(self.last_sampled.copy(), np.stack(logits) if batch.need_logits else None)
+
+    def launch(self, batch: BatchDescription) -> StepResult:
+        return self.run(batch)
+
+    def wait(self, handle: StepResult) -> StepResult:
+        return handle
 
 
 PIECES = [c for c in "abcdefghijklmnopqrstuvwxyz"] + ["th", "e ", "ing", " the", "!", "?", ". ", "xy", "z\n"]
@@ -137,7 +145,9 @@ class FaultyRunner:
     Calls are counted from 0. A call fails when its index is in fail_calls, when `always` is set, or while
     `fail_next` > 0 (decremented per failure; settable from another thread while the engine is idle).
     bad_result_calls: run normally but return a StepResult without logits, so postprocess fails mid-way.
+    remote_methods: what a test may call across the engine process boundary (engine.call_runner).
     """
+    remote_methods = ("fail_next_calls", "num_failures")
 
     def __init__(self, inner, fail_calls=(), always: bool = False, bad_result_calls=()):
         self.inner, self.plan = inner, inner.plan
@@ -159,3 +169,15 @@ class FaultyRunner:
 
     def reset_kv(self) -> None:
         self.inner.reset_kv()
+
+    def launch(self, batch: BatchDescription) -> StepResult:
+        return self.run(batch)
+
+    def wait(self, handle: StepResult) -> StepResult:
+        return handle
+
+    def fail_next_calls(self, n: int) -> None:
+        self.fail_next = n
+
+    def num_failures(self) -> int:
+        return self.failures

@@ -35,7 +35,14 @@ class NaNRunner:
                 logits[i, 7] = self.value
         sampled = numpy_ops.sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seeds,
                                    batch.sample_offsets)
+        self.inner.last_sampled = sampled.copy()              # what an overlapped next step reads (resolve_input_ids)
         return type(res)(sampled, logits if batch.need_logits else None)
+
+    def launch(self, batch):
+        return self.run(batch)
+
+    def wait(self, handle):
+        return handle
 
     def reset_kv(self):
         self.inner.reset_kv()
@@ -71,9 +78,13 @@ def test_sample_op_refuses_non_finite_rows(value):
                                     SamplingParams(temperature=0.7, logprobs=2, repetition_penalty=1.3, seed=5,
                                                    max_tokens=10, ignore_eos=True)],
                          ids=["greedy", "device-sampled", "host-sampled"])
-def test_nan_logits_end_only_that_request(params):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_nan_logits_end_only_that_request(params, overlap):
+    """Under overlap the next step is launched before the -1 is seen, its input id for that row read from the -1
+    on the device: the request still ends with the error and none of that row's later output is used."""
     marker = 41
-    eng = engine(NaNRunner(marker, poison_at=6))
+    runner = NaNRunner(marker, poison_at=6)
+    eng = engine(runner, overlap=overlap)
     bad_prompt, good_prompt = [marker, 1, 2, 3], [5, 6, 7]
     outs, final = run_all(eng, [("bad", bad_prompt, params), ("good", good_prompt, params)])
     assert final["bad"].finish_reason == "error" and final["bad"].error == NONFINITE_ERROR
@@ -84,6 +95,8 @@ def test_nan_logits_end_only_that_request(params):
     s = eng.stats()
     assert s.healthy and s.num_step_failures == 1 and s.last_error == NONFINITE_ERROR
     assert s.consecutive_failures == 0                     # later clean steps of "good" reset the count
+    if overlap and not params.needs_host_sampling:
+        assert any((np.asarray(b.prev_rows) >= 0).any() for b in runner.inner.batches)   # tokens fed on the device
 
 
 def test_nan_logits_count_toward_health_and_fail_the_engine():
@@ -98,3 +111,57 @@ def test_nan_logits_count_toward_health_and_fail_the_engine():
     assert not eng.healthy and NONFINITE_ERROR in eng.failed
     with pytest.raises(EngineFailedError):
         eng.add_request("c", [1, 2], p)
+
+
+# through the engine core process and the HTTP server, on the real NumPy backend
+
+POISON_SEED = 4242
+
+
+class PoisonSeedRunner:
+    """Wraps a runner (in the engine core process): rows of requests with seed POISON_SEED get a NaN logit and every
+    row is re-sampled by the NumPy `sample` op, so those rows come back as -1 from the op itself."""
+
+    def __init__(self, inner):
+        self.inner, self.plan = inner, inner.plan
+
+    def run(self, batch):
+        res = self.inner.run(dataclasses.replace(batch, need_logits=True))
+        logits = np.array(res.logits[:batch.num_seqs], np.float32)
+        logits[np.asarray(batch.seeds) == POISON_SEED, 0] = np.nan
+        sampled = numpy_ops.sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seeds,
+                                   batch.sample_offsets)
+        return type(res)(sampled, logits if batch.need_logits else None)
+
+    def reset_kv(self):
+        self.inner.reset_kv()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.fake_engine import tiny_plan
+    return tiny_plan(tmp_path_factory, num_blocks=64)
+
+
+def test_nan_in_the_engine_core_process_is_a_500_and_a_counted_failure(tiny):
+    import functools
+
+    import httpx
+
+    from tests.fake_engine import LiveServer
+    from xserv_aot.serve import build_engine
+    from xserv_aot.server import create_app
+
+    ae = build_engine(tiny, backend="cpu", model_name="tiny", engine_process=True,
+                      runner_wrapper=functools.partial(PoisonSeedRunner))
+    body = {"model": "tiny", "prompt": "meadow signal", "max_tokens": 4, "temperature": 0.5, "ignore_eos": True}
+    with LiveServer(create_app(ae, model_name="tiny", manage_engine=True)) as url:
+        r = httpx.post(url + "/v1/completions", json={**body, "seed": POISON_SEED}, timeout=60)
+        assert r.status_code == 500 and r.json()["error"]["message"] == "internal error while generating"
+        st = ae.stats()
+        assert st.healthy and st.num_step_failures == 1 and st.last_error == NONFINITE_ERROR
+        h = httpx.get(url + "/health", timeout=10)                          # one failed step: degraded, not down
+        assert h.status_code == 200 and h.json() == {"status": "degraded", "consecutive_step_failures": 1}
+        r = httpx.post(url + "/v1/completions", json={**body, "seed": 7}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+        assert ae.stats().consecutive_failures == 0

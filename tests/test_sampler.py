@@ -9,7 +9,8 @@ import pytest
 
 from tests.ref_sampling import ref_distribution, ref_draw, ref_penalties, ref_uniform
 from xserv_aot.engine.api import SamplingParams
-from xserv_aot.engine.sampler import apply_penalties, draw, sample_token, uniform
+from xserv_aot.engine.sampler import apply_penalties, draw, sample_token
+from xserv_aot.rng import uniform
 
 
 def random_case(rng, vocab):

@@ -123,19 +123,6 @@ def check_file(plan_dir: Path, entry: dict, what: str) -> Path:
     return path
 
 
-WEIGHT_ARGS = ("table", "weight", "bias", "q_norm", "k_norm", "cos", "sin")   # op args naming weights
-
-
-def check_weight_refs(buckets, weights: dict) -> None:
-    for bk in buckets:
-        for op in bk.ops:
-            for arg in WEIGHT_ARGS:
-                name = op.get(arg)
-                if name is not None and name not in weights:
-                    raise PlanError(f"bucket {bk.name}: op {op.get('op')} reads weight {name!r} ({arg}), which is "
-                                    f"not in the weights table")
-
-
 def check_kv_cache(kv: dict, model, build, itemsize: dict) -> None:
     expected = [model.num_layers, 2, build.num_blocks, build.block_size, model.num_kv_heads, model.head_dim]
     shape = kv.get("shape")

@@ -120,4 +120,7 @@ def run_server(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str |
                      request_timeout=request_timeout, max_in_flight=max_in_flight,
                      special_tokens_in_content=special_tokens_in_content)
     config = server_config(app, host, port, log_level=log_level)
-    DrainingServer(config, shutdown_grace=shutdown_grace).run(sockets=[sock] if sock is not None else None)
+    server = DrainingServer(config, shutdown_grace=shutdown_grace)
+    if hasattr(engine, "on_death"):                  # an engine core process that dies stops the server
+        engine.on_death.append(lambda reason: server.request_shutdown())
+    server.run(sockets=[sock] if sock is not None else None)

@@ -5,15 +5,16 @@ import time
 
 import numpy as np
 
+from xserv_aot.errors import UsageError
 from xserv_aot.runtime.session import Session
 
 
 def run_bench(runner, prompt_len: int, decode_steps: int, batch: int = 1, seed: int = 0) -> dict:
     b = runner.plan.build
     if prompt_len + decode_steps > b.max_seq_len:
-        raise ValueError(f"prompt {prompt_len} + {decode_steps} steps exceeds max_seq_len {b.max_seq_len}")
+        raise UsageError(f"prompt {prompt_len} + {decode_steps} steps exceeds max_seq_len {b.max_seq_len}")
     if batch > b.max_num_seqs:
-        raise ValueError(f"batch {batch} exceeds the plan's max_num_seqs {b.max_num_seqs}")
+        raise UsageError(f"batch {batch} exceeds the plan's max_num_seqs {b.max_num_seqs}")
     rng = np.random.default_rng(seed)
     session = Session(runner, num_seqs=batch)
     prompts = [rng.integers(0, runner.plan.model.vocab_size, prompt_len).tolist() for _ in range(batch)]

@@ -192,13 +192,15 @@ def serve(plan_dir: Path = typer.Argument(..., metavar="PLAN"),
           request_timeout: Optional[float] = typer.Option(None, help="seconds from arrival before a request is "
                                                           "aborted (504 / an error event); default: none"),
           shutdown_grace: float = typer.Option(30.0, help="on SIGTERM, seconds in-flight requests get to finish "
-                                               "before they are aborted")):
+                                               "before they are aborted"),
+          tool_call_parser: Optional[str] = typer.Option(None, help="hermes | llama3_json | none: how tool_choice "
+                                                         "auto finds calls (default: from the chat template)")):
     """Serve PLAN with an OpenAI-compatible HTTP API."""
     from xserv_aot.serve import launch
 
     launch(plan_dir, host=host, port=port, api_key=api_key, max_waiting=max_waiting,
            model_name=model_name or Path(plan_dir).resolve().name, max_request_bytes=max_request_bytes, backend=backend,
-           request_timeout=request_timeout, shutdown_grace=shutdown_grace)
+           request_timeout=request_timeout, shutdown_grace=shutdown_grace, tool_call_parser=tool_call_parser)
 
 
 @app.command()

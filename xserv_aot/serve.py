@@ -28,7 +28,7 @@ def build_engine(plan_dir: Path, *, backend: str = "auto", max_waiting: int = 25
 
 def launch(plan_dir: Path, *, host: str, port: int, api_key: str | None, max_waiting: int, model_name: str,
            max_request_bytes: int, backend: str, request_timeout: float | None = None,
-           shutdown_grace: float = 30.0) -> None:
+           shutdown_grace: float = 30.0, tool_call_parser: str | None = None) -> None:
     """Blocks until SIGTERM/SIGINT: then drains (shutdown_grace seconds for requests in flight) and returns."""
     from xserv_aot.server.run import run_server
 
@@ -36,9 +36,13 @@ def launch(plan_dir: Path, *, host: str, port: int, api_key: str | None, max_wai
         raise ValueError(f"--request-timeout must be > 0 seconds, got {request_timeout}")
     if not shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {shutdown_grace}")
+    from xserv_aot.server.tools import PARSERS
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
     if max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = build_engine(plan_dir, backend=backend, max_waiting=max_waiting, model_name=model_name)
     run_server(engine, host=host, port=port, api_key=api_key, model_name=model_name,
-               max_request_bytes=max_request_bytes, request_timeout=request_timeout, shutdown_grace=shutdown_grace)
+               max_request_bytes=max_request_bytes, request_timeout=request_timeout, shutdown_grace=shutdown_grace,
+               tool_call_parser=tool_call_parser)

@@ -9,6 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """A constraint on the output, as plain text (compiled by engine/grammar.py, cached per (kind, spec))."""
+    kind: str                           # "json" (spec: JSON schema text) | "json_object" (spec "") | "regex" |
+    spec: str                           # "choice" (spec: JSON list of strings) | "grammar" (Lark or GBNF text)
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -24,12 +31,16 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)          # at most 4; the stop text is not returned
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0                 # EOS and stop_token_ids are masked until this many tokens were generated
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit (-100..100)
+    guided: GuidedDecoding | None = None                          # structured output constraint
 
     @property
     def needs_host_sampling(self) -> bool:
         """True when the device sampler (temperature/top-k/top-p/seed) cannot do this request alone."""
         return (self.min_p > 0 or self.presence_penalty != 0 or self.frequency_penalty != 0
-                or self.repetition_penalty != 1.0 or self.logprobs is not None)
+                or self.repetition_penalty != 1.0 or self.logprobs is not None or self.min_tokens > 0
+                or bool(self.logit_bias) or self.guided is not None)
 
 
 @dataclass

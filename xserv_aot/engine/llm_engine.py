@@ -22,12 +22,14 @@ import numpy as np
 from xserv_aot.config import BuildConfig
 from xserv_aot.engine.api import (EngineFailedError, EngineStats, InvalidRequestError, RequestOutput,
                                   RequestTooLongError, SamplingParams, TokenLogprob)
+from xserv_aot.engine.grammar import GrammarCompiler
 from xserv_aot.engine.sampler import MAX_LOGPROBS, sample_token
 from xserv_aot.engine.scheduler import Scheduler, SchedulerOutput
 from xserv_aot.engine.sequence import Sequence
 from xserv_aot.runtime.batch import StepResult
 
 MAX_STOP_STRINGS = 4
+MAX_LOGIT_BIAS = 100.0
 
 
 def _default_detokenizer(tokenizer):
@@ -68,6 +70,13 @@ def check_request(prompt_ids: list[int], params: SamplingParams, build: BuildCon
         bad(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
     if p.stop and not can_detokenize:
         bad("stop strings need a tokenizer, and this engine has none")
+    if not isinstance(p.min_tokens, int) or not 0 <= p.min_tokens <= p.max_tokens:
+        bad(f"min_tokens must be an integer in [0, max_tokens], got {p.min_tokens!r}")
+    for t, v in p.logit_bias.items():
+        if not isinstance(t, (int, np.integer)) or t < 0 or (vocab_size and t >= vocab_size):
+            bad(f"logit_bias keys must be token ids in [0, {vocab_size}), got {t!r}")
+        if not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+            bad(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {v!r}")
     n = len(prompt_ids)
     if n + p.max_tokens > build.max_seq_len:
         raise RequestTooLongError(f"prompt has {n} tokens and max_tokens is {p.max_tokens}: {n + p.max_tokens} "
@@ -99,6 +108,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size = vocab_size if vocab_size is not None else getattr(model, "vocab_size", None)
         self.max_seq_len = self.build.max_seq_len
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size or 0, self.eos_token_ids)
         self.scheduler = Scheduler(self.build, enable_prefix_caching)
         self.max_consecutive_failures = max_consecutive_failures
         self.failed: str | None = None                 # set when the engine has failed permanently
@@ -116,6 +126,10 @@ class LLMEngine:
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         check_request(prompt_ids, params, self.build, self.vocab_size, self.tokenizer is not None)
+        if params.guided is not None:
+            if self.tokenizer is None or not self.vocab_size:
+                raise InvalidRequestError("structured outputs need the model's tokenizer")
+            self.grammars.check(params.guided)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
         params = params if params is not None else SamplingParams()
@@ -127,6 +141,8 @@ class LLMEngine:
         seed = self._rng.getrandbits(63) if params.seed is None else int(params.seed) % 2 ** 63
         detok = self._detokenizer_factory(self.tokenizer) if self.tokenizer is not None else None
         seq = Sequence(request_id, prompt_ids, params, seed, detok)
+        if params.guided is not None:
+            seq.matcher = self.grammars.matcher(params.guided)
         self._num_added += 1
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -169,23 +185,41 @@ class LLMEngine:
                 if result.logits is None:
                     raise RuntimeError("runner returned no logits for a batch with need_logits set")
                 token, lp = sample_token(np.asarray(result.logits[i]), seq.params, seq.prompt_ids,
-                                         seq.output_ids, seq.seed, seq.num_output_tokens)
+                                         seq.output_ids, seq.seed, seq.num_output_tokens, self._allowed(seq))
             else:
                 token, lp = int(sampled[i]), None
             outputs.append(self._append(seq, token, lp))
         return outputs
 
+    def _allowed(self, seq: Sequence) -> np.ndarray | None:
+        """bool [V] mask of the ids seq may sample next (grammar, min_tokens), or None when all may."""
+        p = seq.params
+        allowed = seq.matcher.allowed() if seq.matcher is not None else None
+        if seq.num_output_tokens < p.min_tokens:
+            if allowed is None:
+                allowed = np.ones(self.vocab_size, dtype=bool)
+            banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < len(allowed)]
+            saved = allowed.copy()
+            allowed[banned] = False
+            if not allowed.any():                      # the grammar can only end here: let it
+                allowed = saved
+        return allowed
+
     def _append(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
         seq.append_token(token)
         p = seq.params
         text, reason = "", None
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        if seq.matcher is not None:
+            seq.matcher.consume(token)
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids or \
+                (seq.matcher is not None and seq.matcher.is_stopped and token in self.eos_token_ids):
             reason = "stop"
             text = seq.flush_text()
         else:
             text, hit = seq.feed_text(seq.detokenizer.add(token) if seq.detokenizer is not None else "")
-            if hit:
+            if hit or (seq.matcher is not None and seq.matcher.is_stopped):
                 reason = "stop"
+                text += seq.flush_text() if not hit else ""
             elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_seq_len:
                 reason = "length"
                 text += seq.flush_text()

@@ -33,6 +33,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.detokenizer = detokenizer
+        self.matcher = None                        # engine.grammar.Matcher when params.guided is set
         self._held_text = ""                       # text that may be the start of a stop string
 
     @property

@@ -8,6 +8,7 @@ shape; engine failures never leak details. Messages are data handed to the model
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -20,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from xserv_aot import __version__
+from xserv_aot.engine.api import SamplingParams
 from xserv_aot.server import protocol as P
 from xserv_aot.server.body import read_json
 from xserv_aot.server.errors import (GENERATION_FAILED, HANDLERS, REFUSALS, RequestTimeout, error_response,
@@ -30,6 +32,7 @@ from xserv_aot.server.metrics import ServerMetrics
 from xserv_aot.server.openapi import openapi_document
 from xserv_aot.server.reasoning import prompt_opens_reasoning, template_uses_thinking
 from xserv_aot.server.streaming import GONE, Generation, Reply, SSEResponse, collect, events, until_disconnect
+from xserv_aot.server.tools import PARSERS, default_parser
 
 log = logging.getLogger(__name__)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics",
@@ -39,13 +42,14 @@ __all__ = ["create_app", "MAX_HEADER_BYTES", "OpenAIServer"]
 
 class OpenAIServer:
     def __init__(self, engine, model_name: str, max_request_bytes: int, reasoning: bool | None,
-                 request_timeout: float | None, api_key_set: bool):
+                 request_timeout: float | None, api_key_set: bool, tool_call_parser: str | None = None):
         self.engine, self.model_name, self.max_request_bytes = engine, model_name, max_request_bytes
         self.request_timeout = request_timeout
         self.tokenizer = engine.tokenizer
         self.reasoning = template_uses_thinking(self.tokenizer) if reasoning is None else reasoning
         self.metrics = ServerMetrics(lambda: engine.stats())
         self.vocab_size = getattr(self.tokenizer, "vocab_size", None)
+        self.tool_parser = tool_call_parser or default_parser(getattr(self.tokenizer, "chat_template", None))
         self.admission = Admission()
         self.openapi = openapi_document(model_name, max_request_bytes, api_key_set)
 
@@ -55,9 +59,11 @@ class OpenAIServer:
                                  f"'{self.model_name}')", status=404, param="model", code="model_not_found")
         return req
 
-    def _check_length(self, req: P.GenerateRequest, prompt_ids: list[int]) -> None:
+    def _check_length(self, req: P.GenerateRequest, prompt_ids: list[int]) -> int:
+        """max_tokens for this prompt (the request's, or what the context leaves)."""
         if self.vocab_size:
-            bad = [t for t in (*prompt_ids, *req.params.stop_token_ids) if t >= self.vocab_size]
+            bad = [t for t in (*prompt_ids, *req.params.stop_token_ids, *req.params.logit_bias)
+                   if t >= self.vocab_size]
             if bad:
                 raise P.RequestError(f"token id {bad[0]} is out of range (vocabulary size {self.vocab_size})")
         n, limit, what = len(prompt_ids), self.engine.max_seq_len, "messages" if req.kind == "chat" else "prompt"
@@ -65,22 +71,30 @@ class OpenAIServer:
             if n >= limit:
                 raise P.RequestError(f"this model's maximum context length is {limit} tokens, but the prompt has "
                                      f"{n} tokens", param=what, code="context_length_exceeded")
-            req.params.max_tokens = limit - n
-        elif n + req.max_tokens > limit:
+            return limit - n
+        if n + req.max_tokens > limit:
             raise P.RequestError(f"this model's maximum context length is {limit} tokens, but {n + req.max_tokens}"
                                  f" were requested ({n} in the prompt, {req.max_tokens} for the completion)",
                                  param="max_tokens", code="context_length_exceeded")
-        else:
-            req.params.max_tokens = req.max_tokens
+        return req.max_tokens
+
+    def _sample_params(self, req: P.GenerateRequest, prompt_ids: list[int], j: int) -> SamplingParams:
+        """Sample j of a prompt: its own max_tokens; seeded requests give sample j the seed + j."""
+        max_tokens = self._check_length(req, prompt_ids)
+        p = dataclasses.replace(req.params, max_tokens=max_tokens, min_tokens=min(req.params.min_tokens, max_tokens))
+        if p.seed is not None and j:
+            p.seed = (p.seed + j) % 2 ** 64
+        return p
 
     def _token_text(self, tid: int) -> str:
         return self.tokenizer.decode([tid], skip_special_tokens=False)
 
     def _render_chat(self, req: P.GenerateRequest) -> tuple[list[int], bool]:
         try:
-            ids = self.tokenizer.encode_chat(req.messages, add_generation_prompt=True, **req.chat_template_kwargs)
+            kwargs = {**req.chat_template_kwargs, **({"tools": req.tools.tools} if req.tools else {})}
+            ids = self.tokenizer.encode_chat(req.messages, add_generation_prompt=True, **kwargs)
             opens = self.reasoning and prompt_opens_reasoning(self.tokenizer.apply_chat_template(
-                req.messages, add_generation_prompt=True, **req.chat_template_kwargs))
+                req.messages, add_generation_prompt=True, **kwargs))
         except (jinja2.TemplateError, ValueError, TypeError) as e:
             raise P.RequestError(f"the chat template refused the messages: {' '.join(str(e).split())[:300]}",
                                  param="messages") from None
@@ -90,45 +104,52 @@ class OpenAIServer:
         self.admission.check()
         req = self._check_model(P.parse_chat_request(await read_json(request, self.max_request_bytes)))
         ids, opens = await asyncio.to_thread(self._render_chat, req)      # a 1 MB prompt takes ~1 s: off the loop
-        return await self._generate(request, req, ids, opens)
+        return await self._generate(request, req, [ids], opens)
 
     async def completions(self, request: Request) -> Response:
         self.admission.check()
         req = self._check_model(P.parse_completion_request(await read_json(request, self.max_request_bytes)))
-        ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt) if isinstance(req.prompt, str) else req.prompt
-        return await self._generate(request, req, list(ids), False)
+        prompts = [await asyncio.to_thread(self.tokenizer.encode, p) if isinstance(p, str) else p
+                   for p in req.prompts]
+        return await self._generate(request, req, [list(p) for p in prompts], False)
 
-    async def _generate(self, request: Request, req: P.GenerateRequest, ids: list[int], opens: bool) -> Response:
-        self._check_length(req, ids)
+    async def _generate(self, request: Request, req: P.GenerateRequest, prompts: list[list[int]],
+                        opens: bool) -> Response:
+        """One engine request per (prompt, sample); choice i of the response is sample i % n of prompt i // n."""
+        k = req.n_samples
+        plan = [(ids, self._sample_params(req, ids, j)) for ids in prompts for j in range(k)]
         self.admission.check()                               # a drain may have begun while the body was read
         rid = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        gen = Generation(self.engine, self.metrics, rid, ids, req.params, self.request_timeout,
-                         self.admission.live)
-        rp = Reply(req, rid, int(time.time()), self.model_name, len(ids), self.reasoning and req.kind == "chat",
-                   opens, self._token_text)
+        echo = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids, _ in plan] if req.echo else []
+        rp = Reply(req, rid, int(time.time()), self.model_name, sum(len(p) for p in prompts),
+                   self.reasoning and req.kind == "chat", opens, self._token_text, self.tool_parser, echo)
+        gens: list[Generation] = []
         body = None
         try:
-            first = await until_disconnect(request.receive, gen.next())
-            if first is not GONE and not req.stream:
-                body = await until_disconnect(request.receive, collect(gen, rp, first))
+            for i, (ids, params) in enumerate(plan):
+                gens.append(Generation(self.engine, self.metrics, rid if len(plan) == 1 else f"{rid}-{i}", ids,
+                                       params, self.request_timeout, self.admission.live))
+            firsts = await until_disconnect(request.receive, asyncio.gather(*(g.next() for g in gens)))
+            if firsts is not GONE and not req.stream:
+                body = await until_disconnect(request.receive, collect(gens, rp, firsts))
         except REFUSALS:
-            await gen.close()
+            await _close(gens)
             raise
         except RequestTimeout as e:
-            await gen.close()
+            await _close(gens)
             return JSONResponse(timeout_body(e), status_code=504)
         except Exception:
             log.exception("generation %s failed", rid)
-            await gen.close()
+            await _close(gens)
             return error_response(500, GENERATION_FAILED)
         except BaseException:
-            await gen.close()
+            await _close(gens)
             raise
-        gone = first is GONE or body is GONE
+        gone = firsts is GONE or body is GONE
         if gone or not req.stream:
-            await gen.close()
+            await _close(gens)
             return Response(status_code=499) if gone else JSONResponse(body)       # 499: nobody is listening
-        return SSEResponse(events(gen, rp, first), gen.close)
+        return SSEResponse(events(gens, rp, firsts), lambda: _close(gens))
 
     def _card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "xserv-aot",
@@ -171,16 +192,25 @@ class OpenAIServer:
         return JSONResponse(self.openapi)
 
 
+async def _close(gens: list[Generation]) -> None:
+    for g in gens:
+        await g.close()
+
+
 def create_app(engine, *, model_name: str, api_key: str | None = None, max_request_bytes: int = 1_000_000,
                reasoning: bool | None = None, manage_engine: bool = False,
-               request_timeout: float | None = None) -> Starlette:
+               request_timeout: float | None = None, tool_call_parser: str | None = None) -> Starlette:
     """reasoning: split <think> blocks into reasoning_content (None: when the chat template mentions <think>).
     manage_engine: start the engine at app startup and shut it down at exit (inside the server's event loop).
     request_timeout: seconds from arrival after which a generation is aborted (504, or an error event mid-stream).
+    tool_call_parser: how tool_choice auto finds calls in the text (server/tools.py; None: from the template).
     app.state.server.admission.drain(grace) starts a graceful shutdown (run.py calls it on SIGTERM)."""
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
-    srv = OpenAIServer(engine, model_name, max_request_bytes, reasoning, request_timeout, api_key is not None)
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
+    srv = OpenAIServer(engine, model_name, max_request_bytes, reasoning, request_timeout, api_key is not None,
+                       tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -41,10 +41,49 @@ def _common_properties(fields: dict[str, P.Scalar]) -> dict:
         "stop_token_ids": _nullable(TOKEN_IDS),
         "stream_options": _nullable({"type": "object", "description": "needs stream: true",
                                      "properties": {"include_usage": {"type": ["boolean", "null"]}}}),
-        "logit_bias": _nullable({"type": "object", "maxProperties": 0, "description": "not supported"}),
-        "echo": {"enum": [False, None], "description": "not supported"},
+        "logit_bias": _nullable({"type": "object", "propertyNames": {"pattern": "^[0-9]{1,11}$"},
+                                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                                 "description": "token id (a string) -> added to its logit"}),
+        **STRUCTURED_PROPERTIES,
     })
     return props
+
+
+SCHEMA = {"type": ["object", "boolean"]}
+STRUCTURED_PROPERTIES = {
+    "response_format": _nullable({"anyOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}},
+         "propertyNames": {"enum": ["type"]}},
+        {"type": "object", "required": ["type", "json_schema"], "propertyNames": {"enum": ["type", "json_schema"]},
+         "properties": {"type": {"const": "json_schema"}, "json_schema": {
+             "type": "object", "required": ["schema"],
+             "properties": {"schema": SCHEMA, "name": TEXT, "description": TEXT,
+                            "strict": {"type": ["boolean", "null"]}}}}}]}),
+    "structured_outputs": _nullable({"type": "object", "maxProperties": 1, "anyOf": [
+        {"required": ["json"], "properties": {"json": {"anyOf": [SCHEMA, TEXT]}}},
+        {"required": ["regex"], "properties": {"regex": {"type": "string", "minLength": 1}}},
+        {"required": ["choice"], "properties": {"choice": {"type": "array", "minItems": 1,
+                                                           "items": {"type": "string", "minLength": 1}}}},
+        {"required": ["grammar"], "properties": {"grammar": {"type": "string", "minLength": 1}}},
+        {"required": ["json_object"], "properties": {"json_object": {"const": True}}}],
+        "description": "vLLM: exactly one of json (a JSON schema), regex, choice, grammar (Lark or GBNF), "
+                       "json_object"}),
+    "guided_json": _nullable({"anyOf": [SCHEMA, TEXT]}),
+    "guided_regex": _nullable({"type": "string", "minLength": 1}),
+    "guided_choice": _nullable({"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}),
+    "guided_grammar": _nullable({"type": "string", "minLength": 1}),
+}
+FUNCTION_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_.:-]{1,64}$"}
+TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": FUNCTION_NAME, "description": _nullable(TEXT), "parameters": _nullable({"type": "object"}),
+        "strict": {"type": ["boolean", "null"]}}}}}
+TOOL_CHOICE = {"anyOf": [{"enum": ["none", "auto", "required"]}, {
+    "type": "object", "required": ["type", "function"],
+    "properties": {"type": {"const": "function"},
+                   "function": {"type": "object", "required": ["name"], "properties": {"name": TEXT}}}}],
+    "description": "required / named: enforced by structured decoding; named must be in tools"}
 
 
 MESSAGE = {
@@ -55,7 +94,12 @@ MESSAGE = {
             "type": "object", "required": ["type", "text"],
             "properties": {"type": {"const": "text"}, "text": TEXT}}}]},
         **{k: _nullable(TEXT) for k in P.MESSAGE_TEXT_KEYS},
-        "tool_calls": _nullable({"type": "array", "items": {"type": "object"}}),
+        "tool_calls": _nullable({"type": "array", "items": {
+            "type": "object", "required": ["function"], "properties": {
+                "id": _nullable(TEXT), "type": _nullable({"const": "function"}),
+                "function": {"type": "object", "required": ["name"], "properties": {
+                    "name": TEXT, "arguments": {"anyOf": [{"type": "object"}, TEXT, NULL],
+                                                "description": "an object or its JSON text"}}}}}}),
     },
     "description": "other keys are ignored; message text is data, never template source",
 }
@@ -70,10 +114,12 @@ CHAT_REQUEST = {
             "propertyNames": {"pattern": TEMPLATE_KWARG_NAME,
                               "not": {"enum": sorted(P.RESERVED_TEMPLATE_KWARGS)}}}),
         "chat_template": {"type": "null", "description": "not accepted: the model's own template is always used"},
-        "tools": _nullable({"type": "array", "maxItems": 0, "description": "not supported"}),
-        "response_format": _nullable({"type": "object", "required": ["type"],
-                                      "properties": {"type": {"const": "text"}}}),
+        "tools": _nullable({"type": "array", "items": TOOL}),
+        "tool_choice": _nullable(TOOL_CHOICE),
+        "parallel_tool_calls": {"type": ["boolean", "null"]},
+        **{name: {"description": "accepted, no effect on the output"} for name in sorted(P.IGNORED_FIELDS)},
     },
+    "additionalProperties": False,
 }
 
 COMPLETION_REQUEST = {
@@ -81,10 +127,12 @@ COMPLETION_REQUEST = {
     "properties": {
         **_common_properties(P.COMPLETION_FIELDS),
         "prompt": {"anyOf": [{"type": "string", "minLength": 1}, {**TOKEN_IDS, "minItems": 1},
-                             {"type": "array", "minItems": 1, "maxItems": 1,
+                             {"type": "array", "minItems": 1, "maxItems": P.MAX_PROMPTS,
                               "items": {"anyOf": [{"type": "string", "minLength": 1}, {**TOKEN_IDS, "minItems": 1}]}}]},
         "suffix": {"anyOf": [NULL, {"type": "string", "maxLength": 0}], "description": "not supported"},
+        **{name: {"description": "accepted, no effect on the output"} for name in sorted(P.IGNORED_FIELDS)},
     },
+    "additionalProperties": False,
 }
 
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {

@@ -191,7 +191,7 @@ def test_openapi_document(served, schema):
     _, _, client, _ = served
     assert schema["openapi"].startswith("3.1") and schema["info"]["version"]
     assert set(schema["paths"]) == {CHAT, COMP, "/v1/models", "/v1/models/{model}", "/health", "/version",
-                                    "/metrics", "/openapi.json"}
+                                    "/metrics", "/openapi.json", "/tokenize", "/detokenize"}
     for path in (CHAT, COMP):
         op = schema["paths"][path]["post"]
         assert {"200", "400", "413", "429", "500", "503", "504"} <= set(op["responses"])

@@ -194,13 +194,16 @@ def serve(plan_dir: Path = typer.Argument(..., metavar="PLAN"),
           shutdown_grace: float = typer.Option(30.0, help="on SIGTERM, seconds in-flight requests get to finish "
                                                "before they are aborted"),
           tool_call_parser: Optional[str] = typer.Option(None, help="hermes | llama3_json | none: how tool_choice "
-                                                         "auto finds calls (default: from the chat template)")):
+                                                         "auto finds calls (default: from the chat template)"),
+          metrics_require_key: bool = typer.Option(True, help="with --api-key, /metrics needs the key too; "
+                                                   "--no-metrics-require-key opens it, as vLLM's is")):
     """Serve PLAN with an OpenAI-compatible HTTP API."""
     from xserv_aot.serve import launch
 
     launch(plan_dir, host=host, port=port, api_key=api_key, max_waiting=max_waiting,
            model_name=model_name or Path(plan_dir).resolve().name, max_request_bytes=max_request_bytes, backend=backend,
-           request_timeout=request_timeout, shutdown_grace=shutdown_grace, tool_call_parser=tool_call_parser)
+           request_timeout=request_timeout, shutdown_grace=shutdown_grace, tool_call_parser=tool_call_parser,
+           metrics_require_key=metrics_require_key)
 
 
 @app.command()

@@ -28,7 +28,8 @@ def build_engine(plan_dir: Path, *, backend: str = "auto", max_waiting: int = 25
 
 def launch(plan_dir: Path, *, host: str, port: int, api_key: str | None, max_waiting: int, model_name: str,
            max_request_bytes: int, backend: str, request_timeout: float | None = None,
-           shutdown_grace: float = 30.0, tool_call_parser: str | None = None) -> None:
+           shutdown_grace: float = 30.0, tool_call_parser: str | None = None,
+           metrics_require_key: bool = True) -> None:
     """Blocks until SIGTERM/SIGINT: then drains (shutdown_grace seconds for requests in flight) and returns."""
     from xserv_aot.server.run import run_server
 
@@ -45,4 +46,4 @@ def launch(plan_dir: Path, *, host: str, port: int, api_key: str | None, max_wai
     engine = build_engine(plan_dir, backend=backend, max_waiting=max_waiting, model_name=model_name)
     run_server(engine, host=host, port=port, api_key=api_key, model_name=model_name,
                max_request_bytes=max_request_bytes, request_timeout=request_timeout, shutdown_grace=shutdown_grace,
-               tool_call_parser=tool_call_parser)
+               tool_call_parser=tool_call_parser, metrics_require_key=metrics_require_key)

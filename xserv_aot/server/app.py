@@ -23,10 +23,11 @@ from starlette.routing import Route
 from xserv_aot import __version__
 from xserv_aot.engine.api import SamplingParams
 from xserv_aot.server import protocol as P
+from xserv_aot.server import tokenize as T
 from xserv_aot.server.body import read_json
 from xserv_aot.server.errors import (GENERATION_FAILED, HANDLERS, REFUSALS, RequestTimeout, error_response,
                                      timeout_body)
-from xserv_aot.server.gate import MAX_HEADER_BYTES, Gate
+from xserv_aot.server.gate import MAX_HEADER_BYTES, OPEN_PATHS, Gate
 from xserv_aot.server.lifecycle import Admission
 from xserv_aot.server.metrics import ServerMetrics
 from xserv_aot.server.openapi import openapi_document
@@ -36,26 +37,29 @@ from xserv_aot.server.tools import PARSERS, default_parser
 
 log = logging.getLogger(__name__)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version", "/metrics",
-             "/openapi.json")
+             "/openapi.json", "/tokenize", "/detokenize")
 __all__ = ["create_app", "MAX_HEADER_BYTES", "OpenAIServer"]
 
 
 class OpenAIServer:
     def __init__(self, engine, model_name: str, max_request_bytes: int, reasoning: bool | None,
-                 request_timeout: float | None, api_key_set: bool, tool_call_parser: str | None = None):
+                 request_timeout: float | None, api_key_set: bool, tool_call_parser: str | None = None,
+                 open_paths: tuple[str, ...] = OPEN_PATHS):
         self.engine, self.model_name, self.max_request_bytes = engine, model_name, max_request_bytes
         self.request_timeout = request_timeout
         self.tokenizer = engine.tokenizer
         self.reasoning = template_uses_thinking(self.tokenizer) if reasoning is None else reasoning
-        self.metrics = ServerMetrics(lambda: engine.stats())
+        self.metrics = ServerMetrics(lambda: engine.stats(), model_name)
         self.vocab_size = getattr(self.tokenizer, "vocab_size", None)
         self.tool_parser = tool_call_parser or default_parser(getattr(self.tokenizer, "chat_template", None))
         self.admission = Admission()
-        self.openapi = openapi_document(model_name, max_request_bytes, api_key_set)
+        self.openapi = openapi_document(model_name, max_request_bytes, api_key_set, open_paths)
 
-    def _check_model(self, req: P.GenerateRequest) -> P.GenerateRequest:
-        if req.model is not None and req.model != self.model_name:
-            raise P.RequestError(f"the model '{req.model[:200]}' does not exist (this server serves "
+    def _check_model(self, req):
+        """req (anything with .model, or a dict with "model"), after a 404 for a model this server does not serve."""
+        model = req.get("model") if isinstance(req, dict) else req.model
+        if isinstance(model, str) and model != self.model_name:
+            raise P.RequestError(f"the model '{model[:200]}' does not exist (this server serves "
                                  f"'{self.model_name}')", status=404, param="model", code="model_not_found")
         return req
 
@@ -184,6 +188,29 @@ class OpenAIServer:
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": __version__})
 
+    async def tokenize(self, request: Request) -> Response:
+        t = self._check_model(T.parse_tokenize(await read_json(request, self.max_request_bytes)))
+        if "chat" in t:
+            req = t["chat"]
+            kwargs = {**req.chat_template_kwargs, **({"tools": req.tools.tools} if req.tools else {})}
+            try:
+                ids = await asyncio.to_thread(self.tokenizer.encode_chat, req.messages,
+                                              add_generation_prompt=t["add_generation_prompt"], **kwargs)
+            except (jinja2.TemplateError, ValueError, TypeError) as e:
+                raise P.RequestError(f"the chat template refused the messages: {' '.join(str(e).split())[:300]}",
+                                     param="messages") from None
+        else:
+            ids = await asyncio.to_thread(self.tokenizer.encode, t["prompt"], t["add_special_tokens"])
+        ids = list(ids)
+        strs = [self.tokenizer.id_to_token(i) for i in ids] if t["return_token_strs"] else None
+        return JSONResponse(T.tokenize_body(ids, self.engine.max_seq_len, strs))
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await read_json(request, self.max_request_bytes)
+        ids = T.parse_detokenize(body, self.vocab_size)
+        self._check_model(body)
+        return JSONResponse({"prompt": self.tokenizer.decode(ids, skip_special_tokens=False)})
+
     async def metrics_text(self, request: Request) -> Response:
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
@@ -199,18 +226,21 @@ async def _close(gens: list[Generation]) -> None:
 
 def create_app(engine, *, model_name: str, api_key: str | None = None, max_request_bytes: int = 1_000_000,
                reasoning: bool | None = None, manage_engine: bool = False,
-               request_timeout: float | None = None, tool_call_parser: str | None = None) -> Starlette:
+               request_timeout: float | None = None, tool_call_parser: str | None = None,
+               metrics_require_key: bool = True) -> Starlette:
     """reasoning: split <think> blocks into reasoning_content (None: when the chat template mentions <think>).
     manage_engine: start the engine at app startup and shut it down at exit (inside the server's event loop).
     request_timeout: seconds from arrival after which a generation is aborted (504, or an error event mid-stream).
     tool_call_parser: how tool_choice auto finds calls in the text (server/tools.py; None: from the template).
+    metrics_require_key: /metrics needs the API key too (False: open like vLLM's, for key-less Prometheus scrapes).
     app.state.server.admission.drain(grace) starts a graceful shutdown (run.py calls it on SIGTERM)."""
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
+    open_paths = OPEN_PATHS + (("/metrics",) if not metrics_require_key else ())
     srv = OpenAIServer(engine, model_name, max_request_bytes, reasoning, request_timeout, api_key is not None,
-                       tool_call_parser)
+                       tool_call_parser, open_paths)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -229,8 +259,11 @@ def create_app(engine, *, model_name: str, api_key: str | None = None, max_reque
               Route("/health", srv.health, methods=["GET"]),
               Route("/version", srv.version, methods=["GET"]),
               Route("/metrics", srv.metrics_text, methods=["GET"]),
-              Route("/openapi.json", srv.openapi_json, methods=["GET"])]
+              Route("/openapi.json", srv.openapi_json, methods=["GET"]),
+              Route("/tokenize", srv.tokenize, methods=["POST"]),
+              Route("/detokenize", srv.detokenize, methods=["POST"])]
     app = Starlette(routes=routes, exception_handlers=HANDLERS, lifespan=lifespan)
     app.state.server = srv
-    app.add_middleware(Gate, metrics=srv.metrics, api_key=api_key, endpoints=ENDPOINTS)
+    app.add_middleware(Gate, metrics=srv.metrics, api_key=api_key, endpoints=ENDPOINTS,
+                       open_paths=open_paths)
     return app

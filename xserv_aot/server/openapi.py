@@ -180,8 +180,27 @@ def _get_op(summary: str, media: str = "application/json", schema: dict | None =
     return {"get": op}
 
 
-def openapi_document(model_name: str, max_request_bytes: int, secured: bool) -> dict:
-    """secured: an API key is configured (every operation but /health needs a bearer token)."""
+TOKENIZE_REQUEST = {"type": "object", "properties": {
+    "model": _nullable(TEXT), "prompt": _nullable(TEXT), "messages": _nullable({"type": "array", "items": MESSAGE}),
+    "add_special_tokens": {"type": ["boolean", "null"], "default": True},
+    "add_generation_prompt": {"type": ["boolean", "null"], "default": True},
+    "chat_template_kwargs": CHAT_REQUEST["properties"]["chat_template_kwargs"],
+    "tools": CHAT_REQUEST["properties"]["tools"], "return_token_strs": {"type": ["boolean", "null"]}},
+    "description": "exactly one of prompt and messages", "additionalProperties": False}
+DETOKENIZE_REQUEST = {"type": "object", "required": ["tokens"], "additionalProperties": False,
+                      "properties": {"model": _nullable(TEXT), "tokens": TOKEN_IDS}}
+
+
+def _post_op(summary: str, request: dict) -> dict:
+    return {"post": {"summary": summary,
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+                     "responses": {"200": {"description": "ok", "content": {"application/json": {
+                         "schema": {"type": "object"}}}}, **_errors("400", "401", "404", "413")}}}
+
+
+def openapi_document(model_name: str, max_request_bytes: int, secured: bool,
+                     open_paths: tuple[str, ...] = ("/health",)) -> dict:
+    """secured: an API key is configured (every operation but those on open_paths needs a bearer token)."""
     doc = {
         "openapi": "3.1.0",
         "info": {"title": "xserv-aot OpenAI-compatible API", "version": __version__,
@@ -198,7 +217,10 @@ def openapi_document(model_name: str, max_request_bytes: int, secured: bool) -> 
             "/health": _get_op("Liveness and readiness (503 while draining or when the engine is unhealthy)",
                                secured=False, extra=("503",)),
             "/version": _get_op("Server version"),
-            "/metrics": _get_op("Prometheus metrics", media="text/plain", schema=TEXT),
+            "/metrics": _get_op("Prometheus metrics (xserv_* and vLLM's vllm:* names)", media="text/plain",
+                                schema=TEXT, secured="/metrics" not in open_paths),
+            "/tokenize": _post_op("Token ids of a prompt or of chat messages (vLLM's shape)", TOKENIZE_REQUEST),
+            "/detokenize": _post_op("Text of token ids (vLLM's shape)", DETOKENIZE_REQUEST),
             "/openapi.json": _get_op("This document"),
         },
         "components": {"schemas": {"ChatCompletionRequest": CHAT_REQUEST, "CompletionRequest": COMPLETION_REQUEST,

@@ -174,7 +174,7 @@ def _stop(body: dict) -> list[str]:
     return list(stops)
 
 
-def _token_ids(v, name: str) -> list[int]:
+def token_ids(v, name: str) -> list[int]:
     ids = [_as_int(t) for t in v] if isinstance(v, list) else None
     if ids is None or not all(t is not None and 0 <= t < INT64 for t in ids):
         raise RequestError(f"'{name}' must be a list of non-negative integer token ids", param=name)
@@ -220,7 +220,7 @@ def _common(body, fields: dict[str, Scalar], only: set[str]) -> tuple[dict, Samp
     stop_ids = body.get("stop_token_ids")
     from xserv_aot.server.structured import parse_guided
     params = SamplingParams(**{**p, "top_k": max(p["top_k"], 0)}, stop=_stop(body),
-                            stop_token_ids=[] if stop_ids is None else _token_ids(stop_ids, "stop_token_ids"),
+                            stop_token_ids=[] if stop_ids is None else token_ids(stop_ids, "stop_token_ids"),
                             min_tokens=values["min_tokens"], logit_bias=_logit_bias(body),
                             guided=parse_guided(body))
     if params.seed is not None and params.seed < 0:
@@ -334,7 +334,7 @@ def parse_chat_request(body) -> GenerateRequest:
 
 def _one_prompt(prompt):
     if isinstance(prompt, list):
-        prompt = _token_ids(prompt, "prompt")
+        prompt = token_ids(prompt, "prompt")
     elif not isinstance(prompt, str):
         raise RequestError("'prompt' must be a string, a list of token ids, or a list of those", param="prompt")
     if not prompt:

@@ -54,7 +54,7 @@ class Generation:
     def __init__(self, engine, metrics: ServerMetrics, rid: str, prompt_ids: list[int], params,
                  timeout: float | None, live: set):
         self.engine, self.metrics, self.rid, self.timeout, self.live = engine, metrics, rid, timeout, live
-        self.t0, self.t_first = time.monotonic(), None
+        self.t0, self.t_first, self.t_last = time.monotonic(), None, None
         self.final: RequestOutput | None = None
         self.refused = self.failed = False
         self.n_prompt = len(prompt_ids)
@@ -89,6 +89,10 @@ class Generation:
             if self.t_first is None:
                 self.t_first = now
                 m.ttft.observe(now - self.t0)
+            else:
+                for _ in out.new_token_ids:
+                    m.itl.observe((now - self.t_last) / len(out.new_token_ids))
+            self.t_last = now
         if out.finish_reason is not None:
             self.final = out
             m.e2e.observe(now - self.t0)

@@ -59,6 +59,8 @@ def compile(
     dummy_weights: bool = typer.Option(False, help="random weights from the config alone (benchmarks)"),
     seed: int = typer.Option(0, help="seed for --dummy-weights"),
     force: bool = typer.Option(False, help="replace an existing plan"),
+    generation_config: str = typer.Option("auto", help="sampling defaults for the API: auto (the model's "
+                                          "generation_config.json), vllm (none) or a path to one"),
 ):
     """Compile MODEL into a plan directory (no GPU needed)."""
     from rich.progress import Progress
@@ -84,7 +86,7 @@ def compile(
             bar.update(tasks[stage], completed=done, total=total)
 
         plan = compile_plan(model, out, build, dummy_weights=dummy_weights, dummy_seed=seed, force=force,
-                            progress=progress)
+                            progress=progress, generation_config=generation_config)
     typer.echo(f"wrote plan {out} ({plan.model.arch}, {len(plan.buckets)} buckets, "
                f"weights {plan.manifest['weights']['size'] / 2**20:.1f} MiB, KV pool {plan.build.num_blocks} blocks)")
 

@@ -23,7 +23,8 @@ def build_engine(plan_dir: Path, *, backend: str = "auto", max_waiting: int = 25
     log.info("plan %s: %s on %s, %d buckets, max_seq_len %d", plan.dir, plan.model.arch, type(runner).__name__,
              len(plan.buckets), plan.build.max_seq_len)
     engine = LLMEngine(runner, tokenizer)
-    return AsyncEngine(engine, model_name=model_name or Path(plan_dir).resolve().name, max_waiting=max_waiting)
+    return AsyncEngine(engine, model_name=model_name or Path(plan_dir).resolve().name, max_waiting=max_waiting,
+                       generation_defaults=plan.generation_defaults)
 
 
 def launch(plan_dir: Path, *, host: str, port: int, api_key: str | None, max_waiting: int, model_name: str,

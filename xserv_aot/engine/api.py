@@ -101,7 +101,8 @@ class AsyncEngineProtocol:
     def abort(request_id: str) -> None            frees the request's KV blocks within one step
     def stats() -> EngineStats
     def start() -> None / def shutdown() -> None  engine thread lifecycle
-    attributes: tokenizer (xserv_aot.tokenizer.Tokenizer), max_seq_len: int, model_name: str
+    attributes: tokenizer (xserv_aot.tokenizer.Tokenizer), max_seq_len: int, model_name: str,
+                generation_defaults: dict (request field -> default, from the plan; optional)
     """
 
 

@@ -83,6 +83,7 @@ class Plan:
         self.kv_cache = manifest["kv_cache"]
         self.buckets = [Bucket(**b) for b in manifest["buckets"]]
         self.kernels = manifest.get("kernels") or {}
+        self.generation_defaults: dict = manifest.get("generation_defaults") or {}   # request field -> default
 
     @classmethod
     def load(cls, plan_dir: Path | str, verify: str = "quick") -> "Plan":

@@ -51,6 +51,7 @@ class OpenAIServer:
         self.reasoning = template_uses_thinking(self.tokenizer) if reasoning is None else reasoning
         self.metrics = ServerMetrics(lambda: engine.stats(), model_name)
         self.vocab_size = getattr(self.tokenizer, "vocab_size", None)
+        self.defaults = dict(getattr(engine, "generation_defaults", None) or {})
         self.tool_parser = tool_call_parser or default_parser(getattr(self.tokenizer, "chat_template", None))
         self.admission = Admission()
         self.openapi = openapi_document(model_name, max_request_bytes, api_key_set, open_paths)
@@ -75,7 +76,7 @@ class OpenAIServer:
             if n >= limit:
                 raise P.RequestError(f"this model's maximum context length is {limit} tokens, but the prompt has "
                                      f"{n} tokens", param=what, code="context_length_exceeded")
-            return limit - n
+            return min(limit - n, self.defaults.get("max_tokens", limit))     # the model's max_new_tokens, if any
         if n + req.max_tokens > limit:
             raise P.RequestError(f"this model's maximum context length is {limit} tokens, but {n + req.max_tokens}"
                                  f" were requested ({n} in the prompt, {req.max_tokens} for the completion)",
@@ -106,13 +107,15 @@ class OpenAIServer:
 
     async def chat(self, request: Request) -> Response:
         self.admission.check()
-        req = self._check_model(P.parse_chat_request(await read_json(request, self.max_request_bytes)))
+        req = self._check_model(P.parse_chat_request(await read_json(request, self.max_request_bytes),
+                                                     self.defaults))
         ids, opens = await asyncio.to_thread(self._render_chat, req)      # a 1 MB prompt takes ~1 s: off the loop
         return await self._generate(request, req, [ids], opens)
 
     async def completions(self, request: Request) -> Response:
         self.admission.check()
-        req = self._check_model(P.parse_completion_request(await read_json(request, self.max_request_bytes)))
+        req = self._check_model(P.parse_completion_request(await read_json(request, self.max_request_bytes),
+                                                           self.defaults))
         prompts = [await asyncio.to_thread(self.tokenizer.encode, p) if isinstance(p, str) else p
                    for p in req.prompts]
         return await self._generate(request, req, [list(p) for p in prompts], False)

@@ -202,7 +202,8 @@ def check_fields(body: dict, known) -> None:
                                param=str(name)[:64], code="unknown_field")
 
 
-def _common(body, fields: dict[str, Scalar], only: set[str]) -> tuple[dict, SamplingParams, dict]:
+def _common(body, fields: dict[str, Scalar], only: set[str], defaults: dict | None) -> tuple[dict, SamplingParams,
+                                                                                            dict]:
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     check_fields(body, {*SAMPLING_FIELDS, *COMMON_FIELDS, *fields, *OTHER_FIELDS, *only})
@@ -215,6 +216,9 @@ def _common(body, fields: dict[str, Scalar], only: set[str]) -> tuple[dict, Samp
         raise RequestError("'stream_options' must be an object and needs 'stream': true", param="stream_options")
     include_usage = scalar(opts or {}, "include_usage", Scalar("boolean", False))
     p = {name: scalar(body, name, s) for name, s in SAMPLING_FIELDS.items()}
+    for name, v in (defaults or {}).items():                   # the model's generation_config: requests win
+        if name in p and body.get(name) is None:
+            p[name] = v
     if p["temperature"] < GREEDY_BELOW:
         p["temperature"] = 0.0
     stop_ids = body.get("stop_token_ids")
@@ -305,11 +309,12 @@ def _samples(body: dict, values: dict, params: SamplingParams) -> dict:
     return dict(n=n, best_of=best_of, want_logprobs=want)
 
 
-def parse_chat_request(body) -> GenerateRequest:
+def parse_chat_request(body, defaults: dict | None = None) -> GenerateRequest:
+    """defaults: request field -> value for fields the body leaves out (the plan's generation_defaults)."""
     if isinstance(body, dict) and body.get("chat_template") is not None:
         raise RequestError("'chat_template' is not accepted: the server always uses the model's own chat template",
                            param="chat_template")
-    common, params, values = _common(body, CHAT_FIELDS, CHAT_ONLY | {"chat_template"})
+    common, params, values = _common(body, CHAT_FIELDS, CHAT_ONLY | {"chat_template"}, defaults)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", param="messages")
@@ -342,8 +347,8 @@ def _one_prompt(prompt):
     return prompt
 
 
-def parse_completion_request(body) -> GenerateRequest:
-    common, params, values = _common(body, COMPLETION_FIELDS, COMPLETION_ONLY | {"suffix"})
+def parse_completion_request(body, defaults: dict | None = None) -> GenerateRequest:
+    common, params, values = _common(body, COMPLETION_FIELDS, COMPLETION_ONLY | {"suffix"}, defaults)
     _refuse(body, "suffix", lambda s: s == "", "is not supported")
     prompt = body.get("prompt")
     batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))

@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.fake_engine import LiveServer, tiny_plan
+from tests.fake_engine import FakeEngine, LiveServer, tiny_plan
 from xserv_aot.serve import build_engine
 from xserv_aot.server import create_app
 
@@ -26,18 +26,36 @@ def client(tmp_path_factory):
         yield c
 
 
-def one(client, seed: int, **kw):
-    return client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=6, temperature=1.0, seed=seed,
+@pytest.fixture(scope="module")
+def fake():
+    """FakeEngine: exact and batch-independent, so choice j can be compared with a single request of seed + j.
+    (On the real engine, samples that share a prompt's KV compute their last prompt tokens in another batch
+    shape, and float32 rounding can move a sampled token; the real-engine tests below compare like with like.)"""
+    with LiveServer(create_app(FakeEngine(), model_name="m")) as url, \
+            openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=60, max_retries=0) as c:
+        yield c
+
+
+def one(client, seed: int, model: str = "tiny", **kw):
+    return client.chat.completions.create(model=model, messages=MSGS, max_tokens=6, temperature=1.0, seed=seed,
                                           extra_body={"ignore_eos": True}, **kw)
 
 
-def test_n_choices_are_the_seeded_single_requests(client):
-    r = one(client, 40, n=3)
-    singles = [one(client, 40 + j) for j in range(3)]
+def test_fake_n_choices_are_the_seeded_single_requests(fake):
+    r = one(fake, 40, "m", n=3)
+    singles = [one(fake, 40 + j, "m") for j in range(3)]
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert [c.message.content for c in r.choices] == [s.choices[0].message.content for s in singles]
+    assert len({c.message.content for c in r.choices}) == 3
     assert r.usage.prompt_tokens == singles[0].usage.prompt_tokens
     assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles) == 18
+
+
+def test_n_choices_stream_equals_non_stream(client):
+    r = one(client, 40, n=3)
+    single = one(client, 40)
+    assert [c.index for c in r.choices] == [0, 1, 2] and len({c.message.content for c in r.choices}) == 3
+    assert r.usage.prompt_tokens == single.usage.prompt_tokens and r.usage.completion_tokens == 18
     parts = {}
     for chunk in one(client, 40, n=3, stream=True):
         for c in chunk.choices:
@@ -45,10 +63,10 @@ def test_n_choices_are_the_seeded_single_requests(client):
     assert [parts[i] for i in range(3)] == [c.message.content for c in r.choices]
 
 
-def test_best_of_keeps_the_most_likely_sample(client):
-    kw = dict(model="tiny", prompt="harbor lantern", max_tokens=5, temperature=1.2, extra_body={"ignore_eos": True})
-    best = client.completions.create(**kw, seed=7, best_of=3)
-    cands = [client.completions.create(**kw, seed=7 + j, logprobs=0) for j in range(3)]
+def test_fake_best_of_keeps_the_most_likely_sample(fake):
+    kw = dict(model="m", prompt="harbor lantern", max_tokens=5, temperature=1.2, extra_body={"ignore_eos": True})
+    best = fake.completions.create(**kw, seed=7, best_of=3)
+    cands = [fake.completions.create(**kw, seed=7 + j, logprobs=0) for j in range(3)]
     score = [sum(c.choices[0].logprobs.token_logprobs) for c in cands]
     want = cands[max(range(3), key=lambda j: score[j])].choices[0].text
     assert len(set(c.choices[0].text for c in cands)) > 1, "the seeds should give different samples"
@@ -56,17 +74,38 @@ def test_best_of_keeps_the_most_likely_sample(client):
     assert best.usage.completion_tokens == 15                          # every candidate is counted, as OpenAI does
 
 
-def test_prompt_list_and_n(client):
-    kw = dict(model="tiny", max_tokens=4, temperature=0.8, seed=3, extra_body={"ignore_eos": True})
-    r = client.completions.create(prompt=["river violet", "quartz meadow signal"], n=2, **kw)
+def test_best_of_on_the_engine(client):
+    kw = dict(model="tiny", prompt="harbor lantern", max_tokens=5, temperature=1.2, seed=7,
+              extra_body={"ignore_eos": True})
+    best = client.completions.create(**kw, best_of=3, n=2)
+    assert [c.index for c in best.choices] == [0, 1] and best.usage.completion_tokens == 15
+
+
+def test_fake_prompt_list_and_n(fake):
+    kw = dict(model="m", max_tokens=4, temperature=0.8, seed=3, extra_body={"ignore_eos": True})
+    texts = ["river violet", "quartz meadow signal"]
+    r = fake.completions.create(prompt=texts, n=2, **kw)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
-    for p, text in enumerate(["river violet", "quartz meadow signal"]):
+    for p, text in enumerate(texts):
         for j in range(2):
-            single = client.completions.create(prompt=text, **{**kw, "seed": 3 + j})
+            single = fake.completions.create(prompt=text, **{**kw, "seed": 3 + j})
             assert r.choices[2 * p + j].text == single.choices[0].text
-    singles = [client.completions.create(prompt=t, **kw) for t in ("river violet", "quartz meadow signal")]
+    singles = [fake.completions.create(prompt=t, **kw) for t in texts]
     assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
     assert r.usage.completion_tokens == 16
+
+
+def test_prompt_list_on_the_engine(client):
+    kw = dict(model="tiny", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    texts = ["river violet", "quartz meadow signal"]
+    r = client.completions.create(prompt=texts, **kw)
+    assert [c.text for c in r.choices] == [client.completions.create(prompt=t, **kw).choices[0].text
+                                           for t in texts]                  # greedy: batch-independent
+    streamed = {}
+    for chunk in client.completions.create(prompt=texts, stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(2)] == [c.text for c in r.choices]
 
 
 def test_echo_prepends_the_prompt(client):

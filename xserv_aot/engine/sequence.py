@@ -34,6 +34,7 @@ class Sequence:
         self.error: str | None = None
         self.detokenizer = detokenizer
         self.matcher = None                        # engine.grammar.Matcher when params.guided is set
+        self.fork_parent: Sequence | None = None   # an earlier sequence with the same prompt (scheduler.add)
         self._held_text = ""                       # text that may be the start of a stop string
 
     @property

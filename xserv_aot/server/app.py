@@ -32,7 +32,8 @@ from xserv_aot.server.lifecycle import Admission
 from xserv_aot.server.metrics import ServerMetrics
 from xserv_aot.server.openapi import openapi_document
 from xserv_aot.server.reasoning import prompt_opens_reasoning, template_uses_thinking
-from xserv_aot.server.streaming import GONE, Generation, Reply, SSEResponse, collect, events, until_disconnect
+from xserv_aot.server.choices import Reply, collect, events
+from xserv_aot.server.streaming import GONE, Generation, SSEResponse, until_disconnect
 from xserv_aot.server.tools import PARSERS, default_parser
 
 log = logging.getLogger(__name__)

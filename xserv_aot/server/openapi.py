@@ -3,11 +3,12 @@ published request schema is the one the parser enforces."""
 from __future__ import annotations
 
 from xserv_aot import __version__
+from xserv_aot.server import messages as M
 from xserv_aot.server import protocol as P
 from xserv_aot.server.body import MAX_JSON_DEPTH
 
 NULL = {"type": "null"}
-TEMPLATE_KWARG_NAME = P.TEMPLATE_KWARG_NAME
+TEMPLATE_KWARG_NAME = M.TEMPLATE_KWARG_NAME
 
 
 def scalar_schema(s: P.Scalar) -> dict:
@@ -89,11 +90,11 @@ TOOL_CHOICE = {"anyOf": [{"enum": ["none", "auto", "required"]}, {
 MESSAGE = {
     "type": "object", "required": ["role"],
     "properties": {
-        "role": {"enum": list(P.ROLES)},
+        "role": {"enum": list(M.ROLES)},
         "content": {"anyOf": [TEXT, NULL, {"type": "array", "items": {
             "type": "object", "required": ["type", "text"],
             "properties": {"type": {"const": "text"}, "text": TEXT}}}]},
-        **{k: _nullable(TEXT) for k in P.MESSAGE_TEXT_KEYS},
+        **{k: _nullable(TEXT) for k in M.MESSAGE_TEXT_KEYS},
         "tool_calls": _nullable({"type": "array", "items": {
             "type": "object", "required": ["function"], "properties": {
                 "id": _nullable(TEXT), "type": _nullable({"const": "function"}),
@@ -112,7 +113,7 @@ CHAT_REQUEST = {
         "chat_template_kwargs": _nullable({
             "type": "object", "description": "extra variables for the model's chat template",
             "propertyNames": {"pattern": TEMPLATE_KWARG_NAME,
-                              "not": {"enum": sorted(P.RESERVED_TEMPLATE_KWARGS)}}}),
+                              "not": {"enum": sorted(M.RESERVED_TEMPLATE_KWARGS)}}}),
         "chat_template": {"type": "null", "description": "not accepted: the model's own template is always used"},
         "tools": _nullable({"type": "array", "items": TOOL}),
         "tool_choice": _nullable(TOOL_CHOICE),

@@ -4,41 +4,28 @@ Parsing turns a JSON body into a GenerateRequest or raises RequestError (status,
 An unknown field is refused (400 naming it): a field that is accepted is implemented, or listed in IGNORED_FIELDS
 (no effect on the output). The scalar-field tables below drive both the parser and the published OpenAPI schema
 (openapi.py).
-Messages are data: their text never becomes template source, and only the known message keys reach the template.
+Messages: server/messages.py; tools: server/tools.py; structured outputs: server/structured.py.
 """
 from __future__ import annotations
 
-import json
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Callable
 
 from xserv_aot.engine.api import SamplingParams
+from xserv_aot.server.messages import parse_message, template_kwargs
+from xserv_aot.server.request_error import RequestError
+from xserv_aot.server.structured import parse_guided
+from xserv_aot.server.tools import forced_grammar, parse_tools
 
 MAX_STOP = 4
 MAX_LOGPROBS = 20
 INT64 = 2 ** 63
 INT32_MAX = 2 ** 31 - 1
 GREEDY_BELOW = 1e-5                             # temperatures under this sample greedily (1/T would overflow)
-ROLES = ("system", "developer", "user", "assistant", "tool")
-TEMPLATE_ROLE = {"developer": "system"}          # OpenAI's newer name for the system role
 MAX_N = 16
 MAX_PROMPTS = 64
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})    # accepted, no effect on the output
-MESSAGE_TEXT_KEYS = ("name", "tool_call_id", "reasoning_content", "reasoning", "thinking")
-TEMPLATE_KWARG_NAME = "^[A-Za-z][A-Za-z0-9_]*$"
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "documents", "bos_token",
-                                      "eos_token", "unk_token", "pad_token", "chat_template", "raise_exception",
-                                      "strftime_now"})
-
-
-class RequestError(ValueError):
-    """A request the server refuses; becomes an OpenAI error body with this status."""
-
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message, self.status, self.param, self.code = message, status, param, code
 
 
 @dataclass(frozen=True)
@@ -222,7 +209,6 @@ def _common(body, fields: dict[str, Scalar], only: set[str], defaults: dict | No
     if p["temperature"] < GREEDY_BELOW:
         p["temperature"] = 0.0
     stop_ids = body.get("stop_token_ids")
-    from xserv_aot.server.structured import parse_guided
     params = SamplingParams(**{**p, "top_k": max(p["top_k"], 0)}, stop=_stop(body),
                             stop_token_ids=[] if stop_ids is None else token_ids(stop_ids, "stop_token_ids"),
                             min_tokens=values["min_tokens"], logit_bias=_logit_bias(body),
@@ -230,71 +216,6 @@ def _common(body, fields: dict[str, Scalar], only: set[str], defaults: dict | No
     if params.seed is not None and params.seed < 0:
         params.seed += 2 ** 64                                   # same 64 bits, as an unsigned seed
     return dict(model=model, stream=values["stream"], include_usage=include_usage), params, values
-
-
-def _message(m, i: int) -> dict:
-    where = f"messages[{i}]"
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise RequestError(f"{where} must be an object with a string 'role'", param="messages")
-    if m["role"] not in ROLES:
-        raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}", param="messages")
-    role = TEMPLATE_ROLE.get(m["role"], m["role"])
-    content = m.get("content")
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise RequestError(f"{where}.content: only text parts are supported", param="messages")
-            parts.append(p["text"])
-        content = "\n".join(parts)
-    elif content is not None and not isinstance(content, str):
-        raise RequestError(f"{where}.content must be a string, a list of text parts or null", param="messages")
-    out = {"role": role, "content": content if content is not None else ""}
-    for key in MESSAGE_TEXT_KEYS:
-        if m.get(key) is not None:
-            if not isinstance(m[key], str):
-                raise RequestError(f"{where}.{key} must be a string", param="messages")
-            out[key] = m[key]
-    calls = m.get("tool_calls")
-    if calls is not None:
-        if not isinstance(calls, list):
-            raise RequestError(f"{where}.tool_calls must be a list of objects", param="messages")
-        if calls:
-            out["tool_calls"] = [_history_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
-    return out
-
-
-def _history_call(c, where: str) -> dict:
-    """An assistant turn's tool call as chat templates read it: arguments as an object (Llama templates apply
-    tojson to it; Qwen templates take either)."""
-    fn = c.get("function") if isinstance(c, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise RequestError(f"{where} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}",
-                           param="messages")
-    args = fn.get("arguments")
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError:
-            raise RequestError(f"{where}.function.arguments must be a JSON object text", param="messages") from None
-    if args is not None and not isinstance(args, dict):
-        raise RequestError(f"{where}.function.arguments must be a JSON object", param="messages")
-    out = {"type": "function", "function": {"name": fn["name"], "arguments": args or {}}}
-    if isinstance(c.get("id"), str):
-        out["id"] = c["id"]
-    return out
-
-
-def _template_kwargs(body: dict) -> dict:
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, dict):
-        raise RequestError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    for k in kwargs:
-        if not re.fullmatch(TEMPLATE_KWARG_NAME[1:-1], k) or k in RESERVED_TEMPLATE_KWARGS:
-            raise RequestError(f"'chat_template_kwargs' may not set {k[:40]!r}", param="chat_template_kwargs")
-    return kwargs
 
 
 def _samples(body: dict, values: dict, params: SamplingParams) -> dict:
@@ -318,7 +239,6 @@ def parse_chat_request(body, defaults: dict | None = None) -> GenerateRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", param="messages")
-    from xserv_aot.server.tools import forced_grammar, parse_tools
     tools = parse_tools(body)
     forced = forced_grammar(tools) if tools is not None else None
     if forced is not None:
@@ -332,8 +252,8 @@ def parse_chat_request(body, defaults: dict | None = None) -> GenerateRequest:
         raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     max_tokens = values["max_completion_tokens"] or values["max_tokens"]
     return GenerateRequest(kind="chat", max_tokens=max_tokens, params=params,
-                           messages=[_message(m, i) for i, m in enumerate(messages)],
-                           chat_template_kwargs=_template_kwargs(body), tools=tools,
+                           messages=[parse_message(m, i) for i, m in enumerate(messages)],
+                           chat_template_kwargs=template_kwargs(body), tools=tools,
                            **_samples(body, values, params), **common)
 
 

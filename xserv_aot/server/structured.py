@@ -12,7 +12,7 @@ import json
 
 from xserv_aot.engine.api import GuidedDecoding, InvalidRequestError
 from xserv_aot.engine.grammar import check_syntax
-from xserv_aot.server.protocol import RequestError
+from xserv_aot.server.request_error import RequestError
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from xserv_aot.engine.api import GuidedDecoding
-from xserv_aot.server.protocol import RequestError
+from xserv_aot.server.request_error import RequestError
 
 PARSERS = ("hermes", "llama3_json", "none")
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")

@@ -112,3 +112,22 @@ def test_litellm_completion_tools_and_stream(url):
                                                                              stream=True))
     plain = litellm.completion(**{**kw, "max_tokens": 5}).choices[0].message.content
     assert text == plain
+
+
+@pytest.mark.slow
+def test_smollm2_tools_and_json_schema_with_the_openai_client(smollm2_plan):
+    """A real (small) model: a forced call parses and validates, a json_schema answer validates, auto stays text."""
+    ae = build_engine(smollm2_plan, backend="cpu", model_name="smollm2")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    with LiveServer(create_app(ae, model_name="smollm2", manage_engine=True)) as base, \
+            openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=300, max_retries=0) as client:
+        r = client.chat.completions.create(model="smollm2", messages=MSGS, tools=tools, tool_choice="required",
+                                           max_tokens=60, temperature=0)
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.function.arguments), tools[0]["function"]["parameters"])
+        r = client.chat.completions.parse(model="smollm2", messages=MSGS, response_format=Weather, max_tokens=60,
+                                          temperature=0)
+        assert isinstance(r.choices[0].message.parsed, Weather)

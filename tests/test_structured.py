@@ -184,3 +184,22 @@ def test_random_schemas_always_validate_smollm2(smol):
     obj = run(smol, prompt, [GuidedDecoding("json_object", "")], 1, 150)[0]
     if obj.finish_reason == "stop":
         assert isinstance(json.loads(obj.text), dict)
+
+
+def test_a_failing_grammar_ends_only_its_request(tiny):
+    """A matcher in an error state (forced here by feeding it a token its grammar refuses) ends that request with
+    an error; the other request of the same step finishes normally."""
+    ids = tiny.tokenizer.encode("x")
+    g = GuidedDecoding("choice", json.dumps(["yes"]))
+    tiny.add_request("bad", ids, SamplingParams(max_tokens=5, temperature=0, guided=g))
+    tiny.add_request("good", ids, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    bad = tiny._seqs["bad"]
+    bad.matcher._m.consume_token(tiny.tokenizer.encode("no", add_special_tokens=False)[0])
+    final = {}
+    while tiny.has_unfinished():
+        for o in tiny.step():
+            if o.finish_reason is not None:
+                final[o.request_id] = o
+    assert final["bad"].finish_reason == "error" and "structured output failed" in final["bad"].error
+    assert final["good"].finish_reason == "length" and final["good"].num_generated_tokens == 3
+    assert tiny.healthy and tiny.consecutive_failures == 0

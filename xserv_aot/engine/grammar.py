@@ -64,6 +64,10 @@ def _line(e, n: int = 300) -> str:
     return text[:n]
 
 
+class GrammarError(RuntimeError):
+    """A sequence's matcher failed (parser limits, internal error): that request ends with an error."""
+
+
 class GrammarCompiler:
     """Thread-safe: the server thread compiles (check_request), the engine thread makes matchers."""
 
@@ -118,7 +122,10 @@ class Matcher:
     def allowed(self) -> np.ndarray:
         """bool [V]: the ids the grammar allows next (EOS only where the grammar may end)."""
         self._m.unsafe_compute_mask_ptr(self.bitmask.ctypes.data, self.bitmask.nbytes)
-        return unpack_bitmask(self.bitmask, self.vocab_size)
+        allowed = unpack_bitmask(self.bitmask, self.vocab_size)
+        if self._m.is_error() or not allowed.any():
+            raise GrammarError(f"structured output failed: {_line(self._m.get_error() or 'no token allowed')}")
+        return allowed
 
     def consume(self, token_id: int) -> None:
         if not self._m.consume_token(int(token_id)):

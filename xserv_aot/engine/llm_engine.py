@@ -22,7 +22,7 @@ import numpy as np
 from xserv_aot.config import BuildConfig
 from xserv_aot.engine.api import (EngineFailedError, EngineStats, InvalidRequestError, RequestOutput,
                                   RequestTooLongError, SamplingParams, TokenLogprob)
-from xserv_aot.engine.grammar import GrammarCompiler
+from xserv_aot.engine.grammar import GrammarCompiler, GrammarError
 from xserv_aot.engine.sampler import MAX_LOGPROBS, sample_token
 from xserv_aot.engine.scheduler import Scheduler, SchedulerOutput
 from xserv_aot.engine.sequence import Sequence
@@ -184,8 +184,14 @@ class LLMEngine:
             if seq.params.needs_host_sampling:
                 if result.logits is None:
                     raise RuntimeError("runner returned no logits for a batch with need_logits set")
+                try:
+                    allowed = self._allowed(seq)
+                except GrammarError as e:                  # this request's grammar failed: only it ends
+                    seq.error = str(e)
+                    outputs.append(self._finish(seq, [], seq.flush_text(), "error", None))
+                    continue
                 token, lp = sample_token(np.asarray(result.logits[i]), seq.params, seq.prompt_ids,
-                                         seq.output_ids, seq.seed, seq.num_output_tokens, self._allowed(seq))
+                                         seq.output_ids, seq.seed, seq.num_output_tokens, allowed)
             else:
                 token, lp = int(sampled[i]), None
             outputs.append(self._append(seq, token, lp))
@@ -210,7 +216,7 @@ class LLMEngine:
         p = seq.params
         text, reason = "", None
         if seq.matcher is not None:
-            seq.matcher.consume(token)
+            seq.matcher.consume(token)                 # allowed by its mask: cannot fail
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids or \
                 (seq.matcher is not None and seq.matcher.is_stopped and token in self.eos_token_ids):
             reason = "stop"

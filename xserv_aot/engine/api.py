@@ -37,10 +37,14 @@ class SamplingParams:
 
     @property
     def needs_host_sampling(self) -> bool:
-        """True when the device sampler (temperature/top-k/top-p/seed) cannot do this request alone."""
+        """True when the device sampler (temperature/top-k/top-p/seed, grammar mask) cannot do this request alone."""
         return (self.min_p > 0 or self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1.0 or self.logprobs is not None or self.min_tokens > 0
-                or bool(self.logit_bias) or self.guided is not None)
+                or bool(self.logit_bias))
+
+    def sampled_on_host(self, device_masks: bool) -> bool:
+        """device_masks: the plan applies grammar masks on the device (op apply_token_bitmask)."""
+        return self.needs_host_sampling or (self.guided is not None and not device_masks)
 
 
 @dataclass

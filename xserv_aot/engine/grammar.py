@@ -119,13 +119,18 @@ class Matcher:
         self._m, self.vocab_size = m, vocab_size
         self.bitmask = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
 
+    def fill(self, words: np.ndarray) -> None:
+        """Write the next-token bitmask into words (int32 [ceil(V / 32)], contiguous); GrammarError when the
+        matcher failed or allows nothing."""
+        assert words.dtype == np.int32 and words.flags["C_CONTIGUOUS"] and words.size == self.bitmask.size
+        self._m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        if self._m.is_error() or not words.any():
+            raise GrammarError(f"structured output failed: {_line(self._m.get_error() or 'no token allowed')}")
+
     def allowed(self) -> np.ndarray:
         """bool [V]: the ids the grammar allows next (EOS only where the grammar may end)."""
-        self._m.unsafe_compute_mask_ptr(self.bitmask.ctypes.data, self.bitmask.nbytes)
-        allowed = unpack_bitmask(self.bitmask, self.vocab_size)
-        if self._m.is_error() or not allowed.any():
-            raise GrammarError(f"structured output failed: {_line(self._m.get_error() or 'no token allowed')}")
-        return allowed
+        self.fill(self.bitmask)
+        return unpack_bitmask(self.bitmask, self.vocab_size)
 
     def consume(self, token_id: int) -> None:
         if not self._m.consume_token(int(token_id)):

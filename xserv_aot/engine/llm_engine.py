@@ -109,7 +109,9 @@ class LLMEngine:
         self.vocab_size = vocab_size if vocab_size is not None else getattr(model, "vocab_size", None)
         self.max_seq_len = self.build.max_seq_len
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size or 0, self.eos_token_ids)
-        self.scheduler = Scheduler(self.build, enable_prefix_caching)
+        arena = getattr(plan, "arena", None) or {}
+        self.bitmask_words = arena["token_bitmask"].shape[1] if "token_bitmask" in arena else 0
+        self.scheduler = Scheduler(self.build, enable_prefix_caching, device_masks=bool(self.bitmask_words))
         self.max_consecutive_failures = max_consecutive_failures
         self.failed: str | None = None                 # set when the engine has failed permanently
         self.consecutive_failures = 0
@@ -167,10 +169,27 @@ class LLMEngine:
         self._inflight = out = self.scheduler.schedule()
         if self.on_scheduled is not None:
             self.on_scheduled()
+        self._stage_masks(out)
         result = self.runner.run(out.batch) if not out.is_empty else None
         outputs = self.postprocess(out, result)
         self._inflight, self.consecutive_failures = None, 0
         return outputs
+
+    def _stage_masks(self, out: SchedulerOutput) -> None:
+        """Grammar masks of the rows sampled on the device this step, into the batch (nothing when none has one)."""
+        rows = [i for i, seq in enumerate(out.seqs) if out.samples[i] and seq.matcher is not None
+                and not seq.params.sampled_on_host(self.scheduler.device_masks)]
+        if not rows:
+            return
+        b = out.batch
+        b.bitmask_rows = [0] * b.num_seqs
+        b.token_bitmask = np.full((b.num_seqs, self.bitmask_words), -1, dtype=np.int32)
+        for i in rows:
+            try:
+                out.seqs[i].matcher.fill(b.token_bitmask[i])
+                b.bitmask_rows[i] = 1
+            except GrammarError as e:                      # postprocess ends this request alone
+                out.seqs[i].error = str(e)
 
     def postprocess(self, out: SchedulerOutput, result: StepResult | None) -> list[RequestOutput]:
         self.scheduler.commit(out)
@@ -181,7 +200,9 @@ class LLMEngine:
         for i, seq in enumerate(out.seqs):
             if not out.samples[i] or seq.is_finished:
                 continue                                   # mid-prefill chunk: its sampled id is not a token
-            if seq.params.needs_host_sampling:
+            if seq.matcher is not None and seq.error is not None:
+                outputs.append(self._finish(seq, [], seq.flush_text(), "error", None))
+            elif seq.params.sampled_on_host(self.scheduler.device_masks):
                 if result.logits is None:
                     raise RuntimeError("runner returned no logits for a batch with need_logits set")
                 try:
@@ -192,9 +213,9 @@ class LLMEngine:
                     continue
                 token, lp = sample_token(np.asarray(result.logits[i]), seq.params, seq.prompt_ids,
                                          seq.output_ids, seq.seed, seq.num_output_tokens, allowed)
+                outputs.append(self._append(seq, token, lp))
             else:
-                token, lp = int(sampled[i]), None
-            outputs.append(self._append(seq, token, lp))
+                outputs.append(self._append(seq, int(sampled[i]), None))
         return outputs
 
     def _allowed(self, seq: Sequence) -> np.ndarray | None:

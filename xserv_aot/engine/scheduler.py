@@ -39,7 +39,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, build: BuildConfig, enable_prefix_caching: bool = True):
+    def __init__(self, build: BuildConfig, enable_prefix_caching: bool = True, device_masks: bool = False):
         self.max_num_seqs = build.max_num_seqs
         self.token_budget = build.prefill_chunk
         self.block_size = build.block_size
@@ -47,6 +47,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []          # admission order, newest last
         self.num_preemptions = 0
+        self.device_masks = device_masks           # grammar masks go to the device (else: host sampling)
         self._by_prompt: dict[int, Sequence] = {}  # hash(prompt) -> the first unfinished sequence with it
 
     def add(self, seq: Sequence) -> None:
@@ -169,7 +170,7 @@ class Scheduler:
             b.seeds.append(seq.seed)
             b.sample_offsets.append(seq.num_output_tokens)
             samples.append(start + n == seq.num_tokens)
-            b.need_logits |= samples[-1] and p.needs_host_sampling
+            b.need_logits |= samples[-1] and p.sampled_on_host(self.device_masks)
         return SchedulerOutput(b, [s for s, _ in rows], [n for _, n in rows], samples, preempted, failed)
 
     def commit(self, out: SchedulerOutput) -> None:

@@ -151,6 +151,8 @@ def plan_bucket(bucket: dict, manifest: dict, cutlass: dict | None, attn: dict) 
             else:
                 op["launch"] = [launch(f"attn_prefill_hd{hd}", [-(-rows // 64) + op["num_seqs"], m["num_heads"]],
                                        [128])]
+        elif kind == "apply_token_bitmask":
+            op["launch"] = [launch("apply_token_bitmask", [rows], [ELEMWISE_THREADS])]
         elif kind == "sample":
             op["launch"] = [launch("sample_rows", [rows], [1024])]
         else:

@@ -29,6 +29,9 @@ class BatchDescription:
     seeds: list[int] = field(default_factory=list)           # 0 <= seed < 2**63
     sample_offsets: list[int] = field(default_factory=list)  # index of the token being generated (RNG counter)
     need_logits: bool = False            # copy float32 logits back to the host
+    # grammar masks applied before sampling (plan op apply_token_bitmask); empty: no row has one, nothing staged
+    bitmask_rows: list[int] = field(default_factory=list)    # [num_seqs] 1 = apply token_bitmask[i]
+    token_bitmask: "np.ndarray | None" = None                # int32 [num_seqs, ceil(V / 32)] when bitmask_rows
 
     @property
     def num_tokens(self) -> int:

@@ -48,6 +48,8 @@ def stage(batch: BatchDescription, bucket: Bucket, max_blocks: int) -> dict[str,
         "top_p": seq(batch.top_p, 1.0, np.float32),
         "seeds": seq(batch.seeds, 0, np.int64),
         "sample_offsets": seq(batch.sample_offsets, 0, np.int32),
+        "bitmask_rows": seq(batch.bitmask_rows or [0] * ns, 0, np.int32),
+        **({"token_bitmask": np.asarray(batch.token_bitmask, dtype=np.int32)} if batch.bitmask_rows else {}),
     }
 
 
@@ -68,7 +70,8 @@ class NumpyRunner:
     def run(self, batch: BatchDescription) -> StepResult:
         bucket = self.plan.bucket_for(batch.num_tokens, batch.num_seqs)
         for name, arr in stage(batch, bucket, self.plan.build.max_blocks_per_seq).items():
-            self.buf[name][tuple(slice(0, d) for d in arr.shape)] = arr
+            if name in self.buf:                           # a plan compiled before grammar masks lacks theirs
+                self.buf[name][tuple(slice(0, d) for d in arr.shape)] = arr
         self.execute(bucket)
         n = batch.num_seqs
         logits = self.buf["logits"][:n].copy() if batch.need_logits else None
@@ -127,6 +130,11 @@ class NumpyRunner:
     def op_gather_rows(self, op):
         r = op["rows"]
         self._set(op["out"], r, ops.gather_rows(self.buf[op["inp"]], self.buf[op["indices"]][:r]))
+
+    def op_apply_token_bitmask(self, op):
+        r, b = op["rows"], self.buf
+        b[op["logits"]][:r] = ops.apply_token_bitmask(b[op["logits"]][:r], b[op["bitmask"]][:r],
+                                                      b[op["bitmask_rows"]][:r])
 
     def op_sample(self, op):
         r, b = op["rows"], self.buf

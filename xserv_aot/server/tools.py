@@ -72,15 +72,15 @@ def _tool(t, i: int) -> dict:
 
 def parse_tools(body: dict) -> ToolSpec | None:
     tools, choice = body.get("tools"), body.get("tool_choice")
-    if tools is None or tools == []:
-        if choice not in (None, "none"):
-            raise RequestError("'tool_choice' needs 'tools'", param="tool_choice")
-        return None
-    if not isinstance(tools, list):
-        raise RequestError("'tools' must be a list", param="tools")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise RequestError("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise RequestError("'tool_choice' required or a named function needs 'tools'", param="tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("'tools' must be a list", param="tools")
     spec = ToolSpec([_tool(t, i) for i, t in enumerate(tools)], "auto", parallel=parallel is not False)
     names = [t["function"]["name"] for t in spec.tools]
     if len(set(names)) != len(names):

@@ -103,6 +103,8 @@ def op_launches(op: dict, buf: Buffers, funcs: Callable[[str], object], gemm=Non
             return common + [(P, buf(op["out"])), (I32, rows), (I32, op["num_seqs"]), (I32, m.num_heads),
                              (I32, m.num_kv_heads), (I32, b.block_size), (I32, max_blocks), (I32, buf.num_slots),
                              (F32, op["scale"])]
+        if kind == "apply_token_bitmask":
+            return [(P, buf(op["logits"])), (P, buf(op["bitmask"])), (P, buf(op["bitmask_rows"])), (I32, op["n"])]
         if kind == "sample":
             return [(P, buf(op["logits"])), (P, buf(op["temperature"])), (P, buf(op["top_k"])), (P, buf(op["top_p"])),
                     (P, buf(op["seeds"])), (P, buf(op["sample_offsets"])), (P, buf(op["out"])),

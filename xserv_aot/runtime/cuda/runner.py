@@ -109,21 +109,24 @@ class CudaRunner:
 
     def _setup_staging(self) -> None:
         arena = self.plan.arena
-        lo = min(arena[n].offset for n in INPUT_BUFFERS)
-        hi = max(arena[n].offset + arena[n].nbytes for n in INPUT_BUFFERS)
-        others = [n for n, i in arena.items() if n not in INPUT_BUFFERS and i.offset < hi and i.offset + i.nbytes > lo]
+        inputs = [n for n in INPUT_BUFFERS if n in arena]          # bitmask_rows: absent from older plans
+        lo = min(arena[n].offset for n in inputs)
+        hi = max(arena[n].offset + arena[n].nbytes for n in inputs)
+        others = [n for n, i in arena.items() if n not in inputs and i.offset < hi and i.offset + i.nbytes > lo]
         if others:
             raise CudaRunnerError(f"arena input buffers are not contiguous (overlap {others[0]!r})")
         self.in_lo, self.in_bytes = lo, hi - lo
         self.pinned_in = self.dev.alloc_host(self.in_bytes)
         self.views = {}
-        for n in INPUT_BUFFERS:
+        for n in inputs:
             i = arena[n]
             a = self.pinned_in[i.offset - lo: i.offset - lo + i.nbytes].view(STORAGE[i.dtype])
             self.views[n] = a.reshape(i.shape)
         B, V = self.plan.build.max_num_seqs, self.plan.model.vocab_size
         self.pinned_ids = self.dev.alloc_host(4 * B, np.int32)[:B]
         self.pinned_logits = self.dev.alloc_host(4 * B * V, np.float32)[:B * V].reshape(B, V)
+        W = self.plan.arena["token_bitmask"].shape[1] if "token_bitmask" in self.plan.arena else 1
+        self.pinned_bitmask = self.dev.alloc_host(4 * B * W, np.int32)[:B * W].reshape(B, W)
 
     # ---- staging -------------------------------------------------------------------------------------------
     @staticmethod
@@ -169,6 +172,13 @@ class CudaRunner:
         v["seeds"][ns:s] = 0
         v["sample_offsets"][:ns] = batch.sample_offsets
         v["sample_offsets"][ns:s] = 0
+        if "bitmask_rows" in v:                     # plans compiled before grammar masks have none
+            v["bitmask_rows"][:ns] = batch.bitmask_rows or 0
+            v["bitmask_rows"][ns:s] = 0
+        if batch.bitmask_rows:                      # only when a row has a grammar: ns rows of masks, async
+            self.pinned_bitmask[:ns] = batch.token_bitmask
+            self.dev.htod_async(self.buf("token_bitmask"), self.pinned_bitmask.ctypes.data,
+                                self.pinned_bitmask[:ns].nbytes)
         self.dev.htod_async(self.arena_ptr + self.in_lo, self.pinned_in.ctypes.data, self.in_bytes)
 
     def _finish(self, batch: BatchDescription) -> StepResult:

@@ -1,4 +1,4 @@
-"""Structured decoding with llguidance: a GuidedDecoding spec -> a grammar, compiled once and cached, and one
+"""Structured decoding with llguidance: a GuidedDecoding spec -> a grammar, compiled once and cached, one
 matcher per sequence that yields the allowed-token mask for the next step and consumes each sampled token.
 
 JSON is generated compact (no free whitespace between tokens: a model cannot stall in endless newlines).
@@ -144,3 +144,37 @@ class Matcher:
 
 def unpack_bitmask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
     return np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
+
+
+def stage_masks(out, words: int, device_masks: bool) -> None:
+    """The grammar masks of the rows of out.batch (a SchedulerOutput's) sampled on the device this step, into the
+    batch; nothing when no row has one. A failed matcher sets its sequence's error (postprocess ends it)."""
+    rows = [i for i, seq in enumerate(out.seqs) if out.samples[i] and seq.matcher is not None
+            and not seq.params.sampled_on_host(device_masks)]
+    if not rows:
+        return
+    b = out.batch
+    b.bitmask_rows = [0] * b.num_seqs
+    b.token_bitmask = np.full((b.num_seqs, words), -1, dtype=np.int32)
+    for i in rows:
+        try:
+            out.seqs[i].matcher.fill(b.token_bitmask[i])
+            b.bitmask_rows[i] = 1
+        except GrammarError as e:
+            out.seqs[i].error = str(e)
+
+
+def allowed_ids(seq, vocab_size: int, eos_token_ids) -> np.ndarray | None:
+    """bool [V] mask of the ids a host-sampled sequence may take next (grammar, min_tokens), None when all may.
+    min_tokens masks EOS and stop_token_ids, unless the grammar can only end here."""
+    p = seq.params
+    allowed = seq.matcher.allowed() if seq.matcher is not None else None
+    if seq.num_output_tokens < p.min_tokens:
+        if allowed is None:
+            allowed = np.ones(vocab_size, dtype=bool)
+        banned = [t for t in (*eos_token_ids, *p.stop_token_ids) if t < len(allowed)]
+        saved = allowed.copy()
+        allowed[banned] = False
+        if not allowed.any():
+            allowed = saved
+    return allowed

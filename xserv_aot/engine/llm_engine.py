@@ -22,7 +22,7 @@ import numpy as np
 from xserv_aot.config import BuildConfig
 from xserv_aot.engine.api import (EngineFailedError, EngineStats, InvalidRequestError, RequestOutput,
                                   RequestTooLongError, SamplingParams, TokenLogprob)
-from xserv_aot.engine.grammar import GrammarCompiler, GrammarError
+from xserv_aot.engine.grammar import GrammarCompiler, GrammarError, allowed_ids, stage_masks
 from xserv_aot.engine.sampler import MAX_LOGPROBS, sample_token
 from xserv_aot.engine.scheduler import Scheduler, SchedulerOutput
 from xserv_aot.engine.sequence import Sequence
@@ -169,27 +169,11 @@ class LLMEngine:
         self._inflight = out = self.scheduler.schedule()
         if self.on_scheduled is not None:
             self.on_scheduled()
-        self._stage_masks(out)
+        stage_masks(out, self.bitmask_words, self.scheduler.device_masks)
         result = self.runner.run(out.batch) if not out.is_empty else None
         outputs = self.postprocess(out, result)
         self._inflight, self.consecutive_failures = None, 0
         return outputs
-
-    def _stage_masks(self, out: SchedulerOutput) -> None:
-        """Grammar masks of the rows sampled on the device this step, into the batch (nothing when none has one)."""
-        rows = [i for i, seq in enumerate(out.seqs) if out.samples[i] and seq.matcher is not None
-                and not seq.params.sampled_on_host(self.scheduler.device_masks)]
-        if not rows:
-            return
-        b = out.batch
-        b.bitmask_rows = [0] * b.num_seqs
-        b.token_bitmask = np.full((b.num_seqs, self.bitmask_words), -1, dtype=np.int32)
-        for i in rows:
-            try:
-                out.seqs[i].matcher.fill(b.token_bitmask[i])
-                b.bitmask_rows[i] = 1
-            except GrammarError as e:                      # postprocess ends this request alone
-                out.seqs[i].error = str(e)
 
     def postprocess(self, out: SchedulerOutput, result: StepResult | None) -> list[RequestOutput]:
         self.scheduler.commit(out)
@@ -206,7 +190,7 @@ class LLMEngine:
                 if result.logits is None:
                     raise RuntimeError("runner returned no logits for a batch with need_logits set")
                 try:
-                    allowed = self._allowed(seq)
+                    allowed = allowed_ids(seq, self.vocab_size, self.eos_token_ids)
                 except GrammarError as e:                  # this request's grammar failed: only it ends
                     seq.error = str(e)
                     outputs.append(self._finish(seq, [], seq.flush_text(), "error", None))
@@ -217,20 +201,6 @@ class LLMEngine:
             else:
                 outputs.append(self._append(seq, int(sampled[i]), None))
         return outputs
-
-    def _allowed(self, seq: Sequence) -> np.ndarray | None:
-        """bool [V] mask of the ids seq may sample next (grammar, min_tokens), or None when all may."""
-        p = seq.params
-        allowed = seq.matcher.allowed() if seq.matcher is not None else None
-        if seq.num_output_tokens < p.min_tokens:
-            if allowed is None:
-                allowed = np.ones(self.vocab_size, dtype=bool)
-            banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < len(allowed)]
-            saved = allowed.copy()
-            allowed[banned] = False
-            if not allowed.any():                      # the grammar can only end here: let it
-                allowed = saved
-        return allowed
 
     def _append(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
         seq.append_token(token)

@@ -7,9 +7,9 @@
 // split order (deterministic) and writes out [T, nh * HD]; split-0 blocks zero the rows covered by no seq.
 #include "common.cuh"
 
-#define DEC_THREADS 128
-#define G_MAX 8
-#define P_KEYS 128            // keys per split = threads per block: one key per thread in the score phase
+// P_KEYS (keys per split = threads per block: one key per thread in the score phase) and G_MAX come from
+// plan/kernel_constants.py as NVRTC -D options.
+#define DEC_THREADS P_KEYS
 
 template <int HD>
 __device__ __forceinline__ void attn_decode_impl(

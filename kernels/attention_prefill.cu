@@ -3,6 +3,8 @@
 // Block: 4 warps = 64 query rows of one seq, one q head; K/V tiles of 64 keys in shared memory.
 // Grid (ceil(T / 64) + num_seqs, nh): block b takes the b-th (seq, tile) pair; spare blocks only zero rows
 // covered by no seq (row >= qsl[num_seqs]), which every block does for rows r with r % gridDim.x == b.
+// Seqs with fewer than min_rows query rows are skipped (min_rows 2: a mixed step's decode rows, which
+// attention_decode_batched.cu computes in the same op).
 #include "common.cuh"
 
 #define PF_Q 64
@@ -12,7 +14,8 @@ template <int HD>
 __device__ __forceinline__ void attn_prefill_impl(
         const bf16* __restrict__ q, const bf16* __restrict__ kv_layer, const int* __restrict__ qsl,
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables, bf16* __restrict__ out,
-        int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots, float scale) {
+        int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots, float scale,
+        int min_rows) {
     pdl_entry();
     constexpr int LD = HD + 8, KS = HD / 16, DT = HD / 8;
     __shared__ __align__(16) bf16 Ks[PF_K * LD];
@@ -22,13 +25,31 @@ __device__ __forceinline__ void attn_prefill_impl(
     for (int r = covered + blockIdx.x; r < T; r += gridDim.x)
         for (int d = tid; d < HD; d += blockDim.x) out[((size_t)r * nh + h) * HD + d] = 0;
 
-    int seq = -1, tile = 0, acc_tiles = 0;
-    for (int i = 0; i < num_seqs; i++) {
-        int n = qsl[i + 1] - qsl[i];
-        int nt = n > 0 ? (n + PF_Q - 1) / PF_Q : 0;
-        if ((int)blockIdx.x < acc_tiles + nt) { seq = i; tile = blockIdx.x - acc_tiles; break; }
-        acc_tiles += nt;
+    // Which (seq, tile) is block x: the 128 threads scan 128 seqs at a time (tile counts, block prefix sum).
+    __shared__ int scan_w[4], found_seq, found_tile;
+    if (tid == 0) found_seq = -1;
+    __syncthreads();
+    for (int base = 0, acc_tiles = 0; base < num_seqs; base += 128) {
+        const int i = base + tid;
+        const int n_i = i < num_seqs ? qsl[i + 1] - qsl[i] : 0;
+        const int nt = n_i >= min_rows && n_i > 0 ? (n_i + PF_Q - 1) / PF_Q : 0;
+        int incl = nt;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        if (lane == 31) scan_w[warp] = incl;
+        __syncthreads();
+        for (int w = 0; w < warp; w++) incl += scan_w[w];
+        const int total = scan_w[0] + scan_w[1] + scan_w[2] + scan_w[3];
+        const int lo = acc_tiles + incl - nt;
+        if (nt > 0 && (int)blockIdx.x >= lo && (int)blockIdx.x < lo + nt) { found_seq = i; found_tile = blockIdx.x - lo; }
+        acc_tiles += total;
+        __syncthreads();
+        if (found_seq >= 0 || acc_tiles > (int)blockIdx.x) break;
     }
+    const int seq = found_seq, tile = found_tile;
     if (seq < 0) return;
     const int n = qsl[seq + 1] - qsl[seq], Lc = seq_lens[seq], G = nh / nkv, kvh = h / G;
     const int q0 = tile * PF_Q;                                  // first query (within seq) of this tile
@@ -148,9 +169,9 @@ __device__ __forceinline__ void attn_prefill_impl(
     extern "C" __global__ void __launch_bounds__(128) attn_prefill_hd##HD(                                   \
         const bf16* q, const bf16* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,   \
         bf16* out, int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots,      \
-        float scale) {                                                                                       \
+        float scale, int min_rows) {                                                                         \
         attn_prefill_impl<HD>(q, kv_layer, qsl, seq_lens, block_tables, out, T, num_seqs, nh, nkv,          \
-                              block_size, max_blocks, num_slots, scale); }
+                              block_size, max_blocks, num_slots, scale, min_rows); }
 
 PREFILL_KERNEL(64)
 PREFILL_KERNEL(128)

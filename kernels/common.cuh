@@ -90,14 +90,19 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
 
-// cp.async (sm_80+): 16 bytes global -> shared; src_bytes 0 zero-fills.
+// cp.async (sm_80+): 16 bytes global -> shared; src_bytes 0 zero-fills. The "memory" clobbers keep the compiler
+// from moving shared-memory accesses across a copy, commit or wait (kernels that sync only within a warp rely on it).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
     u32 s = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(gmem), "r"(src_bytes));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(gmem), "r"(src_bytes) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+// The same copy to a shared-space address (already converted), always all 16 bytes.
+__device__ __forceinline__ void cp_async16(u32 smem_addr, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N)); }
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 
 __device__ __forceinline__ void ldmatrix_x4(u32& r0, u32& r1, u32& r2, u32& r3, const void* smem) {
     u32 s = (u32)__cvta_generic_to_shared(smem);
@@ -117,11 +122,12 @@ __device__ __forceinline__ void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// splitmix64 counter RNG of docs/plan-format.md; returns (z >> 40) in [0, 2^24).
-__device__ __forceinline__ u64 splitmix_bits(u64 seed, u64 offset) {
+// splitmix64 counter RNG of docs/plan-format.md (runtime/numpy_ops.uniform on the host): all 64 bits.
+__device__ __forceinline__ u64 splitmix64(u64 seed, u64 offset) {
     u64 z = seed + (offset + 1ull) * 0x9E3779B97F4A7C15ull;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z = z ^ (z >> 31);
-    return z >> 40;
+    return z ^ (z >> 31);
 }
+// The sampler's 24 bits: u = splitmix_bits * 2^-24 in [0, 1).
+__device__ __forceinline__ u64 splitmix_bits(u64 seed, u64 offset) { return splitmix64(seed, offset) >> 40; }

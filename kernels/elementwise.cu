@@ -1,6 +1,18 @@
 // Row-wise memory-bound ops on bf16 rows of H elements (H % 8 == 0): one block per row, 16-byte accesses.
 #include "common.cuh"
 
+// Overlapped steps: ids[r] = sampled[prev_rows[r]] where prev_rows[r] >= 0 (the previous step's token, never
+// copied to the host), else unchanged. One thread per token row.
+extern "C" __global__ void resolve_input_ids(int* __restrict__ ids, const int* __restrict__ prev_rows,
+                                             const int* __restrict__ sampled, int rows) {
+    pdl_entry();
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r < rows) {
+        int p = prev_rows[r];
+        if (p >= 0) ids[r] = sampled[p];
+    }
+}
+
 // out[r] = table[ids[r]]; ids clamped into [0, vocab).
 extern "C" __global__ void embedding(const int* __restrict__ ids, const bf16* __restrict__ table,
                                      bf16* __restrict__ out, int H, int vocab) {
@@ -14,8 +26,7 @@ extern "C" __global__ void embedding(const int* __restrict__ ids, const bf16* __
 }
 
 // Row norms keep the row in registers: thread t holds chunks t, t + blockDim, ... (at most NORM_NC of them),
-// so H <= blockDim * 8 * NORM_NC; blockDim is a multiple of 32.
-#define NORM_NC 4
+// so H <= blockDim * 8 * NORM_NC; blockDim is a multiple of 32. NORM_NC: plan/kernel_constants.py (-D).
 
 // out = x * rsqrt(mean(x^2) + eps) * w, x = inp[r] (float32 math).
 extern "C" __global__ void rmsnorm(const bf16* __restrict__ inp, const bf16* __restrict__ w,
@@ -111,16 +122,15 @@ extern "C" __global__ void gather_rows(const bf16* __restrict__ inp, const int* 
         st16(out + (size_t)r * H + c, ld16(inp + (size_t)s * H + c));
 }
 
-// Seeded dummy weights: approximately normal(mean, std) from four 16-bit uniforms of splitmix64(seed, i).
+// Dummy weights (plan/dummy_weights.py, bit-identical to its NumPy generator): element i of the tensor seeded `seed`
+// is mean + g * std, g = (sum of the four 16-bit fields of splitmix64(seed, i) / 65536 - 2) * 1.7320508, each step
+// rounded to float32 (no fused multiply-add), then rounded to bf16.
 extern "C" __global__ void fill_normal_bf16(bf16* __restrict__ p, u64 n, u64 seed, float mean, float std) {
     pdl_entry();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-        u64 z = seed + (i + 1ull) * 0x9E3779B97F4A7C15ull;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        z = z ^ (z >> 31);
-        float s = (float)(z & 0xffff) + (float)((z >> 16) & 0xffff) + (float)((z >> 32) & 0xffff) + (float)(z >> 48);
-        float g = (s * (1.f / 65536.f) - 2.f) * 1.7320508f;
-        p[i] = f2bf(mean + g * std);
+        const u64 z = splitmix64(seed, i);
+        const float s = (float)((z & 0xffff) + ((z >> 16) & 0xffff) + ((z >> 32) & 0xffff) + (z >> 48));
+        const float g = __fmul_rn(__fadd_rn(__fmul_rn(s, 1.f / 65536.f), -2.f), 1.7320508f);
+        p[i] = f2bf(__fadd_rn(__fmul_rn(g, std), mean));
     }
 }

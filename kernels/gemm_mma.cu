@@ -3,8 +3,10 @@
 // Block tile BM x BN x 32, WARPS_M x WARPS_N warps, STAGES-deep cp.async pipeline in dynamic shared memory.
 #include "common.cuh"
 
-#define BK 32
-#define LDS (BK + 8)          // padded row stride (80 bytes): ldmatrix rows hit distinct banks
+// GEMM_BK, GEMM_LDS (padded row stride: ldmatrix rows hit distinct banks) and the stage counts come from
+// plan/kernel_constants.py as NVRTC -D options (gemm_smem there is the dynamic shared memory formula).
+#define BK GEMM_BK
+#define LDS GEMM_LDS
 
 // SPLIT: blockIdx.z takes K range [z * kc, min(K, (z + 1) * kc)), kc = ceil(K / gridDim.z / BK) * BK, and
 // writes fp32 partials (no bias) to out + z * M * N; splitk_reduce sums them in order (deterministic).
@@ -124,11 +126,11 @@ __device__ __forceinline__ void gemm_impl(const bf16* __restrict__ A, const bf16
         const bf16* A, const bf16* W, const bf16* bias, OUT_T* out, int M, int N, int K) {                   \
         gemm_impl<BM, BN, WM_, WN_, ST, F32, SPLIT>(A, W, bias, out, M, N, K); }
 
-GEMM_KERNEL(gemm_128x128_bf16, 128, 128, 2, 4, 3, false, false, bf16)
-GEMM_KERNEL(gemm_128x128_f32, 128, 128, 2, 4, 3, true, false, float)
-GEMM_KERNEL(gemm_64x64_bf16, 64, 64, 2, 2, 4, false, false, bf16)
-GEMM_KERNEL(gemm_64x64_f32, 64, 64, 2, 2, 4, true, false, float)
-GEMM_KERNEL(gemm_64x64_splitk, 64, 64, 2, 2, 4, true, true, float)
+GEMM_KERNEL(gemm_128x128_bf16, 128, 128, 2, 4, GEMM_STAGES_128, false, false, bf16)
+GEMM_KERNEL(gemm_128x128_f32, 128, 128, 2, 4, GEMM_STAGES_128, true, false, float)
+GEMM_KERNEL(gemm_64x64_bf16, 64, 64, 2, 2, GEMM_STAGES_64, false, false, bf16)
+GEMM_KERNEL(gemm_64x64_f32, 64, 64, 2, 2, GEMM_STAGES_64, true, false, float)
+GEMM_KERNEL(gemm_64x64_splitk, 64, 64, 2, 2, GEMM_STAGES_64, true, true, float)
 
 // out[M, N] = sum_z ws[z] (+ bias), in z order; grid-stride over column pairs. N even.
 extern "C" __global__ void splitk_reduce(const float* __restrict__ ws, const bf16* __restrict__ bias,

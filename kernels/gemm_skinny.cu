@@ -11,16 +11,10 @@
 // g, u rounded to bf16 first (the unfused linear + silu_mul semantics, as gemv_gate).
 #include "common.cuh"
 
-#define SK_WARPS 8
-#define SK_RT 2              // 16-row A tiles per warp (GATE pairs tile 0 = gate with tile 1 = up)
-#define SK_STAGES 3          // ring of 64-k steps per warp (4 KB each): SKINNY_STAGES in plan/kernel_build.py
+// SK_WARPS, SK_RT (16-row A tiles per warp; GATE pairs tile 0 = gate with tile 1 = up) and SK_STAGES (ring of
+// 64-k steps per warp) come from plan/kernel_constants.py as NVRTC -D options; skinny_smem there is the dynamic
+// shared memory (the weight rings, reused afterwards for the partial sums).
 
-__device__ __forceinline__ void sk_cp16(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void sk_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void sk_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 __device__ __forceinline__ vec16 sk_lds(u32 addr) {
     vec16 v;
     asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
@@ -31,12 +25,6 @@ __device__ __forceinline__ vec16 sk_ld_x(const void* p) {
     vec16 v;
     asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
-}
-
-// Dynamic shared memory (bytes): the weight rings, reused afterwards for the partial sums.
-__host__ __device__ constexpr int skinny_smem(int mb) {
-    return SK_WARPS * SK_STAGES * SK_RT * 16 * 128 > SK_WARPS * SK_RT * mb * 4 * 32 * 4
-               ? SK_WARPS * SK_STAGES * SK_RT * 16 * 128 : SK_WARPS * SK_RT * mb * 4 * 32 * 4;
 }
 
 template <int MB, int WN, bool OUT_F32, bool GATE>
@@ -90,10 +78,10 @@ __device__ __forceinline__ void skinny_impl(const bf16* __restrict__ X, const bf
 #pragma unroll
             for (int c = 0; c < LOADS; c++) {
                 const int r = c * 4 + (lane >> 3);
-                sk_cp16(slot + (u32)(r * 128 + ((piece ^ ((r & 1) << 2)) * 16)), W + (size_t)lrow[c] * K + k);
+                cp_async16(slot + (u32)(r * 128 + ((piece ^ ((r & 1) << 2)) * 16)), W + (size_t)lrow[c] * K + k);
             }
         }
-        sk_commit();
+        cp_async_commit();
     };
     // X for local 32-k sub-step i (step i / 2, half i % 2).
     auto load_x = [&](vec16 (&xv)[MB], int i) {
@@ -111,7 +99,7 @@ __device__ __forceinline__ void skinny_impl(const bf16* __restrict__ X, const bf
         const int j = i >> 1, half = i & 1;
         if (!XPRE) load_x(xv, i);
         if (!half) {
-            sk_wait<SK_STAGES - 2>();                          // this lane's copies of step j have landed,
+            cp_async_wait<SK_STAGES - 2>();                          // this lane's copies of step j have landed,
             __syncwarp();                                      // and every lane's; all reads of step j - 1 are done
         }
         const int p = half * 4 + t;
@@ -140,7 +128,7 @@ __device__ __forceinline__ void skinny_impl(const bf16* __restrict__ X, const bf
             for (int mb = 0; mb < MB; mb++) xv[mb] = xn[mb];
         }
     }
-    sk_wait<0>();
+    cp_async_wait<0>();
     __syncthreads();                                           // every ring is drained before the sums reuse it
 
     float* mine = red + (size_t)(wk * WN + wn) * SLOTS * 32;

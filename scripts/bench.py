@@ -22,8 +22,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from xserv_aot.runtime.cuda.profile import (HBM_BYTES_PER_S, decode_batch, format_table, op_bytes,  # noqa: E402
-                                            profile_runner)
+from xserv_aot.plan.roofline import bucket_costs, ceilings_for, floor_s  # noqa: E402
+from xserv_aot.runtime.batch import BatchDescription  # noqa: E402
+from xserv_aot.runtime.cuda.profile import decode_batch, format_table, profile_runner  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -56,7 +57,13 @@ def step_times(runner, batch, n: int) -> np.ndarray:
 
 def decode_bytes(plan, bucket: str, context: int) -> int:
     bk = next(b for b in plan.buckets if b.name == bucket)
-    return sum(op_bytes(op, plan, context, bk.num_seqs) for op in bk.ops)       # decode: every seq of the bucket
+    return sum(c[2] for c in bucket_costs(plan, bk, context))                    # decode: every seq of the bucket
+
+
+def step_floor_ms(plan, bk, context: int) -> float:
+    """The bucket's floor at `context` (plan/roofline.py): bytes over the read ceiling or FLOPs over the peak."""
+    costs = bucket_costs(plan, bk, context)
+    return floor_s(sum(c[2] for c in costs), sum(c[3] for c in costs), ceilings_for(plan.build.target))[0] * 1e3
 
 
 def ttft(runner, prompt_len: int, reps: int = 3) -> float:
@@ -83,9 +90,9 @@ def bench_ours(plan, res: dict, steps: int) -> None:
             nbytes = decode_bytes(plan, "decode_1", ctx)
             res[f"decode_b1_ctx{ctx}"] = {"ms_per_step": float(np.median(t)), "p90_ms": float(np.percentile(t, 90)),
                                           "tok_per_s": 1e3 / float(np.median(t)), "bytes_per_step": nbytes,
-                                          "roofline_ms": nbytes / HBM_BYTES_PER_S * 1e3}
+                                          "roofline_ms": nbytes / ceilings_for(plan.build.target).read_bytes_per_s * 1e3}
             log(f"decode b1 ctx {ctx}: {np.median(t):.3f} ms/step = {1e3 / np.median(t):.1f} tok/s "
-                f"(roofline {nbytes / HBM_BYTES_PER_S * 1e3:.3f} ms)")
+                f"(roofline {nbytes / ceilings_for(plan.build.target).read_bytes_per_s * 1e3:.3f} ms)")
         for b in (8, 32, 64):
             if b > plan.build.max_num_seqs:
                 continue
@@ -98,36 +105,105 @@ def bench_ours(plan, res: dict, steps: int) -> None:
                 log(f"TTFT {n}: {res[f'ttft_{n}']:.1f} ms")
         for ctx in (128, 4096):
             prof = profile_runner(runner, "decode_1", ctx)
-            res[f"profile_decode_1_ctx{ctx}"] = format_table(prof)
+            res[f"profile_decode_1_ctx{ctx}"] = format_table(prof, plan.build.target)
             print(res[f"profile_decode_1_ctx{ctx}"], flush=True)
         for b in (8, 64):
             if f"decode_{b}" in runner.buckets:
                 prof = profile_runner(runner, f"decode_{b}", 256)
-                res[f"profile_decode_{b}_ctx256"] = format_table(prof)
+                res[f"profile_decode_{b}_ctx256"] = format_table(prof, plan.build.target)
                 print(res[f"profile_decode_{b}_ctx256"], flush=True)
         big = max(b.num_tokens for b in plan.buckets if b.kind == "prefill")
         prof = profile_runner(runner, f"prefill_{big}", big)
-        res[f"profile_prefill_{big}"] = format_table(prof)
+        res[f"profile_prefill_{big}"] = format_table(prof, plan.build.target)
         print(res[f"profile_prefill_{big}"], flush=True)
     finally:
         runner.close()
 
 
-def bench_pdl(plan, res: dict, steps: int) -> None:
-    """Batch-1 and batch-8 decode again with programmatic dependent launch on (XSERV_PDL=1): what PDL buys."""
+def mixed_batch(plan, num_decodes: int, context: int, chunk: int) -> BatchDescription:
+    """num_decodes sequences decoding at `context` plus one new prompt's first `chunk` tokens (own blocks)."""
+    b = plan.build
+    dec = decode_batch(plan, num_decodes, context)
+    base = num_decodes * -(-context // b.block_size)
+    table = list(range(base, base + -(-chunk // b.block_size)))
+    if table[-1] >= b.num_blocks:
+        raise ValueError("mixed batch does not fit the KV pool")
+    n = dec.num_tokens
+    return BatchDescription(
+        input_ids=dec.input_ids + [1] * chunk, positions=dec.positions + list(range(chunk)),
+        slot_mapping=dec.slot_mapping + [table[p // b.block_size] * b.block_size + p % b.block_size
+                                         for p in range(chunk)],
+        query_start_loc=dec.query_start_loc + [n + chunk], seq_lens=dec.seq_lens + [chunk],
+        block_tables=dec.block_tables + [table])
+
+
+def bench_throughput(plan, res: dict, steps: int) -> None:
+    """Decode steps for batch x context with their floors (step_floor_ms: weights + KV bytes or FLOPs), mixed steps
+    (decodes + a 512-token chunk), and per-op profiles of the large buckets."""
     from xserv_aot.runtime.cuda.runner import CudaRunner
-    os.environ["XSERV_PDL"] = "1"
+    runner = CudaRunner(plan, log=log)
+    rows = []
     try:
-        runner = CudaRunner(plan)
-        try:
-            for b, ctx in ((1, 128), (1, 4096), (8, 256)):
-                t = step_times(runner, decode_batch(plan, b, ctx), steps)
-                res[f"decode_b{b}_ctx{ctx}_pdl"] = {"ms_per_step": float(np.median(t)), "tok_per_s": b * 1e3 / float(np.median(t))}
-                log(f"decode b{b} ctx {ctx} with PDL: {np.median(t):.3f} ms/step = {b * 1e3 / np.median(t):.1f} tok/s")
-        finally:
-            runner.close()
+        for bsz in (1, 8, 32, 64, 128, 256):
+            if bsz > plan.build.max_num_seqs:
+                continue
+            for ctx in (256, 1024, 4096):
+                try:
+                    batch = decode_batch(plan, bsz, ctx)
+                except ValueError:
+                    continue
+                t = step_times(runner, batch, steps)
+                bk = runner.bucket_for(batch)
+                ms, floor = float(np.median(t)), step_floor_ms(plan, bk, ctx)
+                rows.append((f"decode b{bsz} ctx {ctx}", ms, bsz * 1e3 / ms, floor))
+                res[f"thr_decode_b{bsz}_ctx{ctx}"] = {"ms_per_step": ms, "tok_per_s": bsz * 1e3 / ms, "floor_ms": floor}
+                log(f"decode b{bsz} ctx {ctx}: {ms:.3f} ms/step = {bsz * 1e3 / ms:.0f} tok/s (floor {floor:.3f} ms)")
+        for nd in (64, 256):
+            if nd > plan.build.max_num_seqs - 1 + 1:
+                continue
+            for ctx in (256, 1024):
+                try:
+                    batch = mixed_batch(plan, min(nd, plan.build.max_num_seqs - 1), ctx, 512)
+                    t = step_times(runner, batch, max(steps // 2, 10))
+                except ValueError as e:
+                    log(f"mixed {nd}+512 ctx {ctx}: {e}")
+                    continue
+                ms = float(np.median(t))
+                bk = runner.bucket_for(batch)
+                rows.append((f"mixed {batch.num_seqs - 1} decodes ctx {ctx} + 512 prompt ({bk.name})", ms,
+                             (batch.num_seqs - 1) * 1e3 / ms, float("nan")))
+                res[f"thr_mixed_{nd}_ctx{ctx}"] = {"ms_per_step": ms, "bucket": bk.name}
+                log(f"mixed {batch.num_seqs - 1} decodes ctx {ctx} + 512: {ms:.3f} ms/step in {bk.name}")
+        res["throughput_table"] = "\n".join(
+            [f"{'step':48s} {'ms':>8s} {'decode tok/s':>12s} {'floor ms':>9s}"] +
+            [f"{a:48s} {b:8.3f} {c:12.0f} {d:9.3f}" for a, b, c, d in rows])
+        print(res["throughput_table"], flush=True)
+        for name, ctx in (("decode_64", 1024), ("decode_256", 1024), ("decode_32", 1024), ("prefill_640", 640)):
+            if name in runner.buckets:
+                prof = profile_runner(runner, name, ctx)
+                res[f"profile_{name}_ctx{ctx}"] = format_table(prof, plan.build.target)
+                print(res[f"profile_{name}_ctx{ctx}"], flush=True)
     finally:
-        os.environ.pop("XSERV_PDL")
+        runner.close()
+
+
+def bench_pdl(plan, res: dict, steps: int) -> None:
+    """Batch-1 and batch-8 decode again with programmatic dependent launch on (build.pdl): what PDL buys. The
+    plan is reused with pdl switched on in memory (a plan compiled with --pdl launches the same way)."""
+    import copy
+    import dataclasses
+
+    from xserv_aot.runtime.cuda.runner import CudaRunner
+    pdl_plan = copy.copy(plan)
+    pdl_plan.build = dataclasses.replace(plan.build, pdl=True)
+    runner = CudaRunner(pdl_plan)
+    try:
+        for b, ctx in ((1, 128), (1, 4096), (8, 256)):
+            t = step_times(runner, decode_batch(plan, b, ctx), steps)
+            res[f"decode_b{b}_ctx{ctx}_pdl"] = {"ms_per_step": float(np.median(t)), "tok_per_s": b * 1e3 / float(np.median(t))}
+            log(f"decode b{b} ctx {ctx} with PDL: {np.median(t):.3f} ms/step = {b * 1e3 / np.median(t):.1f} tok/s")
+    finally:
+        runner.close()
 
 
 def gemv_sweep(res: dict, copies: int = 8, reps: int = 5) -> None:
@@ -226,7 +302,7 @@ def report(res: dict, args, plan) -> str:
              f"decode {plan.build.decode_buckets} prefill {plan.build.prefill_buckets}, max_seq_len "
              f"{plan.build.max_seq_len}; GEMM library: {'CUTLASS' if plan.kernels.get('gemm_library') else 'none (mma.sync fallback)'}",
              f"- runner start (alloc, dummy weights, warm-up, graph capture): {d.get('startup_s', 0):.1f} s", "",
-             "| measurement | ms | tok/s | roofline ms (bytes / 4.28 TB/s) |", "| --- | --- | --- | --- |"]
+             "| measurement | ms | tok/s | roofline ms (bytes / the target's read bandwidth, plan/roofline.py) |", "| --- | --- | --- | --- |"]
     for ctx in (128, 4096):
         r = d.get(f"decode_b1_ctx{ctx}")
         if r:
@@ -235,7 +311,7 @@ def report(res: dict, args, plan) -> str:
     for b, ctx in ((1, 128), (1, 4096), (8, 256)):
         r = d.get(f"decode_b{b}_ctx{ctx}_pdl")
         if r:
-            lines.append(f"| decode batch {b}, context {ctx}, PDL on (XSERV_PDL=1) | {r['ms_per_step']:.3f} | "
+            lines.append(f"| decode batch {b}, context {ctx}, PDL on (build.pdl) | {r['ms_per_step']:.3f} | "
                          f"{r['tok_per_s']:.1f} | |")
     for b in (8, 32, 64):
         r = d.get(f"decode_b{b}_ctx256")
@@ -272,7 +348,9 @@ def main():
     ap.add_argument("--out", help="markdown report path")
     ap.add_argument("--json")
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--pdl", action="store_true", help="also time decode with XSERV_PDL=1")
+    ap.add_argument("--pdl", action="store_true", help="also time decode with PDL on (build.pdl)")
+    ap.add_argument("--throughput", action="store_true",
+                    help="only the batched decode / mixed-step table with floors and large-bucket profiles")
     ap.add_argument("--gemv-sweep", action="store_true", help="also time batch-1 GEMV variants on the 8B shapes")
     ap.add_argument("--hf-from", help="reuse the HF peer numbers of an earlier bench.json (same GPU, same day)")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers (static cache + torch.compile)")
@@ -280,6 +358,18 @@ def main():
     args = ap.parse_args()
     res = {"date": datetime.date.today().isoformat(), "command": " ".join(["python3"] + sys.argv), "gpu": gpu_info()}
     plan = load_plan(args)
+    if args.throughput:
+        bench_throughput(plan, res, args.steps)
+        text = "\n".join(["# batched decode throughput", "", f"- command: `{res['command']}`", f"- GPU: {res['gpu']}",
+                          f"- commit: {args.commit or 'uncommitted working tree'}", "", "```",
+                          res.get("throughput_table", ""), "```"] +
+                         sum([["", f"## {k}", "", "```", v, "```"] for k, v in res.items() if k.startswith("profile_")],
+                             []))
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+        return
     bench_ours(plan, res, args.steps)
     if args.pdl:
         bench_pdl(plan, res, args.steps)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run the GPU tests (pytest -m gpu) on the device machine. Logs go to $OUT (or /tmp/xserv-gpu-out).
 # Default: tests/test_cuda_*.py (the server tests need packages the device lacks). Carried extras, when present:
-# .whl/*.whl (missing Python packages), .xcache/ (prebuilt NVRTC cubins); XSERV_GEMM_LIB=PLAN/kernels/libxserv_gemm.so
-# lets the CUTLASS tests run where nvidia-cutlass is not installed.
+# .whl/*.whl (missing Python packages), .xcache/ (prebuilt NVRTC cubins). Extra arguments go to pytest, e.g.
+# `tests/test_cuda_cutlass.py --gemm-lib PLAN/kernels/libxserv_gemm.so` where nvidia-cutlass is not installed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ $# -gt 0 ] || set -- tests/test_cuda_*.py

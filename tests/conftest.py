@@ -13,9 +13,20 @@ ASSETS = ROOT / "build" / "assets"
 SMOLLM2_GGUF = ASSETS / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def pytest_addoption(parser):
+    g = parser.getgroup("xserv-aot")
+    g.addoption("--server-plan", default=None, help="tests/test_server.py: serve this plan (NumPy backend) instead of "
+                                                    "the fake engine; test_fake_* then skip")
+    g.addoption("--smollm2-gguf", default=str(SMOLLM2_GGUF), help="tests/test_cuda_e2e.py: the SmolLM2 GGUF file")
+    g.addoption("--gemm-lib", default=None, help="tests/test_cuda_cutlass.py: a built libxserv_gemm.so (default: "
+                                                 "build/cutlass/kernels/, else built by the test)")
+    g.addoption("--gemm-bench-out", default=None, help="tests/test_cuda_cutlass.py: write the timing table (JSON)")
+    g.addoption("--gemm-sweep", action="store_true", help="tests/test_cuda_cutlass.py: time an M sweep per config")
+
+
 def ensure_assets() -> Path:
     if not SMOLLM2_GGUF.is_file() or not (ASSETS / "qwen3-tokenizer" / "tokenizer.json").is_file():
-        env = dict(os.environ, PYTHON=sys.executable)
+        env = dict(os.environ, PYTHON=sys.executable, XSERV_ASSETS=str(ASSETS))
         r = subprocess.run(["bash", str(ROOT / "scripts" / "fetch_assets.sh")], env=env, capture_output=True, text=True)
         if r.returncode != 0:
             pytest.skip(f"offline assets unavailable: {r.stderr.strip().splitlines()[-1:]}")

@@ -1,5 +1,5 @@
 """GPU: the apply_token_bitmask kernel against its NumPy op (poisoned output rows), and inside the captured graph:
-masked-out tokens are never sampled, rows without a mask pass through, and a step with masks still syncs once."""
+masked-out tokens are never sampled, rows without a mask pass through, and a step with masks waits on the host like one without."""
 from __future__ import annotations
 
 import numpy as np
@@ -41,7 +41,8 @@ def batch_with_masks(runner, allowed_sets, seeds):  # noqa: F811
                          query_start_loc=list(range(n + 1)), seq_lens=[1] * n, block_tables=[[i] for i in range(n)],
                          temperature=[1.0] * n, top_k=[0] * n, top_p=[1.0] * n, seeds=list(seeds),
                          sample_offsets=[0] * n)
-    b.bitmask_rows, b.token_bitmask = rows, words
+    if any(rows):                                               # no row with a mask: nothing staged
+        b.bitmask_rows, b.token_bitmask = rows, words
     assert V > 900
     return b
 
@@ -58,12 +59,18 @@ def test_masked_tokens_never_sampled_in_the_graph(runner):  # noqa: F811
     assert len(set(free)) > 5                                   # the unmasked row samples the whole vocabulary
 
 
-def test_a_masked_step_syncs_once(runner):  # noqa: F811
-    calls = []
-    real = runner.dev.sync
-    runner.dev.sync = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+def test_a_masked_step_waits_like_an_unmasked_one(runner):  # noqa: F811
+    """The masks add an H2D copy to the step, no host wait: the same number of syncs and event waits."""
+    waits = []
+    real_sync, real_wait = runner.dev.sync, runner.dev.wait_event
+    runner.dev.sync = lambda *a, **k: (waits.append("sync"), real_sync(*a, **k))[1]
+    runner.dev.wait_event = lambda *a, **k: (waits.append("event"), real_wait(*a, **k))[1]
     try:
-        runner.run(batch_with_masks(runner, [[3], [4], None, [5]], [1, 2, 3, 4]))
+        counts = []
+        for allowed in ([[3], [4], None, [5]], [None] * 4):
+            waits.clear()
+            runner.run(batch_with_masks(runner, allowed, [1, 2, 3, 4]))
+            counts.append(sorted(waits))
     finally:
-        runner.dev.sync = real
-    assert len(calls) == 1
+        runner.dev.sync, runner.dev.wait_event = real_sync, real_wait
+    assert counts[0] == counts[1] and counts[0]

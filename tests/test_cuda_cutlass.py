@@ -1,8 +1,8 @@
 """libxserv_gemm.so on the GPU: bf16 TN GEMMs vs a float64 reference, CUDA-graph replay, timings vs cuBLAS.
 
-The library comes from $XSERV_GEMM_LIB, else build/cutlass/kernels/libxserv_gemm.so (written by
+The library comes from --gemm-lib, else build/cutlass/kernels/libxserv_gemm.so (written by
 cutlass_build.build_gemm_library(Path("build/cutlass"))), else it is built here.
-Timings: $XSERV_GEMM_BENCH_OUT=file.json writes the table; $XSERV_GEMM_SWEEP=1 adds an M sweep per config.
+Timings: --gemm-bench-out file.json writes the table; --gemm-sweep adds an M sweep per config.
 """
 from __future__ import annotations
 
@@ -23,14 +23,14 @@ from xserv_aot.runtime.cuda.cutlass_gemm import CutlassGemm, CutlassGemmError  #
 ROOT = Path(__file__).resolve().parents[1]
 # Qwen3-8B linears: (name, N, K)
 SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]
-MS = [1, 7, 128, 300, 2048]
+MS = [1, 7, 48, 128, 256, 300, 2048]
 PAD_ROWS = 5
 
 
 @pytest.fixture(scope="module")
-def gemm(tmp_path_factory) -> CutlassGemm:
-    env = os.environ.get("XSERV_GEMM_LIB")
-    path = Path(env) if env else ROOT / "build" / "cutlass" / "kernels" / cb.LIBRARY_NAME
+def gemm(tmp_path_factory, pytestconfig) -> CutlassGemm:
+    given = pytestconfig.getoption("--gemm-lib")
+    path = Path(given) if given else ROOT / "build" / "cutlass" / "kernels" / cb.LIBRARY_NAME
     if not path.is_file():
         try:
             out = tmp_path_factory.mktemp("gemm")
@@ -47,10 +47,18 @@ def _stream() -> int:
     return torch.cuda.current_stream().cuda_stream
 
 
-def _run(g: CutlassGemm, cfg: int, a, b, c, bias, m: int) -> None:
+_WS: dict = {}
+
+
+def _run(g: CutlassGemm, cfg: int, a, b, c, bias, m: int, splits: int = 0) -> None:
+    """Every config through the workspace entry point (swap-AB configs need one; the tile configs take none)."""
     n, k = b.shape
-    g.gemm(cfg, a.data_ptr(), b.data_ptr(), c.data_ptr(), bias.data_ptr() if bias is not None else 0,
-           m, n, k, _stream())
+    need = g.workspace_size_ex(cfg, m, n, k, splits)
+    if _WS.get("ws") is None or _WS["ws"].numel() < need:
+        _WS["ws"] = torch.empty(max(need, 1 << 20), dtype=torch.uint8, device="cuda")
+    ws = _WS["ws"]
+    g.gemm_ex(cfg, a.data_ptr(), b.data_ptr(), c.data_ptr(), bias.data_ptr() if bias is not None else 0,
+              m, n, k, splits, ws.data_ptr(), ws.numel(), _stream())
 
 
 def _operands(m_max: int, n: int, k: int, gen):
@@ -75,13 +83,17 @@ def test_matches_float64_reference(gemm, name, n, k):
     for m in MS:
         ref = a[:m].double() @ b.double().T
         for cfg in range(len(gemm.configs)):
+            swap = "swap" in gemm.configs[cfg]
+            if swap and m > 256:
+                continue
             dtype = torch.float32 if gemm.out_bytes(cfg) == 4 else torch.bfloat16
-            use_bias = (cfg + m) % 2 == 0
-            c = torch.full((m + PAD_ROWS, n), float("nan"), dtype=dtype, device="cuda")
-            _run(gemm, cfg, a, b, c, bias if use_bias else None, m)
-            torch.cuda.synchronize()
-            _check(c[:m], ref + bias.double() if use_bias else ref)
-            assert torch.isnan(c[m:]).all(), f"{gemm.configs[cfg]} wrote past row {m}"
+            for splits in ((0, 1, 4) if swap else (0,)):
+                use_bias = (cfg + m + splits) % 2 == 0
+                c = torch.full((m + PAD_ROWS, n), float("nan"), dtype=dtype, device="cuda")
+                _run(gemm, cfg, a, b, c, bias if use_bias else None, m, splits)
+                torch.cuda.synchronize()
+                _check(c[:m], ref + bias.double() if use_bias else ref)
+                assert torch.isnan(c[m:]).all(), f"{gemm.configs[cfg]} splits {splits} wrote past row {m}"
 
 
 def test_rejects_misaligned_and_bad_shapes(gemm):
@@ -95,7 +107,7 @@ def test_rejects_misaligned_and_bad_shapes(gemm):
 
 
 def test_cuda_graph_replay_equals_eager(gemm):
-    n, k, m = 6144, 4096, 300
+    n, k, m = 6144, 4096, 200
     gen = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
     a, b, bias = _operands(m, n, k, gen)
     for cfg in range(len(gemm.configs)):
@@ -140,10 +152,10 @@ def _bench(gemm, n: int, k: int, m: int, configs) -> dict:
     return row
 
 
-def test_timing_table(gemm):
+def test_timing_table(gemm, pytestconfig):
     bf16_cfgs = [i for i in range(len(gemm.configs)) if gemm.out_bytes(i) == 2]
     ms = [2048]
-    if os.environ.get("XSERV_GEMM_SWEEP"):
+    if pytestconfig.getoption("--gemm-sweep"):
         ms = [16, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
     table = {f"{name} N={n} K={k} M={m}": _bench(gemm, n, k, m, bf16_cfgs) for name, n, k in SHAPES for m in ms}
     table["logits N=151936 K=4096 M=2048 f32out"] = _bench_f32(gemm, 151936, 4096, 2048)
@@ -151,8 +163,8 @@ def test_timing_table(gemm):
     print()
     for key, row in table.items():
         print(f"{key:36s} " + "  ".join(f"{n}={v:.0f}" if isinstance(v, float) else f"{n}={v}" for n, v in row.items()))
-    if os.environ.get("XSERV_GEMM_BENCH_OUT"):
-        Path(os.environ["XSERV_GEMM_BENCH_OUT"]).write_text(json.dumps(table, indent=1))
+    if pytestconfig.getoption("--gemm-bench-out"):
+        Path(pytestconfig.getoption("--gemm-bench-out")).write_text(json.dumps(table, indent=1))
     at_2048 = [row[row["chosen"]] for key, row in table.items() if key.endswith("M=2048")]
     assert min(at_2048) > 300, at_2048  # TFLOP/s: far below this means the wgmma path is not in use
 

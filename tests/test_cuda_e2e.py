@@ -3,7 +3,6 @@ small shape and at the Qwen3-8B shape (2 of its 36 layers, to keep the run short
 greedy text == NumPy greedy text."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +16,6 @@ QWEN3_8B_2L = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                    num_attention_heads=32, num_key_value_heads=8, head_dim=128)
 BUILD = dict(max_num_seqs=4, decode_buckets=[1, 2, 4], prefill_buckets=[16, 64], max_seq_len=256, block_size=16,
              dtype="bfloat16", target="sm_90a")
-SMOLLM2 = Path(os.environ.get("XSERV_SMOLLM2_GGUF",
-                              Path(__file__).resolve().parents[1] / "build/assets/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
 
 
 def gpu_or_skip():
@@ -30,8 +27,9 @@ def gpu_or_skip():
         pytest.skip("torch without CUDA")
 
 
-def make_model(out: Path, shape: dict, seed: int) -> Path:
-    """Random Qwen3 with fan-in scaled weights (activations stay O(1) at any width), saved as bf16 safetensors."""
+def make_model(out: Path, shape: dict, seed: int, max_shard_size: str = "5GB"):
+    """Random Qwen3 with fan-in scaled weights (activations stay O(1) at any width), saved as bf16 safetensors;
+    returns the model (bf16, on the GPU)."""
     import torch
     import transformers
     cfg = transformers.Qwen3Config(**shape, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1e6,
@@ -47,7 +45,7 @@ def make_model(out: Path, shape: dict, seed: int) -> Path:
                 p.copy_(torch.randn_like(p, dtype=torch.float32))
             else:
                 p.copy_(torch.randn_like(p, dtype=torch.float32) * p.shape[1] ** -0.5)
-    model.save_pretrained(out)
+    model.save_pretrained(out, max_shard_size=max_shard_size)
     return model
 
 
@@ -91,8 +89,9 @@ def test_logits_match_hf_over_prompt_and_64_decode_steps(tmp_path, shape):
     assert agree[confident].all()
 
 
-def test_smollm2_cuda_greedy_text_equals_numpy(tmp_path):
+def test_smollm2_cuda_greedy_text_equals_numpy(tmp_path, request):
     gpu_or_skip()
+    SMOLLM2 = Path(request.config.getoption("--smollm2-gguf"))
     if not SMOLLM2.is_file():
         pytest.skip(f"SmolLM2 GGUF not found at {SMOLLM2}")
     from tokenizers import Tokenizer

@@ -108,7 +108,7 @@ def test_gemv_gate_silu(lib, rng):
                                                   ("128x128", 200, 1000, 576, "float32"),
                                                   ("128x128", 256, 6144, 4096, "bfloat16")])
 def test_gemm_mma(lib, rng, tile, M, N, K, out_dtype):
-    from xserv_aot.plan.kernel_build import gemm_smem
+    from xserv_aot.plan.kernel_constants import gemm_smem
     bm, bn = (int(v) for v in tile.split("x"))
     x, w = bf(rng.standard_normal((M, K))), bf(rng.standard_normal((N, K)) * K ** -0.5)
     b = bf(rng.standard_normal(N))
@@ -124,7 +124,7 @@ def test_gemm_mma(lib, rng, tile, M, N, K, out_dtype):
 @pytest.mark.parametrize("M,N,K,splits,out_dtype", [(8, 4096, 12288, 5, "bfloat16"), (3, 1000, 576, 8, "float32"),
                                                     (64, 6144, 4096, 3, "bfloat16")])
 def test_gemm_splitk(lib, rng, M, N, K, splits, out_dtype):
-    from xserv_aot.plan.kernel_build import gemm_smem
+    from xserv_aot.plan.kernel_constants import gemm_smem
     x, w = bf(rng.standard_normal((M, K))), bf(rng.standard_normal((N, K)) * K ** -0.5)
     b = bf(rng.standard_normal(N))
     ws, out = lib.empty((splits, M, N), "float32"), lib.empty((M, N), out_dtype)
@@ -221,7 +221,7 @@ def test_attention_prefill(lib, rng, hd, nh, nkv):
                [("ptr", lib.to_device(q, "bfloat16")), ("ptr", lib.to_device(kv, "bfloat16")), ("ptr", lib.to_device(qsl)),
                 ("ptr", lib.to_device(lens)), ("ptr", lib.to_device(tables)), ("ptr", out), ("i32", T),
                 ("i32", len(seqs)), ("i32", nh), ("i32", nkv), ("i32", block_size), ("i32", max_blocks),
-                ("i32", kv.shape[1]), ("f32", hd ** -0.5)])
+                ("i32", kv.shape[1]), ("f32", hd ** -0.5), ("i32", 1)])
     want = ref.attention(q, kv, qsl, lens, tables, block_size, hd ** -0.5)
     check(out.numpy(), want)
     assert not out.numpy()[qsl[-1]:].any()

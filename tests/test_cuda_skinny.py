@@ -5,13 +5,12 @@ Outputs are poisoned with NaN first: a pass means every element was written, and
 """
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 
 from tests.cuda_fixtures import bf, lib, rng  # noqa: F401  (fixtures)
 from xserv_aot.plan import kernel_build as kb
+from xserv_aot.plan.op_records import Linear
 from xserv_aot.runtime import numpy_ops as ref
 
 TOL = 1e-2
@@ -26,19 +25,16 @@ def check(out, want):
 
 
 def skinny_op(M, N, K, out_dtype, bn=None, gate=False):
-    """The op dict plan_skinny annotates; bn forces the block width instead of the routing rule."""
-    op = {"op": "linear", "rows": M, "n": N, "k": K, "weight": "w"}
-    kb.plan_skinny(op, "f32" if out_dtype == "float32" else "bf16", "silu_out" if gate else None, bn)
-    return op
+    """(the linear, the kernel plan_skinny chose); bn forces the block width instead of the routing rule."""
+    op = Linear(rows=M, n=N, k=K, inp="x", weight="w", bias="b", out="out")
+    return op, kb.plan_skinny(op, "f32" if out_dtype == "float32" else "bf16", "silu_out" if gate else None, bn)
 
 
-def run_linear(lib, op, x, w, b, out_dtype):
-    (spec,) = op["launch"]
-    M, N, K = op["rows"], op["n"], op["k"]
+def run_linear(lib, choice, x, w, b, out_dtype):
+    (spec,) = choice.launch
+    M, N = spec.args[4][1], spec.args[5][1]
     out = lib.empty((M, N), out_dtype)
-    lib.launch(spec["fn"], spec["grid"], spec["block"],
-               [("ptr", x), ("ptr", w), ("ptr", b if b is not None else 0), ("ptr", out), ("i32", M), ("i32", N),
-                ("i32", K)], smem=spec["smem"])
+    lib.launch_record(spec, {"x": x, "w": w, "b": b, "out": out})
     return out.numpy()
 
 
@@ -63,8 +59,8 @@ def test_skinny_linear(lib, rng, M, N, K, out_dtype, bias, bn):
     x = bf(rng.standard_normal((M, K), dtype=np.float32))
     w = bf(rng.standard_normal((N, K), dtype=np.float32) * np.float32(K ** -0.5))
     b = bf(rng.standard_normal(N)) if bias else None
-    op = skinny_op(M, N, K, out_dtype, bn)
-    assert op["kernel"].startswith(f"skinny{bn}_")
+    _, op = skinny_op(M, N, K, out_dtype, bn)
+    assert op.kernel.startswith(f"skinny{bn}_")
     dx, dw = lib.to_device(x, "bfloat16"), lib.to_device(w, "bfloat16")
     db = lib.to_device(b, "bfloat16") if bias else None
     out = run_linear(lib, op, dx, dw, db, out_dtype)
@@ -78,13 +74,11 @@ def test_skinny_linear(lib, rng, M, N, K, out_dtype, bias, bn):
 def test_skinny_gate_silu(lib, rng, M, inter, K, bn):
     x = bf(rng.standard_normal((M, K), dtype=np.float32))
     w = bf(rng.standard_normal((2 * inter, K), dtype=np.float32) * np.float32(K ** -0.5))
-    op = skinny_op(M, 2 * inter, K, "bfloat16", bn, gate=True)
-    (spec,) = op["launch"]
-    assert "_gate_" in spec["fn"]
+    _, op = skinny_op(M, 2 * inter, K, "bfloat16", bn, gate=True)
+    (spec,) = op.launch
+    assert "_gate_" in spec.fn
     out = lib.empty((M, inter), "bfloat16")
-    lib.launch(spec["fn"], spec["grid"], spec["block"],
-               [("ptr", lib.to_device(x, "bfloat16")), ("ptr", lib.to_device(w, "bfloat16")), ("ptr", out),
-                ("i32", M), ("i32", inter), ("i32", K)], smem=spec["smem"])
+    lib.launch_record(spec, {"x": lib.to_device(x, "bfloat16"), "w": lib.to_device(w, "bfloat16"), "silu_out": out})
     check(out.numpy(), ref.silu_mul(bf(ref.linear(x, w))))
 
 
@@ -92,15 +86,15 @@ def test_skinny_gate_silu(lib, rng, M, inter, K, bn):
                                             (3, "decode", "skinny32_m8_bf16"), (33, "decode", "skinny32_m64_bf16"),
                                             (64, "prefill", "gemm_64x64_splitk")])
 def test_routing_by_rows(rows, kind, want):
-    op = {"op": "linear", "rows": rows, "n": 4096, "k": 4096, "weight": "w"}
-    kb.plan_linear(op, "bfloat16", None, None, kind == "decode")
-    assert op["kernel"] == want
-    wide = {"op": "linear", "rows": 16, "n": 151936, "k": 4096, "weight": "w"}
-    kb.plan_linear(wide, "float32", None, None, True)
-    assert wide["kernel"] == "skinny64_m16_f32" and wide["launch"][0]["grid"][0] * 64 >= 151936
+    op = Linear(rows=rows, n=4096, k=4096, inp="x", weight="w", bias=None, out="y")
+    assert kb.plan_linear(op, "bfloat16", None, None, kind == "decode").kernel == want
+    wide = kb.plan_linear(Linear(rows=16, n=151936, k=4096, inp="x", weight="w", bias=None, out="y"), "float32", None,
+                          None, True)
+    assert wide.kernel == "skinny64_m16_f32" and wide.launch[0].grid[0] * 64 >= 151936
 
 
-def test_stage_count_matches_kernel_source():
-    src = (kb.KERNEL_DIR / "gemm_skinny.cu").read_text()
-    assert int(re.search(r"#define SK_STAGES (\d+)", src).group(1)) == kb.SKINNY_STAGES
-    assert "gemm_skinny.cu" in kb.KERNEL_SOURCES
+def test_skinny_smem_fits_the_rings_and_the_partial_sums():
+    from xserv_aot.plan.kernel_constants import SK_RT, SK_STAGES, SK_WARPS, skinny_smem
+    for mt in (8, 16, 32, 64):
+        assert skinny_smem(mt) >= SK_WARPS * SK_STAGES * SK_RT * 16 * 128          # every warp's weight ring
+        assert skinny_smem(mt) >= SK_WARPS * SK_RT * (mt // 8) * 4 * 32 * 4 <= 227 * 1024

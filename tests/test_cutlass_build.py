@@ -13,7 +13,7 @@ from xserv_aot.plan import cutlass_build as cb
 from xserv_aot.runtime.cuda.cutlass_gemm import CutlassGemm, CutlassGemmError
 
 EXPORTS = ("xserv_gemm_bf16", "xserv_gemm_num_configs", "xserv_gemm_config_name", "xserv_gemm_config_out_bytes",
-           "xserv_gemm_workspace_size", "xserv_gemm_status_string")
+           "xserv_gemm_workspace_size", "xserv_gemm_status_string", "xserv_gemm_bf16_ex", "xserv_gemm_workspace_size_ex")
 HAS_GPU = Path("/dev/nvidiactl").exists()
 
 
@@ -56,7 +56,12 @@ def test_config_table_through_ctypes(built):
     for i, name in enumerate(g.configs):
         assert g.out_bytes(i) == (4 if "f32out" in name else 2)
         for m, n, k in ((1, 4096, 4096), (2048, 24576, 4096), (300, 4096, 12288)):
-            assert g.workspace_size(i, m, n, k) == 0
+            if "swap" not in name:
+                assert g.workspace_size(i, m, n, k) == 0                 # data-parallel tiles: no scratch
+        if "swap" in name:                                               # decode rows: stream-K / split-K scratch
+            assert g.workspace_size_ex(i, 64, 4096, 4096, 1) == 0        # data-parallel
+            assert g.workspace_size_ex(i, 64, 4096, 4096, 0) > 0         # stream-K fixup partials + flags
+            assert g.workspace_size_ex(i, 64, 4096, 12288, 4) > 0        # split-K 4
     with pytest.raises(CutlassGemmError):
         g.out_bytes(len(g.configs))
 
@@ -65,7 +70,7 @@ def test_host_side_validation_without_gpu(built):
     out, info, _ = built
     g = CutlassGemm(out / info["file"])
     with pytest.raises(CutlassGemmError, match="status 100"):
-        g.gemm(7, 256, 256, 256, 0, 16, 64, 64)
+        g.gemm(len(g.configs), 256, 256, 256, 0, 16, 64, 64)   # one past the table
     with pytest.raises(CutlassGemmError, match="status 1:"):
         g.gemm(0, 256 + 8, 256, 256, 0, 16, 64, 64)           # A not 16-byte aligned
     with pytest.raises(CutlassGemmError, match="status 1:"):

@@ -13,7 +13,7 @@ from xserv_aot.detokenizer import IncrementalDetokenizer
 from xserv_aot.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-ASSETS = Path(os.environ.get("XSERV_ASSETS", ROOT / "build" / "assets"))
+ASSETS = ROOT / "build" / "assets"
 QWEN_DIR = ASSETS / "qwen3-tokenizer"
 GGUF = ASSETS / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 FFFD = "\ufffd"

@@ -7,10 +7,9 @@ import random
 
 from tests.fake_runner import FakeRunner, reference_generate
 from tests.test_engine import VOCAB, mkbuild, mkengine
-from tests.test_scheduler import step
+from tests.test_scheduler import Sched, step
 from xserv_aot.engine.api import SamplingParams
 from xserv_aot.engine.block_manager import BlockManager
-from xserv_aot.engine.scheduler import Scheduler
 from xserv_aot.engine.sequence import Sequence
 
 
@@ -56,7 +55,7 @@ def test_fork_of_a_partly_computed_parent_and_of_a_different_prompt():
 
 
 def test_scheduler_holds_children_until_the_parent_prompt_is_computed():
-    s = Scheduler(mkbuild(prefill_buckets=[8], num_blocks=16))
+    s = Sched(mkbuild(prefill_buckets=[8], num_blocks=16))
     prompt = [random.Random(5).randrange(1000) for _ in range(10)]
     p, a, b = seq("p", prompt), seq("a", prompt), seq("b", prompt)
     for x in (p, a, b):
@@ -70,6 +69,8 @@ def test_scheduler_holds_children_until_the_parent_prompt_is_computed():
     assert o.num_new_tokens == [2, 2, 2] and o.batch.positions == [8, 9] * 3
     assert o.batch.slot_mapping == [8, 9, 12, 13, 16, 17]
     assert o.samples == [True, True, True]
+    assert [(r.row, r.num_computed_tokens, r.block_ids) for r in o.update.new_rows] == [(1, 8, [0, 1, 3]),
+                                                                                        (2, 8, [0, 1, 4])]
     for x in (p, a, b):
         s.finish(x, "stop")
     assert s.block_manager.num_free_blocks == 16

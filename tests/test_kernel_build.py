@@ -3,6 +3,7 @@ kernel whose function exists, with workspace buffers that overlap nothing."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -42,14 +43,32 @@ def test_cache_key_changes_with_source(tmp_path, monkeypatch):
     assert key3 != key1
 
 
+def test_shared_constants_reach_the_kernels_only_as_defines():
+    from xserv_aot.plan.kernel_constants import KERNEL_DEFINES
+    from xserv_aot.plan.nvrtc_build import compile_options
+    sources = {n: kb.expand_source(kb.KERNEL_DIR / n) for n in kb.KERNEL_SOURCES}
+    for name in KERNEL_DEFINES:
+        assert not any(re.search(rf"^\s*#define\s+{name}\b", src, re.M) for src in sources.values()), name
+        assert any(re.search(rf"\b{name}\b", src) for src in sources.values()), f"{name} is used by no kernel"
+    assert dict(compile_options("sm_90a")["define_macro"]) == {k: str(v) for k, v in KERNEL_DEFINES.items()}
+
+
+def test_cache_key_changes_with_a_shared_constant(tmp_path, monkeypatch):
+    from xserv_aot.plan import kernel_constants
+    monkeypatch.setenv("XSERV_AOT_CACHE", str(tmp_path / "cache"))
+    _, key1, _ = kb.compile_source("elementwise.cu", "sm_90a")
+    monkeypatch.setitem(kernel_constants.KERNEL_DEFINES, "NORM_NC", 2)
+    _, key2, _ = kb.compile_source("elementwise.cu", "sm_90a")
+    assert key1 != key2
+
+
 def compile_tiny(tmp_path, monkeypatch, **build):
     from xserv_aot.config import BuildConfig
     from xserv_aot.plan.builder import compile_plan
-    monkeypatch.setenv("XSERV_NO_CUTLASS", "1")
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(CONFIG))
     b = dict(max_num_seqs=4, decode_buckets=[1, 2, 4], prefill_buckets=[16, 64], max_seq_len=512, dtype="bfloat16",
-             target="sm_90a")
+             target="sm_90a", gemm_library=False)
     b.update(build)
     return compile_plan(cfg, tmp_path / "plan", BuildConfig(**b), dummy_weights=True)
 
@@ -59,11 +78,11 @@ def test_build_kernels_annotates_every_op(tmp_path, monkeypatch):
     funcs = plan.kernels["functions"]
     for bk in plan.buckets:
         for op in bk.ops:
-            assert "kernel" in op and "launch" in op, (bk.name, op["op"])
-            for spec in op["launch"]:
-                assert spec["fn"] in funcs, spec["fn"]
-                assert all(g >= 1 for g in spec["grid"]) and 1 <= spec["block"][0] <= 1024
-        kinds = {op["op"]: op["kernel"] for op in bk.ops}
+            assert op.cuda is not None, (bk.name, op.op)
+            for spec in op.cuda.launch:
+                assert spec.fn in funcs, spec.fn
+                assert all(g >= 1 for g in spec.grid) and 1 <= spec.block[0] <= 1024
+        kinds = {op.op: op.cuda.kernel for op in bk.ops}
         if bk.kind == "decode":
             assert kinds["attention"].startswith("attn_decode")
             assert (kinds["silu_mul"] == "fused_into_previous") == (bk.num_tokens <= kb.GEMV_MAX_ROWS)
@@ -75,8 +94,8 @@ def test_build_kernels_annotates_every_op(tmp_path, monkeypatch):
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "arena buffers overlap"
     assert spans[-1][1] <= plan.arena_size
     assert {"attn_part_o", "attn_part_ml", "sample_scaled", "gemm_splitk_ws"} <= set(plan.arena)
-    splitk = [op for bk in plan.buckets for op in bk.ops if op.get("kernel") == "gemm_64x64_splitk"]
-    assert splitk and all(op["splits"] * op["rows"] * op["n"] <= plan.arena["gemm_splitk_ws"].shape[0] for op in splitk)
+    splitk = [op for bk in plan.buckets for op in bk.ops if op.cuda.kernel == "gemm_64x64_splitk"]
+    assert splitk and all(op.cuda.splits * op.rows * op.n <= plan.arena["gemm_splitk_ws"].shape[0] for op in splitk)
 
 
 def test_float32_plan_is_refused(tmp_path, monkeypatch):

@@ -24,3 +24,22 @@ def test_tiny_temperature_is_greedy():
     tiny_host = mkengine().generate([prompt], SamplingParams(max_tokens=6, temperature=1e-40, seed=3,
                                                              logprobs=1))[0].new_token_ids
     assert tiny == greedy == tiny_host
+
+
+EDGES = [  # (field, a value at the bound, a value just outside it)
+    ("temperature", 2.0, 2.01), ("temperature", 0.0, -0.01), ("repetition_penalty", 2.0, 2.5),
+    ("repetition_penalty", 0.01, 0.005), ("presence_penalty", -2.0, -2.5), ("frequency_penalty", 2.0, 2.1),
+]
+
+
+@pytest.mark.parametrize("field,inside,outside", EDGES)
+def test_server_and_engine_agree_on_bounds(field, inside, outside):
+    from xserv_aot.server.protocol import RequestError, parse_completion_request
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    params = parse_completion_request({**body, field: inside}).params
+    eng = mkengine()
+    eng.add_request("ok", [5, 6, 7], SamplingParams(max_tokens=2, **{field: getattr(params, field)}))
+    with pytest.raises(RequestError):
+        parse_completion_request({**body, field: outside})
+    with pytest.raises(InvalidRequestError):
+        eng.add_request("bad", [5, 6, 7], SamplingParams(max_tokens=2, **{field: outside}))

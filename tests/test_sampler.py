@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from xserv_aot.engine.api import SamplingParams
-from xserv_aot.engine.sampler import apply_penalties, draw, sample_token, uniform
+from xserv_aot.engine.sampler import apply_penalties, draw, sample_token
+from xserv_aot.rng import uniform
 
 
 def ref_uniform(seed, offset):

@@ -2,12 +2,11 @@
 
 Tests named test_fake_* rely on FakeEngine's scripted output (`say:`) or instrumentation (engine.aborted);
 the others hold for any deterministic engine (greedy decoding, fixed seeds). To run those against a real
-engine, set XSERV_TEST_SERVER_PLAN=path/to/plan (served with the NumPy backend); test_fake_* then skip.
+engine, pass --server-plan path/to/plan (served with the NumPy backend); test_fake_* then skip.
 """
 from __future__ import annotations
 
 import json
-import os
 
 import httpx
 import openai
@@ -20,16 +19,14 @@ TIMEOUT = 20.0
 MSGS = [{"role": "user", "content": "Write a short story about a cat."}]
 
 
-REAL_PLAN = os.environ.get("XSERV_TEST_SERVER_PLAN")
-
-
 @pytest.fixture(scope="module")
-def engine():
-    if not REAL_PLAN:
+def engine(request):
+    real_plan = request.config.getoption("--server-plan")
+    if not real_plan:
         yield FakeEngine()
         return
     from xserv_aot.serve import build_engine
-    eng = build_engine(REAL_PLAN, backend="cpu", model_name="real")
+    eng = build_engine(real_plan, backend="cpu", model_name="real")
     eng.start()
     yield eng
     eng.shutdown()
@@ -37,7 +34,7 @@ def engine():
 
 @pytest.fixture(autouse=True)
 def _fake_only(request):
-    if REAL_PLAN and request.node.name.startswith("test_fake_"):
+    if request.config.getoption("--server-plan") and request.node.name.startswith("test_fake_"):
         pytest.skip("needs FakeEngine (scripted output / instrumentation)")
 
 

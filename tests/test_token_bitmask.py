@@ -34,9 +34,9 @@ def test_every_bucket_masks_right_before_sampling(tmp_path_factory):
     words = -(-plan.model.vocab_size // 32)
     assert plan.arena["token_bitmask"].shape == [plan.build.max_num_seqs, words]
     for bucket in plan.buckets:
-        names = [op["op"] for op in bucket.ops]
+        names = [op.op for op in bucket.ops]
         assert names[-2:] == ["apply_token_bitmask", "sample"], bucket.name
-        assert bucket.ops[-2]["rows"] == bucket.num_seqs
+        assert bucket.ops[-2].rows == bucket.num_seqs and bucket.ops[-2].n == plan.model.vocab_size
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +82,34 @@ def test_rows_without_a_grammar_pass_through(engine):
                                                    guided=GuidedDecoding("regex", "[0-9]{6}"))])
     assert mixed[0].new_token_ids == alone
     assert mixed[1].text.isdigit() and len(mixed[1].text) == 6
+
+
+def test_grammar_rows_under_overlapped_steps(engine):
+    """Overlap on: a step where a grammar row samples completes before the next is scheduled (its matcher must see
+    the token first), other steps still overlap; outputs equal the non-overlapped engine's, forks (n > 1) too."""
+    from xserv_aot.engine.llm_engine import LLMEngine
+    tok = engine.tokenizer
+    over = LLMEngine(engine.runner.__class__(engine.runner.plan), tok, overlap=True)
+    launches, waited = [], {}                                   # step -> steps launched when it was waited for
+    real_launch, real_wait = over.runner.launch, over.runner.wait
+
+    def launch(batch):
+        launches.append(len(batch.bitmask_rows) > 0)
+        return len(launches), real_launch(batch)
+
+    def wait(handle):
+        waited[handle[0]] = len(launches)
+        return real_wait(handle[1])
+    over.runner.launch, over.runner.wait = launch, wait
+    long = tok.encode("quartz meadow signal orbit lantern " * 3)
+    prompts = [tok.encode("Answer:"), long, long, tok.encode("river violet")]
+    specs = [GuidedDecoding("regex", r"[a-c]{2,4}-[0-9]"), None, None, GuidedDecoding("choice", '["yes", "no way"]')]
+    params = [SamplingParams(max_tokens=12, temperature=0.8, seed=5 + i, guided=g, ignore_eos=g is None)
+              for i, g in enumerate(specs)]
+    want = engine.generate(prompts, params)
+    got = over.generate(prompts, params)
+    assert [(o.new_token_ids, o.text, o.finish_reason) for o in got] == \
+           [(o.new_token_ids, o.text, o.finish_reason) for o in want]
+    masked = [n for n, m in enumerate(launches, 1) if m]
+    assert masked and all(waited[n] == n for n in masked)       # each masked step was waited for at once
+    assert any(waited[n] > n for n in waited)                   # steps without masks overlapped

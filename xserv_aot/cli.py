@@ -1,4 +1,4 @@
-"""The `xserv-aot` command line: compile, inspect, generate, chat, serve, profile, bench."""
+"""The `xserv-aot` command line: compile, inspect, generate, chat, serve, profile, bench, bench-serve."""
 from __future__ import annotations
 
 import json
@@ -56,6 +56,8 @@ def compile(
     kv_memory_gib: Optional[float] = typer.Option(None, "--kv-memory", help="size the KV pool in GiB instead of --num-blocks"),
     dtype: Optional[str] = typer.Option(None, help="bfloat16 | float32"),
     target: Optional[str] = typer.Option(None, help="GPU arch for kernels (sm_90a) or cpu"),
+    gemm_library: Optional[bool] = typer.Option(None, help="CUTLASS GEMMs for linears of >= 128 rows (default on)"),
+    pdl: Optional[bool] = typer.Option(None, help="programmatic dependent launch of every kernel (default off)"),
     dummy_weights: bool = typer.Option(False, help="random weights from the config alone (benchmarks)"),
     seed: int = typer.Option(0, help="seed for --dummy-weights"),
     force: bool = typer.Option(False, help="replace an existing plan"),
@@ -70,7 +72,8 @@ def compile(
 
     base = json.loads(build_config.read_text()) if build_config else {}
     given = dict(max_num_seqs=max_num_seqs, decode_buckets=_ints(decode_buckets), prefill_buckets=_ints(prefill_buckets),
-                 max_seq_len=max_seq_len, block_size=block_size, num_blocks=num_blocks, dtype=dtype, target=target)
+                 max_seq_len=max_seq_len, block_size=block_size, num_blocks=num_blocks, dtype=dtype, target=target,
+                 gemm_library=gemm_library, pdl=pdl)
     base.update({k: v for k, v in given.items() if v is not None})
     if max_num_seqs and not decode_buckets and "decode_buckets" not in base:
         base["decode_buckets"] = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_num_seqs] + [max_num_seqs]
@@ -102,11 +105,15 @@ def kv_blocks_for_memory(model: Path, build, gib: float, dummy: bool) -> int:
 @app.command()
 @guarded
 def inspect(plan_dir: Path = typer.Argument(..., metavar="PLAN"),
-            ops: Optional[str] = typer.Option(None, help="print the op list of this bucket (e.g. decode_1)")):
+            ops: Optional[str] = typer.Option(None, help="print the op list of this bucket (e.g. decode_1)"),
+            roofline: bool = typer.Option(False, help="per bucket: bytes, FLOPs and the floor they imply on the target"),
+            context: int = typer.Option(128, help="--roofline: context length of every sequence")):
     """Print a plan's memory map, buckets, op list and the bytes each decode step reads."""
     from xserv_aot.plan.inspect import describe
 
-    typer.echo(describe(plan_dir, ops))
+    if context < 1:
+        fail(f"--context must be >= 1, got {context}")
+    typer.echo(describe(plan_dir, ops, roofline=roofline, context=context))
 
 
 def load_runner(plan_dir: Path, backend: str):
@@ -198,14 +205,16 @@ def serve(plan_dir: Path = typer.Argument(..., metavar="PLAN"),
           tool_call_parser: Optional[str] = typer.Option(None, help="hermes | llama3_json | none: how tool_choice "
                                                          "auto finds calls (default: from the chat template)"),
           metrics_require_key: bool = typer.Option(True, help="with --api-key, /metrics needs the key too; "
-                                                   "--no-metrics-require-key opens it, as vLLM's is")):
+                                                   "--no-metrics-require-key opens it, as vLLM's is"),
+          engine_process: bool = typer.Option(True, help="run the scheduler and runner in their own process "
+                                              "(--no-engine-process: an engine thread in the server process)")):
     """Serve PLAN with an OpenAI-compatible HTTP API."""
     from xserv_aot.serve import launch
 
     launch(plan_dir, host=host, port=port, api_key=api_key, max_waiting=max_waiting,
            model_name=model_name or Path(plan_dir).resolve().name, max_request_bytes=max_request_bytes, backend=backend,
            request_timeout=request_timeout, shutdown_grace=shutdown_grace, tool_call_parser=tool_call_parser,
-           metrics_require_key=metrics_require_key)
+           metrics_require_key=metrics_require_key, engine_process=engine_process)
 
 
 @app.command()
@@ -214,22 +223,49 @@ def bench(plan_dir: Path = typer.Argument(..., metavar="PLAN"), backend: str = t
           prompt_len: int = typer.Option(128), decode_steps: int = typer.Option(64),
           batch: int = typer.Option(1)):
     """Measure time to first token and decode tok/s on random prompts."""
-    from xserv_aot.bench import run_bench
+    from xserv_aot.bench.offline import run_bench
 
     runner = load_runner(plan_dir, backend)
     typer.echo(json.dumps(run_bench(runner, prompt_len, decode_steps, batch), indent=1))
 
 
+@app.command("bench-serve", add_help_option=False,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_serve(ctx: typer.Context):
+    """Serving benchmark against any OpenAI-compatible server (vLLM `bench serve` flags; --help lists them)."""
+    from xserv_aot.bench.serve import main as bench_serve_main
+
+    raise typer.Exit(bench_serve_main(ctx.args))
+
+
 @app.command()
 @guarded
 def profile(plan_dir: Path = typer.Argument(..., metavar="PLAN"), bucket: str = typer.Option("decode_1"),
-            context: int = typer.Option(128), trace: Optional[Path] = typer.Option(None, help="Chrome-trace JSON out")):
-    """Per-op timing of one bucket on the GPU (CUDA events) plus whole-graph step time."""
+            context: int = typer.Option(128), trace: Optional[Path] = typer.Option(None, help="Chrome-trace JSON out"),
+            nsys: bool = typer.Option(False, help="run this profile under Nsight Systems (--trace cuda,nvtx)"),
+            ncu: bool = typer.Option(False, help="run one eager step under Nsight Compute; per-kernel DRAM/SM "
+                                     "throughput and occupancy beside the plan's bytes and FLOPs"),
+            kernel: Optional[str] = typer.Option(None, help="--ncu: only kernels whose name matches this regex"),
+            out: Optional[Path] = typer.Option(None, help="--nsys: report path (default xserv-BUCKET)"),
+            nvtx: bool = typer.Option(False, help="NVTX ranges around every op and graph replay"),
+            one_step: bool = typer.Option(False, hidden=True, help="one eager step between cuProfilerStart/Stop")):
+    """Per-op timing of one bucket on the GPU (CUDA events) plus whole-graph step time; or --nsys / --ncu."""
+    if nsys and ncu:
+        fail("--nsys and --ncu are exclusive")
+    if context < 1:
+        fail(f"--context must be >= 1, got {context}")
+    if nsys or ncu:
+        from xserv_aot.runtime.nsight import run_ncu, run_nsys
+        typer.echo(run_nsys(plan_dir, bucket, context, out) if nsys else run_ncu(plan_dir, bucket, context, kernel))
+        return
     try:
-        from xserv_aot.runtime.cuda.profile import profile_plan
+        from xserv_aot.runtime.cuda.profile import profile_plan, run_one_step
     except ImportError as e:
         fail(f"profile needs the CUDA backend ({e})")
-    typer.echo(profile_plan(plan_dir, bucket=bucket, context=context, trace=trace))
+    if one_step:
+        typer.echo(run_one_step(plan_dir, bucket, context, nvtx=True))
+        return
+    typer.echo(profile_plan(plan_dir, bucket=bucket, context=context, trace=trace, nvtx=nvtx))
 
 
 def main():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,12 +164,20 @@ class BuildConfig:
     max_seq_len: int = 2048
     block_size: int = 16
     num_blocks: int = 0                   # 0: derived from max_num_seqs * max_seq_len
+    mixed_prefill_tokens: int = 0         # prompt tokens in a step that also runs decodes; 0 = prefill_chunk
     dtype: str = "bfloat16"               # weights, activations and KV cache: bfloat16 | float32
     target: str = "sm_90a"                # GPU arch for cubins, or "cpu" (no kernels built)
+    gemm_library: bool = True             # CUDA: CUTLASS GEMMs for linears of >= 128 rows, when nvcc can build them
+    pdl: bool = False                     # CUDA: programmatic dependent launch of every kernel (docs/cuda-notes.md)
 
     @property
     def prefill_chunk(self) -> int:
         return max(self.prefill_buckets)
+
+    @property
+    def mixed_prefill_budget(self) -> int:
+        """Most prompt tokens a step that also carries decodes may take (a prompt delays decodes by one such step)."""
+        return self.mixed_prefill_tokens or self.prefill_chunk
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -179,8 +188,13 @@ class BuildConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "BuildConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        """A build config (a --build-config file, a manifest's build section); an unknown key is an error, so a
+        misspelt setting is never silently dropped."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            raise ConfigError(f"unknown build setting {unknown[0]!r} (known: {', '.join(names)})")
+        return cls(**d)
 
     def validate(self) -> "BuildConfig":
         if self.dtype not in ("bfloat16", "float32"):
@@ -199,8 +213,19 @@ class BuildConfig:
             raise ConfigError("max_seq_len must be at least 2")
         if self.num_blocks < 0:
             raise ConfigError("num_blocks must be >= 0")
+        if not 0 <= self.mixed_prefill_tokens <= max(self.prefill_buckets):
+            raise ConfigError(f"mixed_prefill_tokens {self.mixed_prefill_tokens} must be in 0..largest prefill bucket")
+        for name in ("gemm_library", "pdl"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.decode_buckets = sorted(set(int(b) for b in self.decode_buckets))
         self.prefill_buckets = sorted(set(int(b) for b in self.prefill_buckets))
         if self.num_blocks == 0:
             self.num_blocks = self.max_num_seqs * self.max_blocks_per_seq
         return self
+
+
+def cache_root() -> Path:
+    """Root of the compile caches (NVRTC cubins, the CUTLASS library): $XSERV_AOT_CACHE, else ~/.cache/xserv-aot.
+    Cached artifacts are keyed by their full inputs, so the location never changes a plan."""
+    return Path(os.environ.get("XSERV_AOT_CACHE", "~/.cache/xserv-aot")).expanduser()

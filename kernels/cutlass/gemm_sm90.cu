@@ -17,8 +17,9 @@ constexpr int kMisaligned = 1;       // cutlass::Status::kErrorMisalignedOperand
 constexpr int kInvalidProblem = 4;   // cutlass::Status::kErrorInvalidProblem
 constexpr int kBadConfig = 100;
 
-using RunFn = int (*)(const void*, const void*, void*, const void*, int, int, int, cudaStream_t);
-using WorkspaceFn = size_t (*)(int, int, int);
+using RunFn = int (*)(const void*, const void*, void*, const void*, int, int, int, int, void*, size_t,
+                      cudaStream_t);
+using WorkspaceFn = size_t (*)(int, int, int, int, int);
 
 struct Entry {
   const char* name;
@@ -29,7 +30,7 @@ struct Entry {
   WorkspaceFn workspace;
 };
 
-#define XSERV_ENTRY(idx, name, tm, tn, tk, cm, cn, sched, out) \
+#define XSERV_ENTRY(idx, name, kind, tm, tn, tk, cm, cn, sched, out) \
   {name, tm, tn, static_cast<int>(sizeof(out)), xserv_gemm_run_##idx, xserv_gemm_workspace_##idx},
 const Entry kEntries[XSERV_GEMM_NUM_CONFIGS] = {XSERV_GEMM_CONFIGS(XSERV_ENTRY)};
 
@@ -50,10 +51,15 @@ int xserv_gemm_config_out_bytes(int config) {
   return (config >= 0 && config < XSERV_GEMM_NUM_CONFIGS) ? kEntries[config].out_bytes : 0;
 }
 
-// Device workspace the config needs for this problem (the runtime never allocates one).
-size_t xserv_gemm_workspace_size(int config, int M, int N, int K) {
+// Device workspace the config needs for this problem on sm_count SMs (the runtime never allocates one).
+// splits: 0 stream-K, 1 data-parallel, > 1 split-K (swap-AB configs; the others take 0 or 1 only).
+size_t xserv_gemm_workspace_size_ex(int config, int M, int N, int K, int splits, int sm_count) {
   if (config < 0 || config >= XSERV_GEMM_NUM_CONFIGS) return 0;
-  return kEntries[config].workspace(M, N, K);
+  return kEntries[config].workspace(M, N, K, splits, sm_count);
+}
+
+size_t xserv_gemm_workspace_size(int config, int M, int N, int K) {
+  return xserv_gemm_workspace_size_ex(config, M, N, K, 0, 132);
 }
 
 const char* xserv_gemm_status_string(int status) {
@@ -74,9 +80,10 @@ const char* xserv_gemm_status_string(int status) {
   }
 }
 
-// C[M,N] = A[M,K] @ B[N,K]^T (+ bias[N]); A, B, bias bf16; C bf16 or fp32 by config.
-int xserv_gemm_bf16(int config, const void* A, const void* B, void* C, const void* bias, int M,
-                    int N, int K, void* stream) {
+// C[M,N] = A[M,K] @ B[N,K]^T (+ bias[N]); A, B, bias bf16; C bf16 or fp32 by config; workspace (16-byte
+// aligned, workspace_bytes >= xserv_gemm_workspace_size_ex) is the config's stream-K / split-K scratch.
+int xserv_gemm_bf16_ex(int config, const void* A, const void* B, void* C, const void* bias, int M, int N,
+                       int K, int splits, void* workspace, size_t workspace_bytes, void* stream) {
   if (config < 0 || config >= XSERV_GEMM_NUM_CONFIGS) return kBadConfig;
   if (M < 0 || N <= 0 || K <= 0) return kInvalidProblem;
   if (M == 0) return kOk;
@@ -84,7 +91,14 @@ int xserv_gemm_bf16(int config, const void* A, const void* B, void* C, const voi
   if (N % 8 != 0 || K % 8 != 0) return kMisaligned;
   if (!aligned16(A) || !aligned16(B) || !aligned16(C)) return kMisaligned;
   if (bias != nullptr && !aligned16(bias)) return kMisaligned;
-  return kEntries[config].run(A, B, C, bias, M, N, K, static_cast<cudaStream_t>(stream));
+  if (splits < 0 || (workspace != nullptr && !aligned16(workspace))) return kInvalidProblem;
+  return kEntries[config].run(A, B, C, bias, M, N, K, splits, workspace, workspace_bytes,
+                              static_cast<cudaStream_t>(stream));
+}
+
+int xserv_gemm_bf16(int config, const void* A, const void* B, void* C, const void* bias, int M, int N,
+                    int K, void* stream) {
+  return xserv_gemm_bf16_ex(config, A, B, C, bias, M, N, K, 0, nullptr, 0, stream);
 }
 
 }  // extern "C"

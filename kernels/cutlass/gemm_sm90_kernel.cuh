@@ -25,6 +25,12 @@ struct Pingpong {
   using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
 };
+// Decode rows: operands swapped (the weights fill the 128-wide M side of the tile, the few activation rows the
+// N side), stream-K over every SM with deterministic (turnstile) reduction; needs a workspace.
+struct StreamKSwapAB {
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
 
 template <int TM, int TN, int TK, int CM, int CN, class Schedule, class ElementD>
 struct GemmSm90 {
@@ -85,9 +91,10 @@ struct GemmSm90 {
     return args;
   }
 
-  // Returns 0 or a cutlass::Status value; never allocates.
-  static int run(const void* A, const void* B, void* D, const void* bias, int M, int N, int K,
-                 cudaStream_t stream) {
+  // Returns 0 or a cutlass::Status value; never allocates. Data-parallel tiles: no splits, no workspace.
+  static int run(const void* A, const void* B, void* D, const void* bias, int M, int N, int K, int splits,
+                 void*, size_t, cudaStream_t stream) {
+    if (splits > 1) return static_cast<int>(cutlass::Status::kErrorNotSupported);
     int device = 0, sm_count = 0;
     if (cudaGetDevice(&device) != cudaSuccess ||
         cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
@@ -106,8 +113,104 @@ struct GemmSm90 {
     return static_cast<int>(st);
   }
 
-  static size_t workspace_size(int M, int N, int K) {
-    auto args = arguments(nullptr, nullptr, nullptr, nullptr, M, N, K, 0, 132);
+  static size_t workspace_size(int M, int N, int K, int, int sm_count) {
+    auto args = arguments(nullptr, nullptr, nullptr, nullptr, M, N, K, 0, sm_count);
+    return Gemm::get_workspace_size(args);
+  }
+};
+
+// D[M,N] = A[M,K] @ B[N,K]^T computed as D^T[N,M] = B @ A^T: B (the weights, N large) is the GEMM's A operand,
+// A (M = a few activation rows) its B operand, D^T column-major == D row-major; bias[N] is a column broadcast.
+// Stream-K (splits == 0: CUTLASS's heuristic) or split-K (splits > 1), reduced in a fixed order.
+template <int TM, int TN, int TK, class ElementD>
+struct GemmSm90SwapAB {
+  using ElementW = cutlass::bfloat16_t;
+  using ElementX = cutlass::bfloat16_t;
+  using ElementBias = cutlass::bfloat16_t;
+  using ElementAcc = float;
+  using LayoutW = cutlass::layout::RowMajor;     // [N, K]
+  using LayoutX = cutlass::layout::ColumnMajor;  // [M, K] row-major == K x M column-major
+  using LayoutD = cutlass::layout::ColumnMajor;  // D^T [N, M] column-major == D [M, N] row-major
+  static constexpr int kAlignAB = 8;
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
+
+  using TileShape = Shape<Int<TM>, Int<TN>, Int<TK>>;
+  using ClusterShape = Shape<_1, _1, _1>;
+
+  using BiasCol = cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, ElementBias, ElementAcc,
+                                                              Stride<_1, _0, int64_t>, 8>;
+  using Fusion = cutlass::epilogue::fusion::Sm90EVT<
+      cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, ElementAcc,
+                                             cutlass::FloatRoundStyle::round_to_nearest>,
+      cutlass::epilogue::fusion::Sm90AccFetch, BiasCol>;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, ElementAcc,
+      void, LayoutD, kAlignD, ElementD, LayoutD, kAlignD,
+      typename StreamKSwapAB::Epilogue, Fusion>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementW, LayoutW, kAlignAB,
+      ElementX, LayoutX, kAlignAB, ElementAcc, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename StreamKSwapAB::Kernel>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
+                                                      CollectiveEpilogue, cutlass::gemm::StreamKScheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using Decomposition = typename Kernel::TileScheduler::Arguments;
+
+  static typename Gemm::Arguments arguments(const void* A, const void* B, void* D, const void* bias,
+                                            int M, int N, int K, int splits, int device, int sm_count) {
+    // GEMM problem: (N, M, K); operand A = weights B[N,K], operand B = activations A[M,K].
+    auto sW = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, make_shape(N, K, 1));
+    auto sX = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, make_shape(M, K, 1));
+    auto sD = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, make_shape(N, M, 1));
+    typename Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {N, M, K, 1},
+        {static_cast<const ElementW*>(B), sW, static_cast<const ElementX*>(A), sX},
+        {{}, nullptr, sD, static_cast<ElementD*>(D), sD}};
+    args.epilogue.thread = {
+        {},
+        {static_cast<const ElementBias*>(bias), ElementBias(0), {_1{}, _0{}, 0}},
+        {}};
+    args.hw_info.device_id = device;
+    args.hw_info.sm_count = sm_count;
+    using Mode = typename Kernel::TileScheduler::DecompositionMode;
+    args.scheduler.reduction_mode = Kernel::TileScheduler::ReductionMode::Deterministic;
+    if (splits > 1) {
+      args.scheduler.splits = splits;
+      args.scheduler.decomposition_mode = Mode::SplitK;
+    } else {
+      args.scheduler.decomposition_mode = splits == 1 ? Mode::DataParallel : Mode::StreamK;
+    }
+    return args;
+  }
+
+  static int run(const void* A, const void* B, void* D, const void* bias, int M, int N, int K, int splits,
+                 void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+    int device = 0, sm_count = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      return static_cast<int>(cutlass::Status::kErrorInternal);
+    }
+    auto args = arguments(A, B, D, bias, M, N, K, splits, device, sm_count);
+    Gemm gemm;
+    cutlass::Status st = gemm.can_implement(args);
+    if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
+    if (Gemm::get_workspace_size(args) > workspace_bytes) {
+      return static_cast<int>(cutlass::Status::kErrorWorkspaceNull);
+    }
+    st = gemm.initialize(args, workspace, stream);
+    if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
+    return static_cast<int>(gemm.run(stream));
+  }
+
+  static size_t workspace_size(int M, int N, int K, int splits, int sm_count) {
+    auto args = arguments(nullptr, nullptr, nullptr, nullptr, M, N, K, splits, 0, sm_count);
     return Gemm::get_workspace_size(args);
   }
 };

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from xserv_aot.checkpoint import CheckpointError, one_line
+from xserv_aot.dtypes import from_bf16_bits
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -30,10 +31,6 @@ class _Entry:
     shape: tuple[int, ...]
     begin: int                         # absolute byte offsets in file
     end: int
-
-
-def bf16_to_float32(bits: np.ndarray) -> np.ndarray:
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def read_header(file: Path) -> dict[str, _Entry]:
@@ -133,7 +130,7 @@ class SafetensorsCheckpoint:
             self._maps[e.file] = np.memmap(e.file, dtype=np.uint8, mode="r")
         raw = self._maps[e.file][e.begin:e.end].view(DTYPES[e.dtype]).reshape(e.shape)
         if e.dtype == "BF16":
-            return bf16_to_float32(raw)
+            return from_bf16_bits(raw)
         return np.array(raw, dtype=np.float32)
 
     def _entry(self, name: str) -> _Entry:

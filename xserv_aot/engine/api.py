@@ -9,6 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# Bounds of SamplingParams: one home for the engine's checks (llm_engine.validate_request) and the server's schema.
+TEMPERATURE_RANGE = (0.0, 2.0)
+GREEDY_BELOW = 1e-5                     # temperatures under this sample greedily (float32 logits / t would overflow)
+PENALTY_RANGE = (-2.0, 2.0)             # presence_penalty, frequency_penalty
+REPETITION_PENALTY_RANGE = (0.01, 2.0)
+MAX_LOGPROBS = 20
+MAX_STOP = 4
+
+
 @dataclass(frozen=True)
 class GuidedDecoding:
     """A constraint on the output, as plain text (compiled by engine/grammar.py, cached per (kind, spec))."""
@@ -27,8 +36,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logprobs: int | None = None         # None: none; k >= 0: the sampled token's logprob plus top-k (k <= 20)
-    stop: list[str] = field(default_factory=list)          # at most 4; the stop text is not returned
+    logprobs: int | None = None         # None: none; k >= 0: the sampled token's logprob plus top-k
+    stop: list[str] = field(default_factory=list)          # at most MAX_STOP; the stop text is not returned
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0                 # EOS and stop_token_ids are masked until this many tokens were generated

@@ -146,11 +146,11 @@ def unpack_bitmask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
     return np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
 
 
-def stage_masks(out, words: int, device_masks: bool) -> None:
+def stage_masks(out, words: int) -> None:
     """The grammar masks of the rows of out.batch (a SchedulerOutput's) sampled on the device this step, into the
     batch; nothing when no row has one. A failed matcher sets its sequence's error (postprocess ends it)."""
     rows = [i for i, seq in enumerate(out.seqs) if out.samples[i] and seq.matcher is not None
-            and not seq.params.sampled_on_host(device_masks)]
+            and not seq.needs_host_sampling]
     if not rows:
         return
     b = out.batch
@@ -169,7 +169,7 @@ def allowed_ids(seq, vocab_size: int, eos_token_ids) -> np.ndarray | None:
     min_tokens masks EOS and stop_token_ids, unless the grammar can only end here."""
     p = seq.params
     allowed = seq.matcher.allowed() if seq.matcher is not None else None
-    if seq.num_output_tokens < p.min_tokens:
+    if seq.num_known_output_tokens < p.min_tokens:
         if allowed is None:
             allowed = np.ones(vocab_size, dtype=bool)
         banned = [t for t in (*eos_token_ids, *p.stop_token_ids) if t < len(allowed)]

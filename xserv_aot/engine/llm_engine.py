@@ -14,27 +14,44 @@ and consecutive_failures say what happened).
 """
 from __future__ import annotations
 
+import logging
 import random
 from typing import Callable
 
 import numpy as np
 
 from xserv_aot.config import BuildConfig
-from xserv_aot.engine.api import (EngineFailedError, EngineStats, InvalidRequestError, RequestOutput,
-                                  RequestTooLongError, SamplingParams, TokenLogprob)
+from xserv_aot.engine.api import (MAX_LOGPROBS, MAX_STOP, PENALTY_RANGE, REPETITION_PENALTY_RANGE,
+                                  TEMPERATURE_RANGE, EngineFailedError, EngineStats, InvalidRequestError,
+                                  RequestOutput, RequestTooLongError, SamplingParams, TokenLogprob)
 from xserv_aot.engine.grammar import GrammarCompiler, GrammarError, allowed_ids, stage_masks
-from xserv_aot.engine.sampler import MAX_LOGPROBS, sample_token
+from xserv_aot.engine.sampler import sample_token
 from xserv_aot.engine.scheduler import Scheduler, SchedulerOutput
 from xserv_aot.engine.sequence import Sequence
 from xserv_aot.runtime.batch import StepResult
+from xserv_aot.runtime.input_batch import InputBatch
+from xserv_aot.runtime.nvtx import ranges as nvtx_ranges
 
-MAX_STOP_STRINGS = 4
+log = logging.getLogger(__name__)
 MAX_LOGIT_BIAS = 100.0
+
+
+def one_line(e: BaseException) -> str:
+    msg = " ".join(str(e).split())
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
 def _default_detokenizer(tokenizer):
     from xserv_aot.detokenizer import IncrementalDetokenizer
     return IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+
+
+def check_guided(params: SamplingParams, grammars: GrammarCompiler) -> None:
+    """InvalidRequestError when params.guided cannot be compiled for this tokenizer (compiled once, cached)."""
+    if params.guided is not None:
+        if grammars.tokenizer is None or not grammars.vocab_size:
+            raise InvalidRequestError("structured outputs need the model's tokenizer")
+        grammars.check(params.guided)
 
 
 def check_request(prompt_ids: list[int], params: SamplingParams, build: BuildConfig, vocab_size: int | None,
@@ -49,25 +66,28 @@ def check_request(prompt_ids: list[int], params: SamplingParams, build: BuildCon
     p = params
     if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
         bad(f"max_tokens must be an integer >= 1, got {p.max_tokens!r}")
-    if not 0 <= p.temperature <= 100:
-        bad(f"temperature must be in [0, 100], got {p.temperature}")
+    lo, hi = TEMPERATURE_RANGE
+    if not lo <= p.temperature <= hi:
+        bad(f"temperature must be in [{lo:g}, {hi:g}], got {p.temperature}")
     if not 0 < p.top_p <= 1:
         bad(f"top_p must be in (0, 1], got {p.top_p}")
     if not isinstance(p.top_k, int) or not 0 <= p.top_k < 2**31:
         bad(f"top_k must be an integer in [0, 2**31) (0 = off), got {p.top_k!r}")
     if not 0 <= p.min_p <= 1:
         bad(f"min_p must be in [0, 1], got {p.min_p}")
-    if not 0.01 <= p.repetition_penalty <= 100:
-        bad(f"repetition_penalty must be in [0.01, 100], got {p.repetition_penalty}")
+    lo, hi = REPETITION_PENALTY_RANGE
+    if not lo <= p.repetition_penalty <= hi:
+        bad(f"repetition_penalty must be in [{lo:g}, {hi:g}], got {p.repetition_penalty}")
+    lo, hi = PENALTY_RANGE
     for name in ("presence_penalty", "frequency_penalty"):
-        if not -2 <= getattr(p, name) <= 2:
-            bad(f"{name} must be in [-2, 2], got {getattr(p, name)}")
+        if not lo <= getattr(p, name) <= hi:
+            bad(f"{name} must be in [{lo:g}, {hi:g}], got {getattr(p, name)}")
     if p.logprobs is not None and not (isinstance(p.logprobs, int) and 0 <= p.logprobs <= MAX_LOGPROBS):
         bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {p.logprobs!r}")
     if p.seed is not None and not isinstance(p.seed, (int, np.integer)):
         bad(f"seed must be an integer, got {p.seed!r}")
-    if len(p.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not s for s in p.stop):
-        bad(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
+    if len(p.stop) > MAX_STOP or any(not isinstance(s, str) or not s for s in p.stop):
+        bad(f"stop must be at most {MAX_STOP} non-empty strings")
     if p.stop and not can_detokenize:
         bad("stop strings need a tokenizer, and this engine has none")
     if not isinstance(p.min_tokens, int) or not 0 <= p.min_tokens <= p.max_tokens:
@@ -90,11 +110,16 @@ class LLMEngine:
     def __init__(self, runner, tokenizer=None, *, build: BuildConfig | None = None,
                  eos_token_ids: list[int] | None = None, vocab_size: int | None = None,
                  enable_prefix_caching: bool = True, detokenizer_factory: Callable | None = None,
-                 seed: int | None = None, max_consecutive_failures: int = 3):
+                 seed: int | None = None, max_consecutive_failures: int = 3, overlap: bool | None = None,
+                 grammar_tokenizer=None):
         """build and vocab_size default to runner.plan's; eos_token_ids to the model's plus the tokenizer's.
         tokenizer None: ids only, no text. detokenizer_factory(tokenizer) -> object with add(id) -> str, flush() -> str
         (default: xserv_aot.detokenizer.IncrementalDetokenizer).
-        max_consecutive_failures: failed steps in a row after which the engine gives up for good (>= 1)."""
+        max_consecutive_failures: failed steps in a row after which the engine gives up for good (>= 1).
+        overlap: launch step N+1 before step N's tokens are seen (runner.launch/wait, plans with resolve_input_ids);
+        None: when the runner says it overlaps (runner.overlaps). Outputs are the same either way; a step in which a
+        row with a grammar samples completes at once (its matcher must see the token before the next mask).
+        grammar_tokenizer: compiles structured-output grammars when tokenizer is None (the ids-only engine core)."""
         if not (isinstance(max_consecutive_failures, int) and max_consecutive_failures >= 1):
             raise ValueError(f"max_consecutive_failures must be an integer >= 1, got {max_consecutive_failures!r}")
         plan = getattr(runner, "plan", None)
@@ -108,10 +133,11 @@ class LLMEngine:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size = vocab_size if vocab_size is not None else getattr(model, "vocab_size", None)
         self.max_seq_len = self.build.max_seq_len
-        self.grammars = GrammarCompiler(tokenizer, self.vocab_size or 0, self.eos_token_ids)
+        self.grammars = GrammarCompiler(grammar_tokenizer or tokenizer, self.vocab_size or 0, self.eos_token_ids)
         arena = getattr(plan, "arena", None) or {}
         self.bitmask_words = arena["token_bitmask"].shape[1] if "token_bitmask" in arena else 0
         self.scheduler = Scheduler(self.build, enable_prefix_caching, device_masks=bool(self.bitmask_words))
+        self.input_batch = InputBatch(self.build)
         self.max_consecutive_failures = max_consecutive_failures
         self.failed: str | None = None                 # set when the engine has failed permanently
         self.consecutive_failures = 0
@@ -121,17 +147,19 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._rng = random.Random(seed)
         self._num_added = 0
-        self._inflight: SchedulerOutput | None = None
+        self.overlap = (bool(getattr(runner, "overlaps", False)) if overlap is None else overlap)
+        if self.overlap and not hasattr(runner, "launch"):
+            raise ValueError(f"overlap needs a runner with launch/wait; {type(runner).__name__} has none")
+        self._inflight: list[SchedulerOutput] | None = []   # steps whose requests a failure ends (None: all)
+        self._running: tuple | None = None             # (out, handle, record) of the step still on the device
         self.on_scheduled: Callable[[], None] | None = None    # called between schedule and run (stats)
+        self.nvtx = nvtx_ranges(False)                 # runtime.nvtx.ranges(True): NVTX ranges around each stage
 
     # requests
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         check_request(prompt_ids, params, self.build, self.vocab_size, self.tokenizer is not None)
-        if params.guided is not None:
-            if self.tokenizer is None or not self.vocab_size:
-                raise InvalidRequestError("structured outputs need the model's tokenizer")
-            self.grammars.check(params.guided)
+        check_guided(params, self.grammars)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
         params = params if params is not None else SamplingParams()
@@ -142,7 +170,7 @@ class LLMEngine:
         self.check_request(prompt_ids, params)
         seed = self._rng.getrandbits(63) if params.seed is None else int(params.seed) % 2 ** 63
         detok = self._detokenizer_factory(self.tokenizer) if self.tokenizer is not None else None
-        seq = Sequence(request_id, prompt_ids, params, seed, detok)
+        seq = Sequence(request_id, prompt_ids, params, seed, detok, self.stop_ids(params))
         if params.guided is not None:
             seq.matcher = self.grammars.matcher(params.guided)
         self._num_added += 1
@@ -154,6 +182,7 @@ class LLMEngine:
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return None
+        seq.drop_pending()
         self.scheduler.finish(seq, "abort")
         return self._output(seq, [], "")
 
@@ -166,80 +195,134 @@ class LLMEngine:
     # steps
 
     def step(self) -> list[RequestOutput]:
-        self._inflight = out = self.scheduler.schedule()
+        """Schedule and launch a step; return the outputs of the step that completed. Overlapped: the step launched
+        here runs while the previous one's tokens are checked (a step needing host sampling completes at once).
+        NVTX ranges (self.nvtx): schedule, run (prepare + run or launch), postprocess (wait + outputs)."""
+        nv = self.nvtx
+        self._inflight = None                          # until the schedule succeeds a failure ends every request
+        with nv.range("schedule"):
+            out = self.scheduler.schedule()
+        self._inflight = [out] + ([self._running[0]] if self._running is not None else [])
         if self.on_scheduled is not None:
             self.on_scheduled()
-        stage_masks(out, self.bitmask_words, self.scheduler.device_masks)
-        result = self.runner.run(out.batch) if not out.is_empty else None
-        outputs = self.postprocess(out, result)
-        self._inflight, self.consecutive_failures = None, 0
+        outputs = [self._finish(seq, [], seq.text.flush(), seq.finish_reason, None) for seq in out.failed]
+        with nv.range("run"):
+            launched = self._launch(out)
+        with nv.range("postprocess"):
+            if self._running is not None:
+                running, self._running = self._running, None
+                outputs += self._complete(*running, latest=out)
+            if launched is not None and (not self.overlap or out.update.need_logits or len(out.batch.bitmask_rows)):
+                outputs += self._complete(out, *launched, latest=out)
+            elif launched is not None:
+                self._running = (out, *launched)
+        self._inflight = [self._running[0]] if self._running is not None else []
+        self.consecutive_failures = 0
         return outputs
 
-    def postprocess(self, out: SchedulerOutput, result: StepResult | None) -> list[RequestOutput]:
-        self.scheduler.commit(out)
-        outputs = [self._finish(seq, [], seq.flush_text(), seq.finish_reason, None) for seq in out.failed]
-        if result is None:
-            return outputs
+    def _launch(self, out: SchedulerOutput):
+        if out.is_empty:
+            self.input_batch.apply(out.update)
+            return None
+        out.batch = self.input_batch.prepare(out.update)
+        stage_masks(out, self.bitmask_words)
+        handle = self.runner.launch(out.batch) if self.overlap else self.runner.run(out.batch)
+        record = self.input_batch.launched()
+        self.scheduler.advance(out)
+        for seq, samples in zip(out.seqs, out.samples):
+            if samples:
+                seq.append_placeholder()
+        return handle, record
+
+    def _complete(self, out: SchedulerOutput, handle, record, latest: SchedulerOutput) -> list[RequestOutput]:
+        """Read out's result; latest (the step launched last) has its inputs all known once out's are resolved."""
+        result = self.runner.wait(handle) if self.overlap else handle
+        self.input_batch.resolve(record, result.sampled_ids)
+        return self.postprocess(out, result, latest)
+
+    def step_or_recover(self) -> list[RequestOutput]:
+        """One step; when it raises, the failure policy (recover) decides which requests end."""
+        try:
+            return self.step()
+        except Exception as e:
+            log.exception("engine step failed")
+            return self.recover(f"engine step failed: {one_line(e)}")
+
+    def postprocess(self, out: SchedulerOutput, result: StepResult, latest: SchedulerOutput) -> list[RequestOutput]:
+        """Resolve the step's placeholders with its tokens; register the blocks out and latest (the step launched
+        last) computed, whose tokens are all known now; then check stop conditions, in row order."""
+        new, failed = [], []
         sampled = np.asarray(result.sampled_ids).reshape(-1)
         for i, seq in enumerate(out.seqs):
             if not out.samples[i] or seq.is_finished:
-                continue                                   # mid-prefill chunk: its sampled id is not a token
+                continue                                   # mid-prefill chunk, or ended while this step ran
             if seq.matcher is not None and seq.error is not None:
-                outputs.append(self._finish(seq, [], seq.flush_text(), "error", None))
-            elif seq.params.sampled_on_host(self.scheduler.device_masks):
+                failed.append(seq)                         # its grammar failed (stage_masks): only it ends
+                continue
+            if seq.needs_host_sampling:
                 if result.logits is None:
                     raise RuntimeError("runner returned no logits for a batch with need_logits set")
                 try:
                     allowed = allowed_ids(seq, self.vocab_size, self.eos_token_ids)
-                except GrammarError as e:                  # this request's grammar failed: only it ends
+                except GrammarError as e:
                     seq.error = str(e)
-                    outputs.append(self._finish(seq, [], seq.flush_text(), "error", None))
+                    failed.append(seq)
                     continue
                 token, lp = sample_token(np.asarray(result.logits[i]), seq.params, seq.prompt_ids,
-                                         seq.output_ids, seq.seed, seq.num_output_tokens, allowed)
-                outputs.append(self._append(seq, token, lp))
+                                         seq.known_output_ids, seq.seed, seq.num_known_output_tokens, allowed)
+                self.scheduler.host_token(seq, token)
             else:
-                outputs.append(self._append(seq, int(sampled[i]), None))
-        return outputs
+                token, lp = int(sampled[i]), None
+            seq.resolve_placeholder(token)
+            new.append((seq, token, lp))
+        self.scheduler.cache(out.seqs if latest is out else out.seqs + latest.seqs)
+        ended = [self._finish(seq, [], seq.text.flush(), "error", None) for seq in failed]
+        return ended + [self._append(seq, token, lp) for seq, token, lp in new]
+
+    def stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """Tokens that are not detokenized when they end a request: EOS and stop_token_ids."""
+        return self.eos_token_ids | frozenset(int(t) for t in params.stop_token_ids)
 
     def _append(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
-        seq.append_token(token)
-        p = seq.params
-        text, reason = "", None
         if seq.matcher is not None:
             seq.matcher.consume(token)                 # allowed by its mask: cannot fail
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids or \
-                (seq.matcher is not None and seq.matcher.is_stopped and token in self.eos_token_ids):
-            reason = "stop"
-            text = seq.flush_text()
-        else:
-            text, hit = seq.feed_text(seq.detokenizer.add(token) if seq.detokenizer is not None else "")
-            if hit or (seq.matcher is not None and seq.matcher.is_stopped):
-                reason = "stop"
-                text += seq.flush_text() if not hit else ""
-            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_seq_len:
-                reason = "length"
-                text += seq.flush_text()
+        text, reason = seq.text.step(token, self.id_finish(seq, token))
         lps = [lp] if lp is not None else None
         if reason is not None:
             return self._finish(seq, [token], text, reason, lps)
         return self._output(seq, [token], text, lps)
 
+    def id_finish(self, seq: Sequence, token: int) -> str | None:
+        """The finish decided by ids alone, after token was appended: "stop" (EOS unless ignore_eos, a stop
+        token id, or the end of its grammar), "length" (max_tokens or max_seq_len), or None."""
+        p = seq.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if seq.matcher is not None and seq.matcher.is_stopped:
+            return "stop"                              # the grammar is complete (its last token is text)
+        if seq.num_known_output_tokens >= p.max_tokens or seq.num_tokens - seq.num_pending >= self.max_seq_len:
+            return "length"
+        return None
+
     def _finish(self, seq: Sequence, tokens: list[int], text: str, reason: str, lps) -> RequestOutput:
         self._seqs.pop(seq.request_id, None)
+        seq.drop_pending()                             # a token sampled past the stop is never seen
         self.scheduler.finish(seq, reason, seq.error)
         return self._output(seq, tokens, text, lps)
 
     def _output(self, seq: Sequence, tokens: list[int], text: str, lps=None) -> RequestOutput:
         return RequestOutput(seq.request_id, tokens, text, seq.finish_reason, lps, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.num_prompt_cached_tokens or 0, seq.error)
+                             seq.num_known_output_tokens, seq.num_prompt_cached_tokens or 0, seq.error)
 
     def recover(self, error: str) -> list[RequestOutput]:
         """After step() raised: the requests of the failed step end with finish_reason "error" (all requests when
         scheduling itself failed); the others restart from their tokens so far on a reset KV pool, unless this was
         the max_consecutive_failures-th failure in a row: then every open request ends with "error" too."""
-        out, self._inflight = self._inflight, None
-        affected = (out.seqs + out.failed) if out is not None else list(self._seqs.values())
+        steps, self._inflight, self._running = self._inflight, [], None
+        affected = ([s for o in steps for s in o.seqs + o.failed] if steps is not None
+                    else list(self._seqs.values()))
+        for seq in self._seqs.values():
+            seq.drop_pending()                         # survivors restart from the tokens seen so far
         outputs, seen = [], set()
         for seq in affected:
             if seq.request_id in seen:

@@ -18,25 +18,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from xserv_aot.engine.api import SamplingParams, TokenLogprob
+from xserv_aot.engine.api import GREEDY_BELOW, MAX_LOGPROBS, SamplingParams, TokenLogprob
+from xserv_aot.runtime.numpy_ops import truncated_draw
 
-MIN_TEMPERATURE = 1e-5
 
 
 def effective_temperature(t: float) -> float:
     """Temperatures too small for float32 logits / t are greedy (the device sampler treats 0 as argmax)."""
-    return float(t) if t >= MIN_TEMPERATURE else 0.0
+    return float(t) if t >= GREEDY_BELOW else 0.0
 
-MAX_LOGPROBS = 20
-_M64 = (1 << 64) - 1
-
-
-def uniform(seed: int, offset: int) -> float:
-    z = (seed + (offset + 1) * 0x9E3779B97F4A7C15) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    z ^= z >> 31
-    return (z >> 40) * 2.0 ** -24
 
 
 def apply_penalties(logits: np.ndarray, prompt_ids: list[int], output_ids: list[int], presence: float = 0.0,
@@ -69,14 +59,7 @@ def draw(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 
     order = _top_order(x, top_k)
     z = x[order] / temperature
     p = np.exp(z - z[0])
-    p /= p.sum()
-    if top_p < 1.0:
-        p = p[:min(len(p), int(np.searchsorted(np.cumsum(p), top_p, side="left")) + 1)]
-    if min_p > 0:
-        p = p[:max(1, int(np.count_nonzero(p >= min_p * p[0])))]
-    cum = np.cumsum(p)
-    j = int(np.searchsorted(cum, uniform(seed, offset) * cum[-1], side="right"))
-    return int(order[min(j, len(p) - 1)])
+    return truncated_draw(p / p.sum(), order, top_p, min_p, seed, offset)
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

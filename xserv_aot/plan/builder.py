@@ -102,7 +102,8 @@ def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress) -> di
     arena, arena_size = layout(arena_buffers(model, build))
     kv_shape = [model.num_layers, 2, build.num_blocks, build.block_size, model.num_kv_heads, model.head_dim]
     kv_bytes = math.prod(kv_shape) * ITEMSIZE[build.dtype]
-    buckets = [{"name": n, "kind": k, "num_tokens": t, "num_seqs": s, "ops": bucket_ops(model, t, s)}
+    buckets = [{"name": n, "kind": k, "num_tokens": t, "num_seqs": s,
+                "ops": [op.to_dict() for op in bucket_ops(model, t, s)]}
                for n, k, t, s in bucket_shapes(build)]
     manifest = {
         "schema_version": SCHEMA_VERSION,

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from xserv_aot.config import cache_root
+
 LIBRARY_NAME = "libxserv_gemm.so"
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cutlass"
 # Index = the library's config argument; must match kernels/cutlass/gemm_sm90_configs.h (checked by the tests).
@@ -25,8 +27,17 @@ GEMM_CONFIGS = (
     "sm90_bf16_128x256x64_c2x1_coop",
     "sm90_bf16_64x128x64_c1x1_pingpong",
     "sm90_f32out_128x128x64_c2x1_coop",
+    "sm90_bf16_swap_128x32x128_streamk",
+    "sm90_bf16_swap_128x64x128_streamk",
+    "sm90_bf16_swap_128x128x64_streamk",
+    "sm90_bf16_swap_128x256x64_streamk",
+    "sm90_f32out_swap_128x64x128_streamk",
+    "sm90_f32out_swap_128x128x64_streamk",
+    "sm90_f32out_swap_128x256x64_streamk",
 )
 CFG_128x128, CFG_128x256, CFG_64x128_PINGPONG, CFG_F32OUT = range(4)
+# Swap-AB decode configs: activation rows on the tile's N side (width -> config index), per output dtype.
+SWAP_CONFIGS = {"bfloat16": {32: 4, 64: 5, 128: 6, 256: 7}, "float32": {64: 8, 128: 9, 256: 10}}
 NUM_SMS_H200 = 132
 SUPPORTED_TARGETS = ("sm_90a", "sm_90")  # both build sm_90a machine code: wgmma needs the "a" target
 
@@ -91,7 +102,7 @@ def build_key(sources: list[Path], nvcc_ver: str, includes: list[Path]) -> str:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("XSERV_AOT_CACHE", "~/.cache/xserv-aot")).expanduser() / "cutlass"
+    return cache_root() / "cutlass"
 
 
 def _run(cmd: list[str]) -> None:
@@ -124,6 +135,15 @@ def library_config_names(lib: Path) -> list[str]:
     so.xserv_gemm_config_name.restype = ctypes.c_char_p
     so.xserv_gemm_config_name.argtypes = [ctypes.c_int]
     return [so.xserv_gemm_config_name(i).decode() for i in range(so.xserv_gemm_num_configs())]
+
+
+def library_workspace_size(lib: Path, config: int, M: int, N: int, K: int, splits: int,
+                           num_sms: int = NUM_SMS_H200) -> int:
+    """Bytes of device workspace a config needs for this problem on num_sms SMs (no GPU needed)."""
+    so = ctypes.CDLL(str(lib))
+    so.xserv_gemm_workspace_size_ex.restype = ctypes.c_size_t
+    so.xserv_gemm_workspace_size_ex.argtypes = [ctypes.c_int] * 6
+    return int(so.xserv_gemm_workspace_size_ex(config, M, N, K, splits, num_sms))
 
 
 def build_gemm_library(out_dir: Path, target: str = "sm_90a", progress: Callable[[str], None] | None = None,

@@ -5,9 +5,10 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from xserv_aot.dtypes import ITEMSIZE
 from xserv_aot.plan.manifest import Plan
+from xserv_aot.plan.roofline import ceilings_for, format_roofline
 
-HBM_BYTES_PER_S = 4.28e12     # H200 device-to-device copy, read + write, measured on the lent machine
 
 
 def decode_step_bytes(plan: Plan, batch: int = 1, context: int = 128) -> dict:
@@ -15,15 +16,17 @@ def decode_step_bytes(plan: Plan, batch: int = 1, context: int = 128) -> dict:
     weight_bytes = sum(t.nbytes for n, t in w.items() if n not in ("embed_tokens", "rope_cos", "rope_sin"))
     if m.tie_word_embeddings:
         weight_bytes += w["embed_tokens"].nbytes
-    elem = 2 if plan.kv_cache["dtype"] == "bfloat16" else 4
+    elem = ITEMSIZE[plan.kv_cache["dtype"]]
     kv_bytes = batch * context * m.num_layers * 2 * m.num_kv_heads * m.head_dim * elem
     total = weight_bytes + kv_bytes
     return {"weights": weight_bytes, "kv": kv_bytes, "total": total,
-            "roofline_tok_per_s": batch * HBM_BYTES_PER_S / total}
+            "roofline_tok_per_s": batch * ceilings_for(plan.build.target).read_bytes_per_s / total}
 
 
-def describe(plan_dir: Path, ops_bucket: str | None = None) -> str:
+def describe(plan_dir: Path, ops_bucket: str | None = None, roofline: bool = False, context: int = 128) -> str:
     plan = Plan.load(plan_dir, verify="none")
+    if roofline:
+        return format_roofline(plan, context)
     m, b = plan.model, plan.build
     mib = lambda n: f"{n / 2**20:10.1f} MiB"
     lines = [f"plan {plan.dir}  schema {plan.manifest['schema_version']}  source {plan.manifest['source']['path']}",
@@ -41,17 +44,34 @@ def describe(plan_dir: Path, ops_bucket: str | None = None) -> str:
         lines.append(f"  {t.offset:>12}  {name:<16} {str(t.shape):<20} {t.dtype}")
     lines += ["", "buckets:"]
     for bk in plan.buckets:
-        kinds = Counter(op["op"] for op in bk.ops)
+        kinds = Counter(op.op for op in bk.ops)
         lines.append(f"  {bk.name:<14} {bk.kind:<8} tokens {bk.num_tokens:>5} seqs {bk.num_seqs:>4}  {len(bk.ops)} ops"
                      f"  ({', '.join(f'{k} x{v}' for k, v in kinds.items())})")
     lines += ["", "bytes read per decode step (batch 1):"]
+    bw = ceilings_for(b.target).read_bytes_per_s
     for ctx in sorted({min(128, b.max_seq_len), min(4096, b.max_seq_len)}):
         d = decode_step_bytes(plan, 1, ctx)
         lines.append(f"  context {ctx:>5}: weights {mib(d['weights'])} + KV {mib(d['kv'])} ="
-                     f" {mib(d['total'])} -> roofline {d['roofline_tok_per_s']:.0f} tok/s at 4.28 TB/s")
+                     f" {mib(d['total'])} -> roofline {d['roofline_tok_per_s']:.0f} tok/s at {bw / 1e12:.2f} TB/s")
     if ops_bucket:
         bk = next((x for x in plan.buckets if x.name == ops_bucket), None)
         if bk is None:
             raise ValueError(f"no bucket {ops_bucket!r} (have: {', '.join(x.name for x in plan.buckets)})")
-        lines += ["", f"ops of {bk.name}:"] + [f"  {i:>4} {json.dumps(op)}" for i, op in enumerate(bk.ops)]
+        sigs = plan.kernels.get("signatures", {})
+        lines += ["", f"ops of {bk.name}:"]
+        for i, op in enumerate(bk.ops):
+            lines.append(f"  {i:>4} {json.dumps({k: v for k, v in op.to_dict().items() if k != 'cuda'})}")
+            if op.cuda:
+                facts = {k: v for k, v in op.cuda.to_dict().items() if k not in ("kernel", "launch")}
+                lines.append(f"       kernel {op.cuda.kernel}" + (f" {json.dumps(facts)}" if facts else ""))
+                lines += [f"       -> {format_launch(rec, sigs.get(rec.fn))}" for rec in op.cuda.launch]
     return "\n".join(lines)
+
+
+def format_launch(rec, params: list[dict] | None) -> str:
+    """fn<<<grid, block, smem>>>(param=value, ...) for a kernel; lib:fn(param=value, ...) for a host-library call."""
+    names = [p["name"] for p in params or []] + [f"arg{i}" for i in range(len(params or []), len(rec.args))]
+    args = ", ".join(f"{n}={'kv[' + str(a[1]) + ']' if a[0] == 'kv' else a[1]}" for n, a in zip(names, rec.args))
+    if rec.library:
+        return f"{rec.library}:{rec.fn}({args})"
+    return f"{rec.fn}<<<{rec.grid}, {rec.block}, {rec.smem}>>>({args})"

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import numpy as np
 
-from xserv_aot.config import BuildConfig, ModelConfig
+from xserv_aot.config import BuildConfig, ConfigError, ModelConfig
 from xserv_aot.dtypes import ITEMSIZE
+from xserv_aot.plan.op_records import Op, OpRecordError, buffer_names, op_from_dict
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2            # 2: launch records carry their arguments (docs/plan-format.md)
 ALIGN = 256
 
 
@@ -34,26 +35,44 @@ class TensorInfo:
         return {"offset": self.offset, "shape": list(self.shape), "dtype": self.dtype}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Bucket:
     name: str
     kind: str              # decode | prefill
     num_tokens: int
     num_seqs: int
-    ops: list[dict]
+    ops: tuple[Op, ...]
 
     def to_dict(self) -> dict:
         return {"name": self.name, "kind": self.kind, "num_tokens": self.num_tokens,
-                "num_seqs": self.num_seqs, "ops": self.ops}
+                "num_seqs": self.num_seqs, "ops": [op.to_dict() for op in self.ops]}
+
+    @classmethod
+    def from_dict(cls, d: dict, known_buffers) -> "Bucket":
+        """Validated: every op a known op with exactly its fields, naming buffers the plan has (OpRecordError)."""
+        unknown = set(d) - {"name", "kind", "num_tokens", "num_seqs", "ops"}
+        if unknown:
+            raise OpRecordError(f"bucket {d.get('name')!r}: unknown field {sorted(unknown)[0]!r}")
+        ops = tuple(op_from_dict(op, f"bucket {d['name']} op {i}") for i, op in enumerate(d["ops"]))
+        for i, op in enumerate(ops):
+            missing = [n for n in buffer_names(op) if n not in known_buffers]
+            if missing:
+                raise OpRecordError(f"bucket {d['name']} op {i} ({op.op}): names {missing[0]!r}, which the plan "
+                                    f"has neither as an arena buffer nor as a weight")
+        return cls(d["name"], d["kind"], int(d["num_tokens"]), int(d["num_seqs"]), ops)
+
+
+def place(end: int, shape: list[int], dtype: str, align: int = ALIGN) -> tuple[TensorInfo, int]:
+    """A buffer at the first aligned offset from `end`; returns (its info, the new end, rounded up to align)."""
+    info = TensorInfo(-(-int(end) // align) * align, [int(s) for s in shape], dtype)
+    return info, info.offset + -(-info.nbytes // align) * align
 
 
 def layout(buffers: dict[str, tuple[list[int], str]], align: int = ALIGN) -> tuple[dict[str, TensorInfo], int]:
     """Place buffers back to back at aligned offsets, in the given order. Returns (table, total size)."""
     table, off = {}, 0
     for name, (shape, dtype) in buffers.items():
-        info = TensorInfo(off, [int(s) for s in shape], dtype)
-        table[name] = info
-        off += -(-info.nbytes // align) * align
+        table[name], off = place(off, shape, dtype, align)
     return table, off
 
 
@@ -81,7 +100,8 @@ class Plan:
         self.arena = {k: TensorInfo(**v) for k, v in manifest["arena"]["buffers"].items()}
         self.arena_size = int(manifest["arena"]["size"])
         self.kv_cache = manifest["kv_cache"]
-        self.buckets = [Bucket(**b) for b in manifest["buckets"]]
+        known = self.arena.keys() | self.weights.keys()
+        self.buckets = [Bucket.from_dict(b, known) for b in manifest["buckets"]]
         self.kernels = manifest.get("kernels") or {}
         self.generation_defaults: dict = manifest.get("generation_defaults") or {}   # request field -> default
 
@@ -98,10 +118,13 @@ class Plan:
             raise PlanError(f"{path}: corrupt manifest ({e})") from None
         version = manifest.get("schema_version")
         if version != SCHEMA_VERSION:
-            raise PlanError(f"{plan_dir}: plan schema version {version} is not supported (this xserv-aot reads "
-                            f"{SCHEMA_VERSION}); recompile the plan")
+            made_by = manifest.get("xserv_aot_version", "an unknown version")
+            raise PlanError(f"{plan_dir}: plan from another version (schema version {version}, written by xserv-aot "
+                            f"{made_by}; this xserv-aot reads schema version {SCHEMA_VERSION}); recompile the plan")
         try:
             plan = cls(plan_dir, manifest)
+        except (OpRecordError, ConfigError) as e:
+            raise PlanError(f"{path}: {e}") from None
         except (KeyError, TypeError) as e:
             raise PlanError(f"{path}: malformed manifest ({e!r})") from None
         if verify != "none":

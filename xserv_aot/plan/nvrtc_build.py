@@ -1,5 +1,5 @@
 """NVRTC build of kernels/*.cu into cubins, cached by a hash of the (header-inlined) source, options and NVRTC
-version under $XSERV_AOT_CACHE (default ~/.cache/xserv-aot)."""
+version under config.cache_root()."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -8,9 +8,12 @@ import os
 import re
 from pathlib import Path
 
+from xserv_aot.config import cache_root
+from xserv_aot.plan.kernel_constants import nvrtc_defines
+
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 KERNEL_SOURCES = ("elementwise.cu", "gemv.cu", "gemm_mma.cu", "gemm_skinny.cu", "rope_cache.cu", "attention_decode.cu",
-                  "attention_prefill.cu", "sample.cu")
+                  "attention_decode_batched.cu", "attention_decode_tc.cu", "attention_prefill.cu", "sample.cu")
 SUPPORTED_TARGETS = ("sm_90a", "sm_90")
 
 
@@ -25,19 +28,27 @@ def nvrtc_version() -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XSERV_AOT_CACHE", "~/.cache/xserv-aot")).expanduser() / "nvrtc"
+    return cache_root() / "nvrtc"
 
 
 def expand_source(path: Path) -> str:
-    """The .cu text with `#include "x.cuh"` inlined (so the hash covers headers and NVRTC needs no paths)."""
-    def repl(m):
-        return (KERNEL_DIR / m.group(1)).read_text()
-    return re.sub(r'^#include "([\w.]+)"\s*$', repl, path.read_text(), flags=re.M)
+    """The .cu text with `#include "x.cuh"` inlined, nested headers too, each once (so the hash covers headers and
+    NVRTC needs no paths)."""
+    seen: set[str] = set()
+
+    def expand(p: Path) -> str:
+        def repl(m):
+            if m.group(1) in seen:
+                return ""
+            seen.add(m.group(1))
+            return expand(KERNEL_DIR / m.group(1))
+        return re.sub(r'^#include "([\w.]+)"\s*$', repl, p.read_text(), flags=re.M)
+    return expand(path)
 
 
 def compile_options(target: str) -> dict:
     return {"arch": "sm_90a" if target in ("sm_90a", "sm_90") else target, "std": "c++17",
-            "ptxas_options": ["-v"]}
+            "ptxas_options": ["-v"], "define_macro": nvrtc_defines()}
 
 
 def compile_source(name: str, target: str) -> tuple[bytes, str, str]:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 from xserv_aot.config import BuildConfig, ModelConfig
+from xserv_aot.plan.op_records import (AddRmsNorm, ApplyTokenBitmask, Attention, Embedding, GatherRows, Linear, Op,
+                                       QkNormRopeCache, ResolveInputIds, RmsNorm, Sample, SiluMul)
 
 
 def arena_buffers(m: ModelConfig, b: BuildConfig) -> dict[str, tuple[list[int], str]]:
@@ -22,6 +24,7 @@ def arena_buffers(m: ModelConfig, b: BuildConfig) -> dict[str, tuple[list[int], 
         "seeds": ([s], "int64"),
         "sample_offsets": ([s], "int32"),
         "bitmask_rows": ([s], "int32"),
+        "prev_rows": ([t], "int32"),
         "x": ([t, m.hidden_size], act),
         "h": ([t, m.hidden_size], act),
         "qkv": ([t, m.q_size + 2 * m.kv_size], act),
@@ -42,49 +45,45 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 INPUT_BUFFERS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
-                 "logits_indices", "temperature", "top_k", "top_p", "seeds", "sample_offsets", "bitmask_rows")
+                 "logits_indices", "temperature", "top_k", "top_p", "seeds", "sample_offsets", "prev_rows",
+                 "bitmask_rows")
 
 
-def bucket_ops(m: ModelConfig, t: int, s: int) -> list[dict]:
+def bucket_ops(m: ModelConfig, t: int, s: int) -> list[Op]:
     """Ops for a bucket of t token rows and s sequences."""
     eps, hd = m.rms_norm_eps, m.head_dim
     h, inter, nqkv = m.hidden_size, m.intermediate_size, m.q_size + 2 * m.kv_size
-    ops: list[dict] = [{"op": "embedding", "ids": "input_ids", "table": "embed_tokens", "out": "x", "rows": t}]
+    heads = dict(num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=hd)
+    ops: list[Op] = [ResolveInputIds(ids="input_ids", prev_rows="prev_rows", sampled="sampled_ids", rows=t),
+                     Embedding(ids="input_ids", table="embed_tokens", out="x", rows=t)]
     for li in range(m.num_layers):
         p = f"layers.{li}."
         if li == 0:
-            ops.append({"op": "rmsnorm", "inp": "x", "weight": p + "input_norm", "out": "h", "rows": t, "eps": eps})
+            ops.append(RmsNorm(inp="x", weight=p + "input_norm", out="h", rows=t, eps=eps))
         else:
-            ops.append({"op": "add_rmsnorm", "residual": "x", "delta": "o", "weight": p + "input_norm", "out": "h",
-                        "rows": t, "eps": eps})
-        ops.append({"op": "linear", "inp": "h", "weight": p + "qkv", "bias": p + "qkv_bias" if m.qkv_bias else None,
-                    "out": "qkv", "rows": t, "n": nqkv, "k": h})
-        ops.append({"op": "qk_norm_rope_cache", "qkv": "qkv", "positions": "positions", "slot_mapping": "slot_mapping",
-                    "q_norm": p + "q_norm" if m.qk_norm else None, "k_norm": p + "k_norm" if m.qk_norm else None,
-                    "cos": "rope_cos", "sin": "rope_sin", "q_out": "q", "kv_cache": "kv_cache", "layer": li,
-                    "rows": t, "num_heads": m.num_heads, "num_kv_heads": m.num_kv_heads, "head_dim": hd, "eps": eps})
-        ops.append({"op": "attention", "q": "q", "kv_cache": "kv_cache", "layer": li,
-                    "query_start_loc": "query_start_loc", "seq_lens": "seq_lens", "block_tables": "block_tables",
-                    "out": "attn", "rows": t, "num_seqs": s, "num_heads": m.num_heads,
-                    "num_kv_heads": m.num_kv_heads, "head_dim": hd, "scale": hd ** -0.5})
-        ops.append({"op": "linear", "inp": "attn", "weight": p + "o_proj", "bias": None, "out": "o", "rows": t,
-                    "n": h, "k": m.q_size})
-        ops.append({"op": "add_rmsnorm", "residual": "x", "delta": "o", "weight": p + "post_attn_norm", "out": "h",
-                    "rows": t, "eps": eps})
-        ops.append({"op": "linear", "inp": "h", "weight": p + "gate_up", "bias": None, "out": "gate_up", "rows": t,
-                    "n": 2 * inter, "k": h})
-        ops.append({"op": "silu_mul", "inp": "gate_up", "out": "act", "rows": t, "inter": inter})
-        ops.append({"op": "linear", "inp": "act", "weight": p + "down", "bias": None, "out": "o", "rows": t,
-                    "n": h, "k": inter})
-    ops.append({"op": "add_rmsnorm", "residual": "x", "delta": "o", "weight": "final_norm", "out": "h", "rows": t,
-                "eps": eps})
-    ops.append({"op": "gather_rows", "inp": "h", "indices": "logits_indices", "out": "hl", "rows": s})
-    ops.append({"op": "linear", "inp": "hl", "weight": "embed_tokens" if m.tie_word_embeddings else "lm_head",
-                "bias": None, "out": "logits", "rows": s, "n": m.vocab_size, "k": h})
-    ops.append({"op": "apply_token_bitmask", "logits": "logits", "bitmask": "token_bitmask",
-                "bitmask_rows": "bitmask_rows", "rows": s, "n": m.vocab_size})
-    ops.append({"op": "sample", "logits": "logits", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
-                "seeds": "seeds", "sample_offsets": "sample_offsets", "out": "sampled_ids", "rows": s})
+            ops.append(AddRmsNorm(residual="x", delta="o", weight=p + "input_norm", out="h", rows=t, eps=eps))
+        ops.append(Linear(inp="h", weight=p + "qkv", bias=p + "qkv_bias" if m.qkv_bias else None, out="qkv", rows=t,
+                          n=nqkv, k=h))
+        ops.append(QkNormRopeCache(qkv="qkv", positions="positions", slot_mapping="slot_mapping",
+                                   q_norm=p + "q_norm" if m.qk_norm else None,
+                                   k_norm=p + "k_norm" if m.qk_norm else None, cos="rope_cos", sin="rope_sin",
+                                   q_out="q", kv_cache="kv_cache", layer=li, rows=t, eps=eps, **heads))
+        ops.append(Attention(q="q", kv_cache="kv_cache", layer=li, query_start_loc="query_start_loc",
+                             seq_lens="seq_lens", block_tables="block_tables", out="attn", rows=t, num_seqs=s,
+                             scale=hd ** -0.5, **heads))
+        ops.append(Linear(inp="attn", weight=p + "o_proj", bias=None, out="o", rows=t, n=h, k=m.q_size))
+        ops.append(AddRmsNorm(residual="x", delta="o", weight=p + "post_attn_norm", out="h", rows=t, eps=eps))
+        ops.append(Linear(inp="h", weight=p + "gate_up", bias=None, out="gate_up", rows=t, n=2 * inter, k=h))
+        ops.append(SiluMul(inp="gate_up", out="act", rows=t, inter=inter))
+        ops.append(Linear(inp="act", weight=p + "down", bias=None, out="o", rows=t, n=h, k=inter))
+    ops.append(AddRmsNorm(residual="x", delta="o", weight="final_norm", out="h", rows=t, eps=eps))
+    ops.append(GatherRows(inp="h", indices="logits_indices", out="hl", rows=s))
+    ops.append(Linear(inp="hl", weight="embed_tokens" if m.tie_word_embeddings else "lm_head", bias=None,
+                      out="logits", rows=s, n=m.vocab_size, k=h))
+    ops.append(ApplyTokenBitmask(logits="logits", bitmask="token_bitmask", bitmask_rows="bitmask_rows", rows=s,
+                                 n=m.vocab_size))
+    ops.append(Sample(logits="logits", temperature="temperature", top_k="top_k", top_p="top_p", seeds="seeds",
+                      sample_offsets="sample_offsets", out="sampled_ids", rows=s))
     return ops
 
 

@@ -79,20 +79,6 @@ def plan_tensors(m: ModelConfig, source, max_seq_len: int) -> Iterator[tuple[str
     yield "rope_sin", sin, True
 
 
-def dummy_tensors(m: ModelConfig, max_seq_len: int, seed: int) -> Iterator[tuple[str, np.ndarray, bool]]:
-    """Random weights from a config alone (like vLLM's dummy load format); scaled so activations stay O(1)."""
-    rng = np.random.default_rng(seed)
-    for name, (shape, _) in weight_specs(m).items():
-        if len(shape) == 1:
-            arr = 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
-        else:
-            arr = rng.standard_normal(shape, dtype=np.float32) * np.float32(shape[1] ** -0.5)
-        yield name, arr, False
-    cos, sin = rope_tables(m, max_seq_len)
-    yield "rope_cos", cos, True
-    yield "rope_sin", sin, True
-
-
 def write_weights(path: Path, tensors: Iterator[tuple[str, np.ndarray, bool]], dtype: str,
                   on_tensor: Callable[[str], None] | None = None) -> tuple[dict[str, TensorInfo], int, str]:
     """Stream tensors into weights.bin at aligned offsets. Returns (table, size, sha256 fingerprint)."""

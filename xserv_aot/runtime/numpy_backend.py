@@ -5,15 +5,16 @@ import numpy as np
 
 from xserv_aot.dtypes import decode, round_to, storage_dtype
 from xserv_aot.plan.manifest import Bucket, Plan
-from xserv_aot.plan.weights import dummy_tensors
+from xserv_aot.plan.dummy_weights import dummy_tensors
 from xserv_aot.runtime import numpy_ops as ops
-from xserv_aot.runtime.batch import BatchDescription, StepResult
+from xserv_aot.runtime.batch import BatchDescription, StepResult, stage_inputs
 
 
 def load_weights(plan: Plan) -> dict[str, np.ndarray]:
     """plan weight name -> float32 array (bf16 words widened once, at load)."""
-    if plan.weights_file is None:
-        return {name: arr for name, arr, _ in dummy_tensors(plan.model, plan.build.max_seq_len, plan.dummy_seed)}
+    if plan.weights_file is None:      # the plan's dtype, as the GPU generator writes them
+        return {name: arr if rope else round_to(arr, plan.build.dtype)
+                for name, arr, rope in dummy_tensors(plan.model, plan.build.max_seq_len, int(plan.dummy_seed or 0))}
     raw = plan.weights_bytes()
     out = {}
     for name, info in plan.weights.items():
@@ -21,36 +22,6 @@ def load_weights(plan: Plan) -> dict[str, np.ndarray]:
         words = np.frombuffer(raw, dtype=dt, count=int(np.prod(info.shape)), offset=info.offset)
         out[name] = np.ascontiguousarray(decode(words, info.dtype), dtype=np.float32).reshape(info.shape)
     return out
-
-
-def stage(batch: BatchDescription, bucket: Bucket, max_blocks: int) -> dict[str, np.ndarray]:
-    """Pad a batch to the bucket's static shape: padding tokens get slot -1, padding seqs seq_len 0."""
-    batch.fill_sampling_defaults()
-    t, s, nt, ns = bucket.num_tokens, bucket.num_seqs, batch.num_tokens, batch.num_seqs
-    assert nt <= t and ns <= s, "batch does not fit its bucket"
-    tok = lambda vals, pad: np.array(list(vals) + [pad] * (t - nt), dtype=np.int32)
-    seq = lambda vals, pad, dt: np.array(list(vals) + [pad] * (s - ns), dtype=dt)
-    qsl = np.array(list(batch.query_start_loc) + [nt] * (s - ns), dtype=np.int32)
-    tables = np.zeros((s, max_blocks), dtype=np.int32)
-    for i, row in enumerate(batch.block_tables):
-        tables[i, : len(row)] = row
-    last = [batch.query_start_loc[i + 1] - 1 for i in range(ns)]
-    return {
-        "input_ids": tok(batch.input_ids, 0),
-        "positions": tok(batch.positions, 0),
-        "slot_mapping": tok(batch.slot_mapping, -1),
-        "query_start_loc": qsl,
-        "seq_lens": seq(batch.seq_lens, 0, np.int32),
-        "block_tables": tables,
-        "logits_indices": seq(last, 0, np.int32),
-        "temperature": seq(batch.temperature, 0.0, np.float32),
-        "top_k": seq(batch.top_k, 0, np.int32),
-        "top_p": seq(batch.top_p, 1.0, np.float32),
-        "seeds": seq(batch.seeds, 0, np.int64),
-        "sample_offsets": seq(batch.sample_offsets, 0, np.int32),
-        "bitmask_rows": seq(batch.bitmask_rows or [0] * ns, 0, np.int32),
-        **({"token_bitmask": np.asarray(batch.token_bitmask, dtype=np.int32)} if batch.bitmask_rows else {}),
-    }
 
 
 class NumpyRunner:
@@ -67,77 +38,81 @@ class NumpyRunner:
     def reset_kv(self) -> None:
         self.kv[:] = 0
 
+    overlaps = False                     # launch runs the step at once: overlapping gains nothing on the CPU
+
     def run(self, batch: BatchDescription) -> StepResult:
         bucket = self.plan.bucket_for(batch.num_tokens, batch.num_seqs)
-        for name, arr in stage(batch, bucket, self.plan.build.max_blocks_per_seq).items():
-            if name in self.buf:                           # a plan compiled before grammar masks lacks theirs
-                self.buf[name][tuple(slice(0, d) for d in arr.shape)] = arr
+        stage_inputs(batch, self.buf, bucket.num_tokens, bucket.num_seqs)
         self.execute(bucket)
         n = batch.num_seqs
         logits = self.buf["logits"][:n].copy() if batch.need_logits else None
         return StepResult(self.buf["sampled_ids"][:n].copy(), logits)
 
+    def launch(self, batch: BatchDescription) -> StepResult:
+        """The step runs here and now; its sampled_ids stay in the arena for the next step's resolve_input_ids."""
+        return self.run(batch)
+
+    def wait(self, handle: StepResult) -> StepResult:
+        return handle
+
     def execute(self, bucket: Bucket) -> None:
         for op in bucket.ops:
-            getattr(self, "op_" + op["op"])(op)
+            getattr(self, "op_" + op.op)(op)
 
     # each op reads arena buffers / weights and writes its output rounded to the buffer's dtype
     def _set(self, name: str, rows: int, val: np.ndarray) -> None:
         self.buf[name][:rows] = round_to(val, self.dtypes[name]).reshape(self.buf[name][:rows].shape)
 
+    def op_resolve_input_ids(self, op):
+        b, r = self.buf, op.rows
+        b[op.ids][:r] = ops.resolve_input_ids(b[op.ids][:r], b[op.prev_rows][:r], b[op.sampled])
+
     def op_embedding(self, op):
-        r = op["rows"]
-        self._set(op["out"], r, ops.embedding(self.buf[op["ids"]][:r], self.w[op["table"]]))
+        self._set(op.out, op.rows, ops.embedding(self.buf[op.ids][:op.rows], self.w[op.table]))
 
     def op_rmsnorm(self, op):
-        r = op["rows"]
-        self._set(op["out"], r, ops.rmsnorm(self.buf[op["inp"]][:r], self.w[op["weight"]], op["eps"]))
+        self._set(op.out, op.rows, ops.rmsnorm(self.buf[op.inp][:op.rows], self.w[op.weight], op.eps))
 
     def op_add_rmsnorm(self, op):
-        r = op["rows"]
-        res, _ = ops.add_rmsnorm(self.buf[op["residual"]][:r], self.buf[op["delta"]][:r], self.w[op["weight"]], op["eps"])
-        self._set(op["residual"], r, res)
-        self._set(op["out"], r, ops.rmsnorm(self.buf[op["residual"]][:r], self.w[op["weight"]], op["eps"]))
+        r = op.rows
+        res, _ = ops.add_rmsnorm(self.buf[op.residual][:r], self.buf[op.delta][:r], self.w[op.weight], op.eps)
+        self._set(op.residual, r, res)
+        self._set(op.out, r, ops.rmsnorm(self.buf[op.residual][:r], self.w[op.weight], op.eps))
 
     def op_linear(self, op):
-        r = op["rows"]
-        bias = self.w[op["bias"]] if op.get("bias") else None
-        self._set(op["out"], r, ops.linear(self.buf[op["inp"]][:r], self.w[op["weight"]], bias))
+        bias = self.w[op.bias] if op.bias else None
+        self._set(op.out, op.rows, ops.linear(self.buf[op.inp][:op.rows], self.w[op.weight], bias))
 
     def op_qk_norm_rope_cache(self, op):
-        r, layer = op["rows"], self.kv[op["layer"]]
-        qn = self.w[op["q_norm"]] if op.get("q_norm") else None
-        kn = self.w[op["k_norm"]] if op.get("k_norm") else None
-        q = ops.qk_norm_rope_cache(self.buf[op["qkv"]][:r], self.buf[op["positions"]][:r],
-                                   self.buf[op["slot_mapping"]][:r], qn, kn, self.w[op["cos"]], self.w[op["sin"]],
-                                   layer, op["num_heads"], op["num_kv_heads"], op["head_dim"], op["eps"])
-        written = self.buf[op["slot_mapping"]][:r]
+        r, layer = op.rows, self.kv[op.layer]
+        qn = self.w[op.q_norm] if op.q_norm else None
+        kn = self.w[op.k_norm] if op.k_norm else None
+        q = ops.qk_norm_rope_cache(self.buf[op.qkv][:r], self.buf[op.positions][:r], self.buf[op.slot_mapping][:r],
+                                   qn, kn, self.w[op.cos], self.w[op.sin], layer, op.num_heads, op.num_kv_heads,
+                                   op.head_dim, op.eps)
+        written = self.buf[op.slot_mapping][:r]
         written = written[written >= 0]
         layer[:, written] = round_to(layer[:, written], self.kv_dtype)
-        self._set(op["q_out"], r, q)
+        self._set(op.q_out, r, q)
 
     def op_attention(self, op):
-        r, s = op["rows"], op["num_seqs"]
-        out = ops.attention(self.buf[op["q"]][:r], self.kv[op["layer"]], self.buf[op["query_start_loc"]][: s + 1],
-                            self.buf[op["seq_lens"]][:s], self.buf[op["block_tables"]][:s],
-                            self.plan.build.block_size, op["scale"])
-        self._set(op["out"], r, out)
+        r, s = op.rows, op.num_seqs
+        out = ops.attention(self.buf[op.q][:r], self.kv[op.layer], self.buf[op.query_start_loc][: s + 1],
+                            self.buf[op.seq_lens][:s], self.buf[op.block_tables][:s], self.plan.build.block_size,
+                            op.scale)
+        self._set(op.out, r, out)
 
     def op_silu_mul(self, op):
-        r = op["rows"]
-        self._set(op["out"], r, ops.silu_mul(self.buf[op["inp"]][:r]))
+        self._set(op.out, op.rows, ops.silu_mul(self.buf[op.inp][:op.rows]))
 
     def op_gather_rows(self, op):
-        r = op["rows"]
-        self._set(op["out"], r, ops.gather_rows(self.buf[op["inp"]], self.buf[op["indices"]][:r]))
+        self._set(op.out, op.rows, ops.gather_rows(self.buf[op.inp], self.buf[op.indices][:op.rows]))
 
     def op_apply_token_bitmask(self, op):
-        r, b = op["rows"], self.buf
-        b[op["logits"]][:r] = ops.apply_token_bitmask(b[op["logits"]][:r], b[op["bitmask"]][:r],
-                                                      b[op["bitmask_rows"]][:r])
+        r, b = op.rows, self.buf
+        b[op.logits][:r] = ops.apply_token_bitmask(b[op.logits][:r], b[op.bitmask][:r], b[op.bitmask_rows][:r])
 
     def op_sample(self, op):
-        r, b = op["rows"], self.buf
-        self.buf[op["out"]][:r] = ops.sample(b[op["logits"]][:r], b[op["temperature"]][:r], b[op["top_k"]][:r],
-                                             b[op["top_p"]][:r], b[op["seeds"]][:r], b[op["sample_offsets"]][:r])
-
+        r, b = op.rows, self.buf
+        b[op.out][:r] = ops.sample(b[op.logits][:r], b[op.temperature][:r], b[op.top_k][:r], b[op.top_p][:r],
+                                   b[op.seeds][:r], b[op.sample_offsets][:r])

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+from xserv_aot.rng import uniform
+
+
+def resolve_input_ids(ids: np.ndarray, prev_rows: np.ndarray, sampled: np.ndarray) -> np.ndarray:
+    """Overlapped steps: a token whose id is still on the device is taken from the previous step's sampled_ids."""
+    prev_rows = np.asarray(prev_rows)
+    return np.where(prev_rows >= 0, np.asarray(sampled)[np.maximum(prev_rows, 0)], ids).astype(np.int32)
 
 
 def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
@@ -98,14 +104,17 @@ def gather_rows(x: np.ndarray, idx) -> np.ndarray:
     return x[np.asarray(idx, dtype=np.int64)]
 
 
-def uniform(seed: int, offset: int) -> float:
-    """splitmix64 of (seed, offset) -> [0, 1) with 24 bits; identical on every backend."""
-    with np.errstate(over="ignore"):
-        z = (np.uint64(seed) + (np.uint64(offset) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)) & _M64
-        z = ((z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _M64
-        z = ((z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _M64
-        z = z ^ (z >> np.uint64(31))
-    return float(z >> np.uint64(40)) * 2.0 ** -24
+def truncated_draw(p: np.ndarray, order: np.ndarray, top_p: float, min_p: float, seed: int, offset: int) -> int:
+    """The seeded draw of the `sample` op from candidates `order` (most likely first) with normalized probabilities
+    p (their dtype sets the precision): keep the smallest prefix whose mass reaches top_p (when < 1), then the ids
+    with p >= min_p * p[0] (when > 0), and return the first whose cumulative mass exceeds u * total."""
+    if top_p < 1.0:
+        p = p[:min(len(p), int(np.searchsorted(np.cumsum(p), p.dtype.type(top_p), side="left")) + 1)]
+    if min_p > 0:
+        p = p[:max(1, int(np.count_nonzero(p >= min_p * p[0])))]
+    cum = np.cumsum(p)
+    j = int(np.searchsorted(cum, uniform(seed, offset) * cum[-1], side="right"))
+    return int(order[min(j, len(p) - 1)])
 
 
 def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float, seed: int, offset: int) -> int:
@@ -116,17 +125,8 @@ def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
     z = logits[order] / np.float32(temperature)
     p = np.exp(z - z[0])
     p /= p.sum()
-    keep = len(p)
-    if 0 < top_k < keep:
-        keep = int(top_k)
-    p = p[:keep] / p[:keep].sum()
-    if top_p < 1.0:
-        keep = min(keep, int(np.searchsorted(np.cumsum(p), np.float32(top_p), side="left")) + 1)
-    p = p[:keep]
-    cum = np.cumsum(p)
-    u = uniform(seed, offset) * cum[-1]
-    j = int(np.searchsorted(cum, u, side="right"))
-    return int(order[min(j, keep - 1)])
+    keep = int(top_k) if 0 < top_k < len(p) else len(p)
+    return truncated_draw(p[:keep] / p[:keep].sum(), order, top_p, 0.0, seed, offset)
 
 
 def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray, bitmask_rows) -> np.ndarray:

@@ -12,17 +12,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from xserv_aot.engine.api import SamplingParams
+from xserv_aot.engine.api import (GREEDY_BELOW, MAX_LOGPROBS, MAX_STOP, PENALTY_RANGE,
+                                  REPETITION_PENALTY_RANGE, TEMPERATURE_RANGE, SamplingParams)
 from xserv_aot.server.messages import parse_message, template_kwargs
 from xserv_aot.server.request_error import RequestError
 from xserv_aot.server.structured import parse_guided
 from xserv_aot.server.tools import forced_grammar, parse_tools
 
-MAX_STOP = 4
-MAX_LOGPROBS = 20
 INT64 = 2 ** 63
 INT32_MAX = 2 ** 31 - 1
-GREEDY_BELOW = 1e-5                             # temperatures under this sample greedily (1/T would overflow)
 MAX_N = 16
 MAX_PROMPTS = 64
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})    # accepted, no effect on the output
@@ -39,14 +37,14 @@ class Scalar:
 
 
 SAMPLING_FIELDS = {
-    "temperature": Scalar("number", 1.0, 0.0, 2.0, doc=f"below {GREEDY_BELOW:g}: greedy"),
+    "temperature": Scalar("number", 1.0, *TEMPERATURE_RANGE, doc=f"below {GREEDY_BELOW:g}: greedy"),
     "top_p": Scalar("number", 1.0, 0.0, 1.0, lo_open=True),
     "top_k": Scalar("integer", 0, -1, INT32_MAX, doc="0 or -1 = off"),
     "min_p": Scalar("number", 0.0, 0.0, 1.0),
     "seed": Scalar("integer", None, -INT64, INT64 - 1),
-    "presence_penalty": Scalar("number", 0.0, -2.0, 2.0),
-    "frequency_penalty": Scalar("number", 0.0, -2.0, 2.0),
-    "repetition_penalty": Scalar("number", 1.0, 0.01, 2.0),
+    "presence_penalty": Scalar("number", 0.0, *PENALTY_RANGE),
+    "frequency_penalty": Scalar("number", 0.0, *PENALTY_RANGE),
+    "repetition_penalty": Scalar("number", 1.0, *REPETITION_PENALTY_RANGE),
     "ignore_eos": Scalar("boolean", False),
 }
 COMMON_FIELDS = {
@@ -206,8 +204,6 @@ def _common(body, fields: dict[str, Scalar], only: set[str], defaults: dict | No
     for name, v in (defaults or {}).items():                   # the model's generation_config: requests win
         if name in p and body.get(name) is None:
             p[name] = v
-    if p["temperature"] < GREEDY_BELOW:
-        p["temperature"] = 0.0
     stop_ids = body.get("stop_token_ids")
     params = SamplingParams(**{**p, "top_k": max(p["top_k"], 0)}, stop=_stop(body),
                             stop_token_ids=[] if stop_ids is None else token_ids(stop_ids, "stop_token_ids"),

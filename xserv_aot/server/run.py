@@ -91,4 +91,7 @@ def run_server(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str |
                      request_timeout=request_timeout, tool_call_parser=tool_call_parser,
                      metrics_require_key=metrics_require_key)
     config = server_config(app, host, port, limit_concurrency=limit_concurrency, log_level=log_level)
-    DrainingServer(config, shutdown_grace=shutdown_grace).run()
+    server = DrainingServer(config, shutdown_grace=shutdown_grace)
+    if hasattr(engine, "on_death"):                  # an engine core process that dies stops the server
+        engine.on_death.append(lambda reason: server.request_shutdown())
+    server.run()

@@ -44,8 +44,13 @@ class CutlassGemm:
         lib.xserv_gemm_config_name.argtypes = [ctypes.c_int]
         lib.xserv_gemm_config_out_bytes.restype = ctypes.c_int
         lib.xserv_gemm_config_out_bytes.argtypes = [ctypes.c_int]
+        lib.xserv_gemm_workspace_size_ex.restype = ctypes.c_size_t
+        lib.xserv_gemm_workspace_size_ex.argtypes = [ctypes.c_int] * 6
         lib.xserv_gemm_workspace_size.restype = ctypes.c_size_t
         lib.xserv_gemm_workspace_size.argtypes = [ctypes.c_int] * 4
+        lib.xserv_gemm_bf16_ex.restype = ctypes.c_int
+        lib.xserv_gemm_bf16_ex.argtypes = [ctypes.c_int, _c_ptr, _c_ptr, _c_ptr, _c_ptr, ctypes.c_int, ctypes.c_int,
+                                           ctypes.c_int, ctypes.c_int, _c_ptr, ctypes.c_size_t, _c_ptr]
         lib.xserv_gemm_status_string.restype = ctypes.c_char_p
         lib.xserv_gemm_status_string.argtypes = [ctypes.c_int]
         self._lib = lib
@@ -60,6 +65,10 @@ class CutlassGemm:
         self._check_config(config)
         return self._lib.xserv_gemm_workspace_size(config, M, N, K)
 
+    def workspace_size_ex(self, config: int, M: int, N: int, K: int, splits: int, num_sms: int = 132) -> int:
+        self._check_config(config)
+        return self._lib.xserv_gemm_workspace_size_ex(config, M, N, K, splits, num_sms)
+
     def gemm(self, config: int, a_ptr: int, b_ptr: int, c_ptr: int, bias_ptr: int | None,
              M: int, N: int, K: int, stream_handle: int = 0) -> None:
         status = self._lib.xserv_gemm_bf16(config, a_ptr, b_ptr, c_ptr, bias_ptr or None, M, N, K,
@@ -68,6 +77,30 @@ class CutlassGemm:
             msg = self._lib.xserv_gemm_status_string(status).decode()
             name = self.configs[config] if 0 <= config < len(self.configs) else config
             raise CutlassGemmError(f"xserv_gemm_bf16(config={name}, M={M}, N={N}, K={K}): status {status}: {msg}")
+
+    def gemm_ex(self, config: int, a_ptr: int, b_ptr: int, c_ptr: int, bias_ptr: int | None, M: int, N: int, K: int,
+                splits: int, workspace_ptr: int, workspace_bytes: int, stream_handle: int = 0) -> None:
+        """As gemm, for the swap-AB decode configs: splits 0 stream-K, 1 data-parallel, > 1 split-K, reduced
+        in a fixed order in `workspace` (device memory, zeroed by the call itself)."""
+        status = self._lib.xserv_gemm_bf16_ex(config, a_ptr, b_ptr, c_ptr, bias_ptr or None, M, N, K, splits,
+                                              workspace_ptr, workspace_bytes, stream_handle or None)
+        if status != 0:
+            msg = self._lib.xserv_gemm_status_string(status).decode()
+            raise CutlassGemmError(f"xserv_gemm_bf16_ex(config={self.configs[config]}, M={M}, N={N}, K={K}, "
+                                   f"splits={splits}): status {status}: {msg}")
+
+    def entry(self, fn: str, args: list[tuple[str, object]]):
+        """A launch record's call of entry point fn: args packed once; returns call(stream_handle)."""
+        from xserv_aot.runtime.cuda.driver import C_TYPES
+        cfn = getattr(self._lib, fn)
+        vals = [C_TYPES[t](v if t != "ptr" else (v or None)) for t, v in args]
+
+        def call(stream_handle: int) -> None:
+            status = cfn(*vals, _c_ptr(stream_handle or None))
+            if status != 0:
+                msg = self._lib.xserv_gemm_status_string(status).decode()
+                raise CutlassGemmError(f"{fn}({', '.join(str(v.value) for v in vals)}): status {status}: {msg}")
+        return call
 
     def _check_config(self, config: int) -> None:
         if not 0 <= config < len(self.configs):

@@ -5,7 +5,6 @@ Every call is checked; a failure raises CudaError naming the call. Device pointe
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,23 +34,18 @@ C_TYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int, "u32": ctypes.c_uint, "f
            "u64": ctypes.c_ulonglong}
 
 
-def pdl_enabled() -> bool:
-    """Programmatic dependent launch (kernels overlap their launch with the previous kernel's tail; every kernel
-    waits for its predecessor before touching memory: kernels/common.cuh pdl_entry). Off unless XSERV_PDL=1:
-    measured no faster at batch 1 and slower at batch 8-64 on H200 (docs/cuda-notes.md)."""
-    return os.environ.get("XSERV_PDL", "0") == "1"
-
-
 @dataclass
 class Launch:
-    """One prepared kernel launch: the packed parameter block is built once and reused for every replay."""
+    """One prepared kernel launch: the packed parameter block is built once and reused for every replay.
+    pdl: launch with programmatic stream serialization (every kernel waits for its predecessor before touching
+    memory: kernels/common.cuh pdl_entry); a plan's build.pdl."""
     name: str
     func: object
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     smem: int
     args: list[tuple[str, object]]
-    pdl: bool = field(default_factory=pdl_enabled)
+    pdl: bool = False
     _vals: list = field(default_factory=list, repr=False)
     _ptrs: object = field(default=None, repr=False)
     _config: object = field(default=None, repr=False)
@@ -187,6 +181,9 @@ class Device:
 
     def record(self, ev) -> None:
         check(_cu().cuEventRecord(ev, self.stream), "cuEventRecord")
+
+    def wait_event(self, ev) -> None:
+        check(_cu().cuEventSynchronize(ev), "cuEventSynchronize")
 
     def elapsed_ms(self, start, end) -> float:
         check(_cu().cuEventSynchronize(end), "cuEventSynchronize")

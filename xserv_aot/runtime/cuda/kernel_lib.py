@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xserv_aot.dtypes import from_bf16_bits, to_bf16_bits
+from xserv_aot.dtypes import STORAGE, decode, encode
 from xserv_aot.runtime.cuda.driver import Device, Launch
 
 
@@ -17,13 +17,11 @@ class DeviceArray:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * (2 if self.dtype == "bfloat16" else np.dtype(self.dtype).itemsize)
+        return int(np.prod(self.shape)) * np.dtype(STORAGE.get(self.dtype, self.dtype)).itemsize
 
     def numpy(self) -> np.ndarray:
         """float32 for bfloat16 buffers, else the stored dtype."""
-        store = np.uint16 if self.dtype == "bfloat16" else np.dtype(self.dtype)
-        raw = self.lib.dev.dtoh(self.ptr, self.shape, store)
-        return from_bf16_bits(raw) if self.dtype == "bfloat16" else raw
+        return decode(self.lib.dev.dtoh(self.ptr, self.shape, np.dtype(STORAGE.get(self.dtype, self.dtype))), self.dtype)
 
 
 class KernelLib:
@@ -44,7 +42,7 @@ class KernelLib:
     def to_device(self, x: np.ndarray, dtype: str | None = None) -> DeviceArray:
         """dtype "bfloat16" rounds a float array to bf16 bits; otherwise the array's own dtype is kept."""
         dtype = dtype or str(x.dtype)
-        raw = to_bf16_bits(x) if dtype == "bfloat16" else np.ascontiguousarray(x)
+        raw = encode(x, dtype) if dtype == "bfloat16" else np.ascontiguousarray(x)
         arr = DeviceArray(self, self.dev.alloc(raw.nbytes), x.shape, dtype)
         self.dev.htod(arr.ptr, raw)
         return arr
@@ -70,3 +68,9 @@ class KernelLib:
         Launch(fn, self.func(fn, smem), g, b, smem, args)(self.dev.stream)
         if sync:
             self.dev.sync()
+
+    def launch_record(self, rec, buffers: dict[str, DeviceArray | None], sync: bool = True):
+        """Run a plan LaunchRecord (plan.kernel_build) with its ("ptr", name) arguments bound to buffers."""
+        args = [("ptr", buffers[a[1]].ptr if buffers.get(a[1]) is not None else 0) if a[0] == "ptr" else (a[0], a[1])
+                for a in rec.args]
+        self.launch(rec.fn, rec.grid, rec.block, args, smem=rec.smem, sync=sync)

@@ -3,7 +3,9 @@
 Start: one device allocation each for weights (uploaded, or filled on the device for dummy-weight plans), arena
 and KV pool; cubins (+ CUTLASS library) loaded; every bucket run once eagerly, then captured (decode buckets
 largest first, then prefill). Step: stage the batch into pinned memory, one H2D copy of the input region,
-graph replay, D2H of the sampled ids (and logits when asked), one sync. No allocation in the steady state.
+graph replay, D2H of the sampled ids (and logits when asked), one event. No allocation in the steady state.
+launch/wait split a step so the engine can stage step N+1 while step N runs (overlapped steps): two pinned
+staging/result buffers alternate, and a buffer is reused only after the event of the step that last used it.
 """
 from __future__ import annotations
 
@@ -12,11 +14,13 @@ from typing import Callable
 
 import numpy as np
 
-from xserv_aot.dtypes import STORAGE
+from xserv_aot.dtypes import STORAGE, decode
 from xserv_aot.plan.ops import INPUT_BUFFERS
-from xserv_aot.runtime.batch import BatchDescription, StepResult
+from xserv_aot.plan.roofline import op_name
+from xserv_aot.runtime.batch import BatchDescription, StepResult, stage_inputs
 from xserv_aot.runtime.cuda.driver import Device, Launch
 from xserv_aot.runtime.cuda.launch import Buffers, op_launches
+from xserv_aot.runtime.nvtx import ranges
 
 
 class CudaRunnerError(ValueError):
@@ -24,12 +28,17 @@ class CudaRunnerError(ValueError):
 
 
 class CudaRunner:
-    def __init__(self, plan, capture: bool = True, log: Callable[[str], None] | None = None, device: int = 0):
+    def __init__(self, plan, capture: bool = True, log: Callable[[str], None] | None = None, device: int = 0,
+                 nvtx: bool = False):
+        """nvtx: NVTX ranges around stage / replay / finish of every step and around every op of an eager step."""
         if plan.build.dtype != "bfloat16" or not plan.kernels.get("cubins"):
             raise CudaRunnerError(f"{plan.dir}: plan has no CUDA kernels (target {plan.build.target!r}, dtype "
                                   f"{plan.build.dtype!r}); recompile with --target sm_90a --dtype bfloat16")
         self.plan = plan
         self.log = log or (lambda msg: None)
+        self.nvtx = ranges(nvtx)
+        self.op_names = {bk.name: [op_name(bk.name, i, op) for i, op in enumerate(bk.ops)]
+                         for bk in plan.buckets} if nvtx else {}
         self.dev = dev = Device(device)
         t0 = time.perf_counter()
         self.weights_ptr = dev.alloc(int(plan.manifest["weights"]["size"]))
@@ -45,7 +54,7 @@ class CudaRunner:
         self.log(f"cuda: {dev.name}: weights {plan.manifest['weights']['size'] / 2**30:.2f} GiB, arena "
                  f"{plan.arena_size / 2**20:.1f} MiB, kv {self.kv_bytes / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f}s")
         self._setup_staging()
-        self.launches = {bk.name: [op_launches(op, self.buf, self.func, self.gemm) for op in bk.ops]
+        self.launches = {bk.name: [op_launches(op, self.buf, self.func, self.libraries, plan.build.pdl) for op in bk.ops]
                          for bk in plan.buckets}
         self.buckets = {bk.name: bk for bk in plan.buckets}
         self.graphs: dict[str, object] = {}
@@ -62,15 +71,16 @@ class CudaRunner:
         smem = {}
         for bk in self.plan.buckets:
             for op in bk.ops:
-                for spec in op.get("launch") or []:
-                    smem[spec["fn"]] = max(smem.get(spec["fn"], 0), int(spec["smem"]))
+                for rec in op.cuda.launch if op.cuda else ():
+                    if not rec.library:
+                        smem[rec.fn] = max(smem.get(rec.fn, 0), rec.smem)
         self._smem = smem
         self._funcs: dict[str, object] = {}
-        self.gemm = None
+        self.libraries = {}
         lib = k.get("gemm_library")
         if lib:
             from xserv_aot.runtime.cuda.cutlass_gemm import CutlassGemm
-            self.gemm = CutlassGemm(self.plan.dir / lib["file"])
+            self.libraries["gemm_library"] = CutlassGemm(self.plan.dir / lib["file"])
 
     def func(self, name: str):
         if name not in self._funcs:
@@ -91,39 +101,46 @@ class CudaRunner:
                 self.dev.htod_async(self.weights_ptr + off, host.ctypes.data, n)
                 self.dev.sync()
             return
+        from xserv_aot.plan.dummy_weights import tensor_params
+        from xserv_aot.plan.weights import rope_tables, weight_specs
         fill = self.func("fill_normal_bf16")
-        seed = int(self.plan.dummy_seed or 0)
-        for idx, (name, info) in enumerate(self.plan.weights.items()):
-            ptr = self.weights_ptr + info.offset
-            if name in ("rope_cos", "rope_sin"):
-                continue
+        for index, name in enumerate(weight_specs(self.plan.model)):
+            info = self.plan.weights[name]
             n = int(np.prod(info.shape))
-            mean, std = (1.0, 0.1) if len(info.shape) == 1 else (0.0, float(info.shape[1]) ** -0.5)
+            tseed, mean, std = tensor_params(int(self.plan.dummy_seed or 0), index, info.shape)
             Launch("fill_normal_bf16", fill, (min(-(-n // 256), 65536), 1, 1), (256, 1, 1), 0,
-                   [("ptr", ptr), ("u64", n), ("u64", (seed * 1000003 + idx) & (2**64 - 1)), ("f32", mean),
+                   [("ptr", self.weights_ptr + info.offset), ("u64", n), ("u64", tseed), ("f32", mean),
                     ("f32", std)])(self.dev.stream)
-        from xserv_aot.plan.weights import rope_tables
         cos, sin = rope_tables(self.plan.model, self.plan.build.max_seq_len)
         self.dev.htod(self.weights_ptr + self.plan.weights["rope_cos"].offset, cos)
         self.dev.htod(self.weights_ptr + self.plan.weights["rope_sin"].offset, sin)
 
     def _setup_staging(self) -> None:
         arena = self.plan.arena
-        inputs = [n for n in INPUT_BUFFERS if n in arena]          # bitmask_rows: absent from older plans
+        inputs = [n for n in INPUT_BUFFERS if n in arena]        # plans before prev_rows / bitmask_rows lack them
+        self.overlaps = "prev_rows" in arena
         lo = min(arena[n].offset for n in inputs)
         hi = max(arena[n].offset + arena[n].nbytes for n in inputs)
         others = [n for n, i in arena.items() if n not in inputs and i.offset < hi and i.offset + i.nbytes > lo]
         if others:
             raise CudaRunnerError(f"arena input buffers are not contiguous (overlap {others[0]!r})")
         self.in_lo, self.in_bytes = lo, hi - lo
-        self.pinned_in = self.dev.alloc_host(self.in_bytes)
-        self.views = {}
-        for n in inputs:
-            i = arena[n]
-            a = self.pinned_in[i.offset - lo: i.offset - lo + i.nbytes].view(STORAGE[i.dtype])
-            self.views[n] = a.reshape(i.shape)
+        self.pinned_ins, self.views_k, self.pinned_ids_k, self.pinned_bitmask_k = [], [], [], []
         B, V = self.plan.build.max_num_seqs, self.plan.model.vocab_size
-        self.pinned_ids = self.dev.alloc_host(4 * B, np.int32)[:B]
+        W = arena["token_bitmask"].shape[1] if "token_bitmask" in arena else 1
+        for _ in range(2):
+            pinned = self.dev.alloc_host(self.in_bytes)
+            views = {}
+            for n in inputs:
+                i = arena[n]
+                views[n] = pinned[i.offset - lo: i.offset - lo + i.nbytes].view(STORAGE[i.dtype]).reshape(i.shape)
+            self.pinned_ins.append(pinned)
+            self.views_k.append(views)
+            self.pinned_ids_k.append(self.dev.alloc_host(4 * B, np.int32)[:B])
+            self.pinned_bitmask_k.append(self.dev.alloc_host(4 * B * W, np.int32)[:B * W].reshape(B, W))
+        self.events = [self.dev.event(), self.dev.event()]
+        self._buf_used = [False, False]
+        self._next = 0
         self.pinned_logits = self.dev.alloc_host(4 * B * V, np.float32)[:B * V].reshape(B, V)
         W = self.plan.arena["token_bitmask"].shape[1] if "token_bitmask" in self.plan.arena else 1
         self.pinned_bitmask = self.dev.alloc_host(4 * B * W, np.int32)[:B * W].reshape(B, W)
@@ -135,70 +152,58 @@ class CudaRunner:
         return BatchDescription(input_ids=[0], positions=[0], slot_mapping=[-1], query_start_loc=[0, 0],
                                 seq_lens=[0], block_tables=[[0]]).fill_sampling_defaults()
 
-    def stage(self, batch: BatchDescription, bk) -> None:
-        t, s = bk.num_tokens, bk.num_seqs
-        nt, ns = batch.num_tokens, batch.num_seqs
-        if nt > t or ns > s:
-            raise CudaRunnerError(f"batch of {nt} tokens / {ns} seqs does not fit bucket {bk.name}")
-        batch.fill_sampling_defaults()
-        v = self.views
-        v["input_ids"][:nt] = batch.input_ids
-        v["input_ids"][nt:t] = 0
-        v["positions"][:nt] = batch.positions
-        v["positions"][nt:t] = 0
-        v["slot_mapping"][:nt] = batch.slot_mapping
-        v["slot_mapping"][nt:t] = -1
-        qsl = v["query_start_loc"]
-        qsl[:ns + 1] = batch.query_start_loc
-        qsl[ns + 1:s + 1] = batch.query_start_loc[-1]
-        v["seq_lens"][:ns] = batch.seq_lens
-        v["seq_lens"][ns:s] = 0
-        bt = v["block_tables"]
-        for i, row in enumerate(batch.block_tables):
-            if len(row) > bt.shape[1]:
-                raise CudaRunnerError(f"block table of seq {i} has {len(row)} blocks (max {bt.shape[1]})")
-            bt[i, :len(row)] = row
-        li = v["logits_indices"]
-        li[:ns] = np.asarray(batch.query_start_loc[1:], dtype=np.int32) - 1
-        li[ns:s] = 0
-        np.maximum(li[:ns], 0, out=li[:ns])
-        v["temperature"][:ns] = batch.temperature
-        v["temperature"][ns:s] = 0.0
-        v["top_k"][:ns] = batch.top_k
-        v["top_k"][ns:s] = 0
-        v["top_p"][:ns] = batch.top_p
-        v["top_p"][ns:s] = 1.0
-        v["seeds"][:ns] = batch.seeds
-        v["seeds"][ns:s] = 0
-        v["sample_offsets"][:ns] = batch.sample_offsets
-        v["sample_offsets"][ns:s] = 0
-        if "bitmask_rows" in v:                     # plans compiled before grammar masks have none
-            v["bitmask_rows"][:ns] = batch.bitmask_rows or 0
-            v["bitmask_rows"][ns:s] = 0
-        if batch.bitmask_rows:                      # only when a row has a grammar: ns rows of masks, async
-            self.pinned_bitmask[:ns] = batch.token_bitmask
-            self.dev.htod_async(self.buf("token_bitmask"), self.pinned_bitmask.ctypes.data,
-                                self.pinned_bitmask[:ns].nbytes)
-        self.dev.htod_async(self.arena_ptr + self.in_lo, self.pinned_in.ctypes.data, self.in_bytes)
+    def stage(self, batch: BatchDescription, bk, k: int = 0) -> None:
+        """Fill staging buffer k and enqueue its H2D copy (grammar masks: only when a row has one, ns rows)."""
+        try:
+            stage_inputs(batch, self.views_k[k], bk.num_tokens, bk.num_seqs)
+        except ValueError as e:
+            raise CudaRunnerError(f"bucket {bk.name}: {e}") from None
+        if len(batch.bitmask_rows):
+            ns, pinned = batch.num_seqs, self.pinned_bitmask_k[k]
+            pinned[:ns] = batch.token_bitmask
+            self.dev.htod_async(self.buf("token_bitmask"), pinned.ctypes.data, pinned[:ns].nbytes)
+        self.dev.htod_async(self.arena_ptr + self.in_lo, self.pinned_ins[k].ctypes.data, self.in_bytes)
 
-    def _finish(self, batch: BatchDescription) -> StepResult:
+    def _start(self, batch: BatchDescription, k: int) -> tuple:
+        """Enqueue the D2H of the results into buffer k and its event; the handle wait() takes."""
         ns = batch.num_seqs
-        self.dev.dtoh_async(self.pinned_ids.ctypes.data, self.buf("sampled_ids"), 4 * ns)
-        logits = None
+        self.dev.dtoh_async(self.pinned_ids_k[k].ctypes.data, self.buf("sampled_ids"), 4 * ns)
         if batch.need_logits:
             V = self.plan.model.vocab_size
             self.dev.dtoh_async(self.pinned_logits.ctypes.data, self.buf("logits"), 4 * ns * V)
-        self.dev.sync()
-        if batch.need_logits:
-            logits = self.pinned_logits[:ns].copy()
-        return StepResult(sampled_ids=self.pinned_ids[:ns].copy(), logits=logits)
+        self.dev.record(self.events[k])
+        self._buf_used[k] = True
+        return k, ns, batch.need_logits
+
+    def wait(self, handle: tuple) -> StepResult:
+        k, ns, need_logits = handle
+        with self.nvtx.range("finish"):
+            self.dev.wait_event(self.events[k])
+            logits = self.pinned_logits[:ns].copy() if need_logits else None
+            return StepResult(sampled_ids=self.pinned_ids_k[k][:ns].copy(), logits=logits)
+
+    def _take_buffer(self) -> int:
+        k, self._next = self._next, self._next ^ 1
+        if self._buf_used[k]:
+            self.dev.wait_event(self.events[k])          # the step that last used buffer k is done with it
+        return k
 
     # ---- execution -----------------------------------------------------------------------------------------
     def enqueue(self, name: str) -> None:
         stream = self.dev.stream
+        if self.nvtx.enabled:
+            return self._enqueue_ranged(name)
         for launches in self.launches[name]:
             for ln in launches:
                 ln(stream)
+
+    def _enqueue_ranged(self, name: str) -> None:
+        stream, nv = self.dev.stream, self.nvtx
+        for launches, label in zip(self.launches[name], self.op_names[name]):
+            if launches:
+                with nv.range(label):
+                    for ln in launches:
+                        ln(stream)
 
     def capture_all(self) -> None:
         order = sorted(self.plan.decode_buckets, key=lambda b: -b.num_tokens)
@@ -219,29 +224,35 @@ class CudaRunner:
         except ValueError as e:
             raise CudaRunnerError(str(e)) from None
 
-    def run(self, batch: BatchDescription) -> StepResult:
-        bk = self.bucket_for(batch)
-        self.stage(batch, bk)
+    def launch(self, batch: BatchDescription) -> tuple:
+        """Stage and enqueue one step without waiting for it (wait(handle) gets its result)."""
+        bk, nv = self.bucket_for(batch), self.nvtx
+        k = self._take_buffer()
+        with nv.range("stage"):
+            self.stage(batch, bk, k)
         gexec = self.graphs.get(bk.name)
-        if gexec is None:
-            self.enqueue(bk.name)
-        else:
-            self.dev.graph_launch(gexec)
-        return self._finish(batch)
+        with nv.range(f"{'eager' if gexec is None else 'replay'} {bk.name}"):
+            if gexec is None:
+                self.enqueue(bk.name)
+            else:
+                self.dev.graph_launch(gexec)
+        return self._start(batch, k)
+
+    def run(self, batch: BatchDescription) -> StepResult:
+        return self.wait(self.launch(batch))
 
     def run_eager(self, name: str, batch: BatchDescription) -> StepResult:
         bk = self.buckets[name]
-        self.stage(batch, bk)
-        self.enqueue(name)
-        return self._finish(batch)
+        k = self._take_buffer()
+        self.stage(batch, bk, k)
+        with self.nvtx.range(f"eager {name}"):
+            self.enqueue(name)
+        return self.wait(self._start(batch, k))
 
     def read_buffer(self, name: str) -> np.ndarray:
         """Copy an arena buffer back (tests, debugging); bfloat16 comes back as float32."""
         info = self.plan.arena[name]
-        raw = self.dev.dtoh(self.buf(name), info.shape, STORAGE[info.dtype])
-        if info.dtype == "bfloat16":
-            return (raw.astype(np.uint32) << 16).view(np.float32)
-        return raw
+        return decode(self.dev.dtoh(self.buf(name), info.shape, STORAGE[info.dtype]), info.dtype)
 
     def reset_kv(self) -> None:
         self.dev.memset(self.kv_ptr, 0, self.kv_bytes)

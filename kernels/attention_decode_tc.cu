@@ -1,0 +1,201 @@
+// Paged decode attention for batches on the tensor cores: one query row per sequence; block (seq, kv head,
+// split) puts the G = nh / nkv query heads of its kv head on the rows of m16n8k16 MMAs (rows >= G are zero), the
+// keys on their columns. Keys come in tiles of 64 through a STAGES-deep cp.async ring (rows padded to HD + 8
+// elements: conflict-free fragment loads); warp w owns keys [16w, 16w + 16) of every tile with its own online
+// softmax (log2 domain), and the 4 warps' (o, m, l) merge once at the end. Splits and partials as in
+// attention_split.cuh (m in log2 units).
+#include "attention_split.cuh"
+
+#define TC_THREADS 128
+#define TC_TILE 64
+
+template <int HD>
+__device__ __forceinline__ void tc_issue(bf16* stage, const bf16* kbase, const bf16* vbase, size_t kv_stride,
+                                         const int* bt, int block_size, int k0, int kend) {
+    constexpr int LD = HD + 8, DCH = HD / 8;
+#pragma unroll
+    for (int j = 0; j < TC_TILE * DCH / TC_THREADS; j++) {
+        const int idx = threadIdx.x + j * TC_THREADS, key = idx / DCH, u = idx % DCH, p = k0 + key;
+        const bool ok = p < kend;
+        const size_t slot = ok ? (size_t)bt[p / block_size] * block_size + p % block_size : 0;
+        cp_async16(stage + key * LD + u * 8, kbase + slot * kv_stride + u * 8, ok ? 16 : 0);
+        cp_async16(stage + (TC_TILE + key) * LD + u * 8, vbase + slot * kv_stride + u * 8, ok ? 16 : 0);
+    }
+}
+
+template <int HD, int STAGES>
+__device__ __forceinline__ void attn_decode_tc_impl(
+        const bf16* __restrict__ q, const bf16* __restrict__ kv_layer, const int* __restrict__ qsl,
+        const int* __restrict__ seq_lens, const int* __restrict__ block_tables, float* __restrict__ part_o,
+        float* __restrict__ part_ml, int* __restrict__ counters, bf16* __restrict__ out, int T, int nh, int nkv,
+        int block_size, int max_blocks, int num_slots, float scale) {
+    constexpr int LD = HD + 8, KS = HD / 16, DT = HD / 8, STAGE = 2 * TC_TILE * LD, GM = 16;
+    extern __shared__ __align__(16) unsigned char tc_smem[];
+    bf16* stages = reinterpret_cast<bf16*>(tc_smem);                  // [STAGES][K, V][TC_TILE][LD]
+    __shared__ float wm[4][GM], wl[4][GM];
+
+    const int i = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int G = nh / nkv;
+    zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
+    SplitRange sr;
+    if (!split_range(qsl, seq_lens, i, blockIdx.z, gridDim.z, TC_TILE, sr)) return;
+
+    const size_t kv_stride = (size_t)nkv * HD;
+    const bf16* kbase = kv_layer + (size_t)kvh * HD;
+    const bf16* vbase = kv_layer + (size_t)num_slots * kv_stride + (size_t)kvh * HD;
+    const int* bt = block_tables + (size_t)i * max_blocks;
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; st++) {
+        if (st < sr.ntiles)
+            tc_issue<HD>(stages + st * STAGE, kbase, vbase, kv_stride, bt, block_size, sr.k0 + st * TC_TILE, sr.kend);
+        cp_async_commit();
+    }
+
+    // A fragments of Q: rows = heads ga = lane / 4 and gb = ga + 8 (zero past G), k = head dims.
+    const int ga = lane >> 2, gb = ga + 8, tig = lane & 3;
+    u32 qa[KS][4];
+    {
+        const u32* pa = reinterpret_cast<const u32*>(q + ((size_t)sr.row * nh + kvh * G + min(ga, G - 1)) * HD);
+        const u32* pb = reinterpret_cast<const u32*>(q + ((size_t)sr.row * nh + kvh * G + min(gb, G - 1)) * HD);
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+            const int c = ks * 8 + tig;
+            qa[ks][0] = ga < G ? pa[c] : 0u;
+            qa[ks][1] = gb < G ? pb[c] : 0u;
+            qa[ks][2] = ga < G ? pa[c + 4] : 0u;
+            qa[ks][3] = gb < G ? pb[c + 4] : 0u;
+        }
+    }
+    const float sl2 = scale * 1.4426950408889634f;
+    const float NEG = -__int_as_float(0x7f800000);
+    float o[DT][4];
+#pragma unroll
+    for (int t = 0; t < DT; t++) { o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f; }
+    float m_a = NEG, m_b = NEG, l_a = 0.f, l_b = 0.f;
+    const int qm = lane >> 3, r8 = lane & 7;
+
+    for (int t = 0; t < sr.ntiles; t++) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();                                        // tile t landed; tile t - 1 consumed by all
+        {
+            const int nt = t + STAGES - 1;
+            if (nt < sr.ntiles)
+                tc_issue<HD>(stages + (nt % STAGES) * STAGE, kbase, vbase, kv_stride, bt, block_size,
+                             sr.k0 + nt * TC_TILE, sr.kend);
+            cp_async_commit();
+        }
+        const bf16* Ks = stages + (t % STAGES) * STAGE;
+        const bf16* Vs = Ks + TC_TILE * LD;
+        float s[2][4];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+            const u32* kr = reinterpret_cast<const u32*>(Ks + (warp * 16 + j * 8 + ga) * LD);
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++)
+                mma_bf16(s[j], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], kr[ks * 8 + tig], kr[ks * 8 + 4 + tig]);
+        }
+        const int kb = sr.k0 + t * TC_TILE + warp * 16;
+        float mxa = NEG, mxb = NEG;
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const bool valid = kb + j * 8 + tig * 2 + e < sr.kend;
+                s[j][e] = valid ? s[j][e] * sl2 : NEG;
+                s[j][2 + e] = valid ? s[j][2 + e] * sl2 : NEG;
+                mxa = fmaxf(mxa, s[j][e]);
+                mxb = fmaxf(mxb, s[j][2 + e]);
+            }
+        }
+#pragma unroll
+        for (int o2 = 1; o2 <= 2; o2 <<= 1) {
+            mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, o2));
+            mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, o2));
+        }
+        const float na = fmaxf(m_a, mxa), nb = fmaxf(m_b, mxb);
+        const float ba = na == NEG ? 0.f : na, bb = nb == NEG ? 0.f : nb;   // a warp past the end sees no key
+        const float ca = exp2f(m_a - ba), cb = exp2f(m_b - bb);
+        m_a = na;
+        m_b = nb;
+        float suma = 0.f, sumb = 0.f;
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            s[j][0] = exp2f(s[j][0] - ba); s[j][1] = exp2f(s[j][1] - ba);
+            s[j][2] = exp2f(s[j][2] - bb); s[j][3] = exp2f(s[j][3] - bb);
+            suma += s[j][0] + s[j][1];
+            sumb += s[j][2] + s[j][3];
+        }
+        l_a = l_a * ca + suma;
+        l_b = l_b * cb + sumb;
+#pragma unroll
+        for (int d = 0; d < DT; d++) { o[d][0] *= ca; o[d][1] *= ca; o[d][2] *= cb; o[d][3] *= cb; }
+        // P = hi + lo, both bf16 (P to ~16 bits: the PV product is as exact as the fp32 CUDA-core kernels')
+        u32 ah[4], al[4];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const float x0 = s[j][2 * h], x1 = s[j][2 * h + 1];
+                ah[2 * j + h] = pack2(x0, x1);
+                al[2 * j + h] = pack2(x0 - round_bf(x0), x1 - round_bf(x1));
+            }
+        }
+#pragma unroll
+        for (int d = 0; d < DT; d += 2) {
+            u32 b0, b1, b2, b3;
+            ldmatrix_x4_trans(b0, b1, b2, b3, Vs + (warp * 16 + r8 + (qm & 1) * 8) * LD + d * 8 + (qm >> 1) * 8);
+            mma_bf16(o[d], ah[0], ah[1], ah[2], ah[3], b0, b1);
+            mma_bf16(o[d + 1], ah[0], ah[1], ah[2], ah[3], b2, b3);
+            mma_bf16(o[d], al[0], al[1], al[2], al[3], b0, b1);
+            mma_bf16(o[d + 1], al[0], al[1], al[2], al[3], b2, b3);
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // merge the 4 warps: red [4][GM][HD] floats in the idle ring, (m, l) per warp and head
+#pragma unroll
+    for (int o2 = 1; o2 <= 2; o2 <<= 1) {
+        l_a += __shfl_xor_sync(0xffffffffu, l_a, o2);
+        l_b += __shfl_xor_sync(0xffffffffu, l_b, o2);
+    }
+    float* red = reinterpret_cast<float*>(tc_smem);
+    if (tig == 0) { wm[warp][ga] = m_a; wl[warp][ga] = l_a; wm[warp][gb] = m_b; wl[warp][gb] = l_b; }
+#pragma unroll
+    for (int d = 0; d < DT; d++) {
+        const int col = d * 8 + tig * 2;
+        if (ga < G) { red[(warp * GM + ga) * HD + col] = o[d][0]; red[(warp * GM + ga) * HD + col + 1] = o[d][1]; }
+        if (gb < G) { red[(warp * GM + gb) * HD + col] = o[d][2]; red[(warp * GM + gb) * HD + col + 1] = o[d][3]; }
+    }
+    __syncthreads();
+    for (int c = tid; c < G * HD; c += TC_THREADS) {
+        const int g = c / HD, d = c % HD;
+        const float M = fmaxf(fmaxf(wm[0][g], wm[1][g]), fmaxf(wm[2][g], wm[3][g]));
+        float acc = 0.f, L = 0.f;
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            const float f = split_weight<true>(wm[w][g], M);
+            acc += f * red[(w * GM + g) * HD + d];
+            L += f * wl[w][g];
+        }
+        store_split(part_o, part_ml, out, i, sr.row, kvh * G + g, d, HD, nh, sr.active, acc, M, L);
+    }
+    if (sr.active == 1) return;
+    combine_splits_if_last<HD, GM, true>(part_o, part_ml, counters, out, i, kvh, sr.row, nh, nkv, sr.active, red);
+}
+
+// attn_decode_tc_sSTAGES_hdHD (G = nh / nkv <= 16)
+#define DECODE_TC_KERNEL(HD, STAGES)                                                                         \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, 3) attn_decode_tc_s##STAGES##_hd##HD(           \
+        const bf16* q, const bf16* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,   \
+        float* part_o, float* part_ml, int* counters, bf16* out, int T, int nh, int nkv, int block_size,     \
+        int max_blocks, int num_slots, float scale) {                                                        \
+        attn_decode_tc_impl<HD, STAGES>(q, kv_layer, qsl, seq_lens, block_tables, part_o, part_ml, counters, \
+                                        out, T, nh, nkv, block_size, max_blocks, num_slots, scale); }
+
+DECODE_TC_KERNEL(64, 2)
+DECODE_TC_KERNEL(64, 3)
+DECODE_TC_KERNEL(128, 2)
+DECODE_TC_KERNEL(128, 3)
+DECODE_TC_KERNEL(128, 4)

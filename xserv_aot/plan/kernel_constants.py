@@ -1,0 +1,35 @@
+"""Constants shared by the planner and the kernels: their one home. They reach kernels/*.cu as NVRTC -D options
+(part of the cubin cache key, plan.nvrtc_build), so no kernel source defines them itself."""
+from __future__ import annotations
+
+P_KEYS = 128            # keys per split-KV partition of decode attention (= its threads per block)
+G_MAX = 8               # most query heads per KV head that decode attention holds in a block
+NORM_NC = 4             # 16-byte chunks a row-norm thread keeps in registers: hidden <= 1024 * 8 * NORM_NC
+GEMM_BK = 32            # k per cp.async stage of kernels/gemm_mma.cu
+GEMM_LDS = GEMM_BK + 8  # padded shared-memory row (bf16 elements): ldmatrix rows hit distinct banks
+GEMM_STAGES_128 = 3     # pipeline depth of the 128x128 tiles
+GEMM_STAGES_64 = 4      # ... and of the 64x64 tiles
+SK_WARPS = 8            # warps of a kernels/gemm_skinny.cu block
+SK_RT = 2               # 16-row weight tiles per skinny warp
+SK_STAGES = 3           # ring of 64-k steps per skinny warp (SK_RT * 16 rows * 128 B each)
+
+KERNEL_DEFINES = {"P_KEYS": P_KEYS, "G_MAX": G_MAX, "NORM_NC": NORM_NC, "GEMM_BK": GEMM_BK, "GEMM_LDS": GEMM_LDS,
+                  "GEMM_STAGES_128": GEMM_STAGES_128, "GEMM_STAGES_64": GEMM_STAGES_64, "SK_WARPS": SK_WARPS,
+                  "SK_RT": SK_RT, "SK_STAGES": SK_STAGES}
+
+
+def gemm_smem(tile: str) -> int:
+    """Dynamic shared memory (bytes) of a gemm_mma.cu tile "BMxBN": stages * (BM + BN) rows of GEMM_LDS bf16."""
+    bm, bn = (int(x) for x in tile.split("x"))
+    stages = GEMM_STAGES_128 if bm == 128 else GEMM_STAGES_64
+    return stages * (bm + bn) * GEMM_LDS * 2
+
+
+def skinny_smem(mt: int) -> int:
+    """Dynamic shared memory (bytes) of a skinny kernel for mt batch rows: the weight rings, reused afterwards for
+    the partial sums (SK_WARPS * SK_RT * mt/8 tiles of 4 x 32 floats)."""
+    return max(SK_WARPS * SK_STAGES * SK_RT * 16 * 128, SK_WARPS * SK_RT * (mt // 8) * 4 * 32 * 4)
+
+
+def nvrtc_defines() -> list[tuple[str, str]]:
+    return [(name, str(value)) for name, value in sorted(KERNEL_DEFINES.items())]

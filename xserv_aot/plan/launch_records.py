@@ -1,0 +1,79 @@
+"""Launch records (docs/plan-format.md "Launch records"): how plan.kernel_build writes them and how they are checked
+against the parsed kernel signatures (plan.signatures) at compile time."""
+from __future__ import annotations
+
+from xserv_aot.plan.nvrtc_build import KernelBuildError
+from xserv_aot.plan.op_records import LaunchRecord
+from xserv_aot.plan.signatures import SCALAR_TYPES
+
+ARG_KINDS = ("ptr", "kv", *sorted(set(SCALAR_TYPES.values())))
+
+
+def launch(fn: str, grid, block, smem: int = 0, args: list | None = None) -> LaunchRecord:
+    """A kernel launch: grid and block padded to three dimensions."""
+    g = tuple(int(x) for x in grid) + (1,) * (3 - len(grid))
+    b = tuple(int(x) for x in block) + (1,) * (3 - len(block))
+    return LaunchRecord(fn, tuple(args or ()), g, b, int(smem))
+
+
+def library_call(library: str, fn: str, args: list) -> LaunchRecord:
+    """A call of a host library's entry point (the launcher appends the stream)."""
+    return LaunchRecord(fn, tuple(args), library=library)
+
+
+def ptr(name: str | None) -> tuple:
+    return ("ptr", name)
+
+
+def kv(layer: int) -> tuple:
+    return ("kv", int(layer))
+
+
+def i32(v) -> tuple:
+    return ("i32", int(v))
+
+
+def f32(v) -> tuple:
+    return ("f32", float(v))
+
+
+def check_launch(rec: LaunchRecord, params: list[dict], buffer_dtype, kv_dtype: str) -> None:
+    """Arguments of one launch record against the function's parameters: count, kind, scalar type, pointee dtype.
+    buffer_dtype(name) -> dtype of an arena buffer or weight (KeyError if neither)."""
+    fn, args = rec.fn, rec.args
+    if len(args) != len(params):
+        raise KernelBuildError(f"launch {fn}: {len(args)} arguments for {len(params)} parameters")
+    for arg, p in zip(args, params):
+        kind, where = arg[0], f"launch {fn}: parameter {p['name']}"
+        if kind not in ARG_KINDS:
+            raise KernelBuildError(f"{where}: unknown argument kind {kind!r}")
+        if (kind in ("ptr", "kv")) != (p["type"] == "ptr") or (p["type"] != "ptr" and kind != p["type"]):
+            raise KernelBuildError(f"{where} is {p['type']}, the record passes {kind}")
+        if kind == "kv":
+            dtype = kv_dtype
+        elif kind == "ptr" and arg[1] is not None:
+            try:
+                dtype = buffer_dtype(arg[1])
+            except KeyError:
+                raise KernelBuildError(f"{where}: {arg[1]!r} is neither an arena buffer nor a weight") from None
+        else:
+            continue
+        if p["pointee"] is not None and dtype != p["pointee"]:
+            raise KernelBuildError(f"{where} points to {p['pointee']}, {arg[1]!r} is {dtype}")
+
+
+def check_launches(manifest: dict, records, signatures: dict) -> None:
+    """Every (bucket name, launch record) against the parsed signature of its function (count, kinds, types,
+    pointee dtypes); buffer dtypes from the manifest's arena and weights."""
+    arena, weights = manifest["arena"]["buffers"], manifest["weights"]["tensors"]
+
+    def dtype_of(name):
+        return (arena.get(name) or weights[name])["dtype"]
+
+    for bucket, rec in records:
+        params = signatures.get(rec.fn)
+        if params is None:
+            raise KernelBuildError(f"bucket {bucket}: launch of {rec.fn!r}, which no kernel defines")
+        if rec.library:
+            params = params[:-1]         # the stream, appended by the launcher
+        check_launch(rec, params, dtype_of, manifest["kv_cache"]["dtype"])

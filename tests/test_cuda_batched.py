@@ -9,7 +9,7 @@ import pytest
 
 from tests.cuda_fixtures import bf, lib, rng  # noqa: F401  (fixtures)
 from tests.test_cuda_kernels import check, paged_setup
-from xserv_aot.plan import kernel_build as kb
+from xserv_aot.plan import attention_plan
 from xserv_aot.plan.op_records import Attention
 from xserv_aot.runtime import numpy_ops as ref
 
@@ -71,7 +71,7 @@ def test_mixed_step_attention(lib, rng, hd, nh, nkv):
                    out="attn", rows=T, num_seqs=len(seqs), num_heads=nh, num_kv_heads=nkv, head_dim=hd,
                    scale=hd ** -0.5)
     m = {"num_heads": nh, "num_kv_heads": nkv, "head_dim": hd}
-    dec = kb.batched_attn_launch(op, m, block_size * max_blocks, [], [])   # the plan's kernel, grid and smem
+    dec = attention_plan.batched_attn_launch(op, m, block_size * max_blocks, [], [])   # the plan's kernel, grid and smem
     splits = dec.grid[2]
     po, pml = lib.empty((len(seqs), nh, splits, hd), "float32"), lib.empty((len(seqs), nh, splits, 2), "float32")
     counters = lib.to_device(np.zeros((len(seqs), nkv), np.int32))

@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Callable
 
 from xserv_aot.plan.kernel_constants import G_MAX, NORM_NC, P_KEYS, gemm_smem, skinny_smem
-from xserv_aot.plan.launch_records import check_launches, f32, i32, kv, launch, library_call, ptr
+from xserv_aot.plan.attention_plan import plan_attention
+from xserv_aot.plan.launch_records import check_launches, f32, i32, kernel, kv, launch, library_call, ptr
 from xserv_aot.plan.manifest import place
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
 from xserv_aot.plan.op_records import (AddRmsNorm, ApplyTokenBitmask, Attention, Embedding, GatherRows, KernelChoice,
-                                       LaunchRecord, Linear, Op, QkNormRopeCache, ResolveInputIds, RmsNorm, Sample,
-                                       SiluMul, op_from_dict)
+                                       Linear, Op, QkNormRopeCache, ResolveInputIds, RmsNorm, Sample, SiluMul,
+                                       op_from_dict)
 from xserv_aot.plan.signatures import check_sizes, cubin_param_sizes, host_signature, kernel_signatures
 
 GEMV_MAX_ROWS = 2            # above this the x re-reads make the GEMV L1/ALU-bound: tensor cores instead
@@ -30,11 +31,6 @@ SPLITK_TARGET_BLOCKS = 264   # 2 blocks per SM on 132 SMs
 SPLITK_MAX = 8
 ELEMWISE_THREADS = 256
 SWAP_MIN_ROWS = 16           # decode rows 16..256: CUTLASS GEMMs by decode_gemm_route (cutlass_build.SWAP_CONFIGS)
-BATCHED_ATTN_MIN_SEQS = 3    # decode attention for >= 3 seqs: the batched kernels below
-BATCHED_ATTN_KERNEL = "tc"   # tc: kernels/attention_decode_tc.cu (tensor cores); cc: attention_decode_batched.cu
-BATCHED_ATTN_TILE = 64       # keys per tile of either kernel (cc instantiates 64 and 32, tc 64)
-BATCHED_ATTN_STAGES = 2      # tiles in the cp.async ring (cc: 2; tc: 2, 3, 4)
-BATCHED_ATTN_BLOCKS = 4 * 132  # splits per seq chosen so a full bucket launches about this many blocks
 GEMM_ENTRY = "xserv_gemm_bf16"   # the CUTLASS library's C entry points (kernels/cutlass/gemm_sm90.cu)
 GEMM_ENTRY_EX = "xserv_gemm_bf16_ex"   # ... with splits and a workspace (the swap-AB decode configs)
 GEMM_SOURCE = KERNEL_DIR / "cutlass" / "gemm_sm90.cu"
@@ -53,10 +49,6 @@ def linear_args(op: Linear, fused_silu_out: str | None = None) -> list:
     if fused_silu_out:
         return [ptr(op.inp), ptr(op.weight), ptr(fused_silu_out), i32(op.rows), i32(op.n // 2), i32(op.k)]
     return [ptr(op.inp), ptr(op.weight), ptr(op.bias), ptr(op.out), i32(op.rows), i32(op.n), i32(op.k)]
-
-
-def kernel(rec: LaunchRecord, **facts) -> KernelChoice:
-    return KernelChoice(rec.fn, (rec,), **facts)
 
 
 def plan_skinny(op: Linear, suffix: str, fuse_into: str | None, bn: int | None = None) -> KernelChoice:
@@ -146,43 +138,6 @@ def plan_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: dict
             splits=splits)
     return kernel(launch(f"gemm_{tile}_{suffix}", [-(-n // bn), -(-rows // bm)], [256 if bm == 128 else 128],
                          gemm_smem(tile), linear_args(op)))
-
-
-def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, tail: list) -> LaunchRecord:
-    """The batched decode kernel over every seq row of the op: splits so the bucket fills the SMs."""
-    seqs, nkv, hd = op.num_seqs, m["num_kv_heads"], m["head_dim"]
-    g = m["num_heads"] // nkv
-    splits = max(1, min(-(-max_seq_len // BATCHED_ATTN_TILE), -(-BATCHED_ATTN_BLOCKS // (seqs * nkv))))
-    if BATCHED_ATTN_KERNEL == "tc":                                 # K and V tiles, rows padded to hd + 8
-        smem = BATCHED_ATTN_STAGES * 2 * BATCHED_ATTN_TILE * (hd + 8) * 2
-        name = f"attn_decode_tc_s{BATCHED_ATTN_STAGES}_hd{hd}"
-    else:
-        smem = BATCHED_ATTN_STAGES * 2 * BATCHED_ATTN_TILE * hd * 2
-        name = f"attn_decode_b_t{BATCHED_ATTN_TILE}s{BATCHED_ATTN_STAGES}_hd{hd}_g{4 if g <= 4 else 8}"
-    return launch(name, [seqs, nkv, splits], [128], smem,
-                  common + [ptr("attn_part_o"), ptr("attn_part_ml"), ptr("attn_counters"), ptr(op.out),
-                            i32(op.rows), i32(m["num_heads"]), i32(nkv), *tail])
-
-
-def plan_attention(op: Attention, kind: str, m: dict, attn: dict, block_size: int, max_blocks: int,
-                   num_slots: int) -> KernelChoice:
-    """Decode buckets: split-KV kernel (few seqs) or the batched flash-decoding kernel. Prefill buckets: the
-    flash prefill kernel, plus the batched decode kernel for the one-row (decode) seqs of a mixed step."""
-    hd, nh, nkv = m["head_dim"], m["num_heads"], m["num_kv_heads"]
-    common = [ptr(op.q), kv(op.layer), ptr(op.query_start_loc), ptr(op.seq_lens), ptr(op.block_tables)]
-    tail = [i32(block_size), i32(max_blocks), i32(num_slots), f32(op.scale)]
-    if kind == "decode" and op.num_seqs < BATCHED_ATTN_MIN_SEQS:
-        s_max = attn["splits"]
-        return kernel(launch(f"attn_decode_hd{hd}", [op.num_seqs, nkv, s_max], [128], 0,
-                             common + [ptr("attn_part_o"), ptr("attn_part_ml"), ptr("attn_counters"), ptr(op.out),
-                                       i32(op.rows), i32(nh), i32(nkv), *tail, i32(s_max)]),
-                      split=attn["split"], splits=s_max)
-    dec = batched_attn_launch(op, m, attn["max_seq_len"], common, tail)
-    if kind == "decode":
-        return KernelChoice(dec.fn, (dec,), splits=dec.grid[2])
-    pre = launch(f"attn_prefill_hd{hd}", [-(-op.rows // 64) + op.num_seqs, nh], [128], 0,
-                 common + [ptr(op.out), i32(op.rows), i32(op.num_seqs), i32(nh), i32(nkv), *tail, i32(2)])
-    return KernelChoice(pre.fn, (pre, dec), splits=dec.grid[2])
 
 
 def norm_threads(hidden: int) -> int:

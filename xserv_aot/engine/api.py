@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-# Bounds of SamplingParams: one home for the engine's checks (llm_engine.validate_request) and the server's schema.
+# Bounds of SamplingParams: one home for the engine's checks (request_checks.check_request) and the server's schema.
 TEMPERATURE_RANGE = (0.0, 2.0)
 GREEDY_BELOW = 1e-5                     # temperatures under this sample greedily (float32 logits / t would overflow)
 PENALTY_RANGE = (-2.0, 2.0)             # presence_penalty, frequency_penalty
 REPETITION_PENALTY_RANGE = (0.01, 2.0)
 MAX_LOGPROBS = 20
 MAX_STOP = 4
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 @dataclass(frozen=True)

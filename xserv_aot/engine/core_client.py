@@ -29,7 +29,7 @@ from xserv_aot.engine.api import (EngineFailedError, EngineStats, InvalidRequest
 from xserv_aot.engine.async_engine import until_finished
 from xserv_aot.engine.core import CoreProcess, CoreSpec, make_socket
 from xserv_aot.engine.grammar import GrammarCompiler
-from xserv_aot.engine.llm_engine import check_guided, check_request
+from xserv_aot.engine.request_checks import check_guided, check_request
 from xserv_aot.engine.text_output import RequestStream
 
 log = logging.getLogger(__name__)

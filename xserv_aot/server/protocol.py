@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from xserv_aot.engine.api import (GREEDY_BELOW, MAX_LOGPROBS, MAX_STOP, PENALTY_RANGE,
+from xserv_aot.engine.api import (GREEDY_BELOW, LOGIT_BIAS_RANGE, MAX_LOGPROBS, MAX_STOP, PENALTY_RANGE,
                                   REPETITION_PENALTY_RANGE, TEMPERATURE_RANGE, SamplingParams)
 from xserv_aot.server.messages import parse_message, template_kwargs
 from xserv_aot.server.request_error import RequestError
@@ -170,11 +170,11 @@ def _logit_bias(body: dict) -> dict[int, float]:
     v = body.get("logit_bias")
     if v is None:
         return {}
-    bias = {}
+    bias, (lo, hi) = {}, LOGIT_BIAS_RANGE
     for k, b in (v.items() if isinstance(v, dict) else [(None, None)]):
         t = int(k) if isinstance(k, str) and k.isdigit() and len(k) < 12 else None
-        if t is None or isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
-            raise RequestError("'logit_bias' must map token ids (as strings) to numbers in [-100, 100]",
+        if t is None or isinstance(b, bool) or not isinstance(b, (int, float)) or not lo <= b <= hi:
+            raise RequestError(f"'logit_bias' must map token ids (as strings) to numbers in [{lo:g}, {hi:g}]",
                                param="logit_bias")
         bias[t] = float(b)
     return bias

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from tests.fake_runner import FakeRunner, reference_generate
 from tests.test_engine import VOCAB, mkbuild, mkengine
 from tests.test_scheduler import Sched, step
@@ -76,8 +78,9 @@ def test_scheduler_holds_children_until_the_parent_prompt_is_computed():
     assert s.block_manager.num_free_blocks == 16
 
 
-def test_forked_samples_equal_the_unpaged_reference():
-    eng = mkengine(mkbuild(num_blocks=64))
+@pytest.mark.parametrize("overlap", [False, True])
+def test_forked_samples_equal_the_unpaged_reference(overlap):
+    eng = mkengine(mkbuild(num_blocks=64), overlap=overlap)
     rng = random.Random(17)
     prompt = [rng.randrange(VOCAB) for _ in range(23)]
     params = [SamplingParams(temperature=1.0, seed=100 + j, max_tokens=12, ignore_eos=True) for j in range(4)]
@@ -89,9 +92,10 @@ def test_forked_samples_equal_the_unpaged_reference():
     assert eng.scheduler.block_manager.num_used_blocks == 0
 
 
-def test_fork_survives_preemption_in_a_small_pool():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_fork_survives_preemption_in_a_small_pool(overlap):
     """10 blocks of 4 for 3 samples of a 13-token prompt growing to 25 tokens: preemption, yet exact outputs."""
-    eng = mkengine(runner=FakeRunner(mkbuild(num_blocks=10), VOCAB))
+    eng = mkengine(runner=FakeRunner(mkbuild(num_blocks=10), VOCAB), overlap=overlap)
     prompt = list(range(13))
     params = [SamplingParams(temperature=0.8, seed=j, max_tokens=12, ignore_eos=True) for j in range(3)]
     outs = eng.generate([prompt] * 3, params)

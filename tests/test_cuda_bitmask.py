@@ -74,3 +74,52 @@ def test_a_masked_step_waits_like_an_unmasked_one(runner):  # noqa: F811
     finally:
         runner.dev.sync, runner.dev.wait_event = real_sync, real_wait
     assert counts[0] == counts[1] and counts[0]
+
+
+def test_engine_grammar_rows_with_overlap_on_equal_off(tmp_path_factory):
+    """The tiny Qwen3 (real tokenizer) on the GPU: grammar rows (regex, choice, JSON schema) next to plain rows, with
+    overlap on and off: a step where a grammar row samples is not overlapped, so the same steps run and every token
+    is the same; each grammar output matches its grammar and no logits come back for it."""
+    import json
+    import re
+
+    from tests.fake_engine import tiny_plan
+    from tests.test_cuda_e2e import BUILD
+    from xserv_aot.config import BuildConfig
+    from xserv_aot.engine.api import GuidedDecoding, SamplingParams
+    from xserv_aot.engine.llm_engine import LLMEngine
+    from xserv_aot.plan.builder import compile_plan
+    from xserv_aot.runtime.cuda.runner import CudaRunner
+    from xserv_aot.runtime.select import gpu_available
+    from xserv_aot.tokenizer import Tokenizer
+    if not gpu_available():
+        pytest.skip("no CUDA GPU")
+    hf = tiny_plan(tmp_path_factory).parent / "hf"                # the CPU tests' tiny Qwen3 and its tokenizer
+    gplan = compile_plan(hf, tmp_path_factory.mktemp("bitmask_gpu") / "plan", BuildConfig(**BUILD, num_blocks=64))
+    tok = Tokenizer.from_dir(gplan.dir)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    specs = [GuidedDecoding("regex", r"[a-c]{2,4}-[0-9]"), None, GuidedDecoding("choice", '["yes", "no way"]'),
+             GuidedDecoding("json", json.dumps(schema))]
+    prompts = [tok.encode(t) for t in ("Answer:", "river violet engine", "Yes or no?", "JSON please:")]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, guided=g, ignore_eos=g is None) for g in specs]
+    gpu = CudaRunner(gplan)
+    try:
+        outs, logits = [], []
+        real_launch = gpu.launch
+
+        def launch(batch):
+            logits.append(batch.need_logits)
+            return real_launch(batch)
+        gpu.launch = launch
+        for overlap in (False, True):
+            gpu.reset_kv()
+            eng = LLMEngine(gpu, tok, seed=0, overlap=overlap)
+            outs.append([(o.new_token_ids, o.text, o.finish_reason) for o in eng.generate(prompts, params)])
+            assert eng.stats().kv_blocks_used == 0
+    finally:
+        gpu.close()
+    assert outs[1] == outs[0] and not any(logits)
+    texts = [t for _, t, _ in outs[0]]
+    assert re.fullmatch(r"[a-c]{2,4}-[0-9]", texts[0]) and texts[2] in ("yes", "no way")
+    assert 0 <= json.loads(texts[3])["n"] <= 99

@@ -134,9 +134,14 @@ extern "C" __global__ void __launch_bounds__(SM_THREADS) sample_rows(
     const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float* lg = logits + (size_t)row * V;
     const float temp = temperature[row];
-    int bad = 0;                                                // a NaN/Inf logit: no token (-1)
-    for (int i = tid; i < V; i += SM_THREADS) bad |= !isfinite(lg[i]);
-    if (__syncthreads_or(bad)) { if (tid == 0) out[row] = -1; return; }
+    // No token (-1) for a NaN or +Inf logit, or when every logit is -Inf; a -Inf alone is a masked token
+    // (apply_token_bitmask). numpy_ops.no_token is the same rule.
+    const float inf = __int_as_float(0x7f800000);
+    int bad = 0, live = 0;
+    for (int i = tid; i < V; i += SM_THREADS) { float v = lg[i]; bad |= isnan(v) || v == inf; live |= v > -inf; }
+    bad = __syncthreads_or(bad);
+    live = __syncthreads_or(live);
+    if (bad || !live) { if (tid == 0) out[row] = -1; return; }
     if (!(temp > 0.f)) {                                        // greedy: max value, lowest index
         float best = -__int_as_float(0x7f800000); int bi = V;
         for (int i = tid; i < V; i += SM_THREADS) { float v = lg[i]; if (v > best) { best = v; bi = i; } }
@@ -188,4 +193,18 @@ extern "C" __global__ void __launch_bounds__(SM_THREADS) sample_rows(
     const u64 target = __umul64hi(bits << 40, total);           // floor(u * total), u = bits * 2^-24
     Boundary s = select_token(x, mx, V, true, target, true, has_b, b, sm);
     if (tid == 0) out[row] = s.idx < 0 ? 0 : s.idx;
+}
+
+// Grammar masks before sampling: rows with bitmask_rows[row] != 0 get logits[row, i] = -inf unless bit i % 32 of
+// mask[row, i / 32] is set; other rows pass through untouched (no mask was staged for them).
+extern "C" __global__ void apply_token_bitmask(float* __restrict__ logits, const int* __restrict__ mask,
+                                               const int* __restrict__ bitmask_rows, int V) {
+    pdl_entry();
+    const int row = blockIdx.x;
+    if (!bitmask_rows[row]) return;
+    const int W = (V + 31) >> 5;
+    const int* m = mask + (size_t)row * W;
+    float* lg = logits + (size_t)row * V;
+    for (int i = threadIdx.x; i < V; i += blockDim.x)
+        if (!((((u32)m[i >> 5]) >> (i & 31)) & 1u)) lg[i] = -__int_as_float(0x7f800000);
 }

@@ -251,12 +251,15 @@ def test_sample(lib, rng):
 
 
 def test_sample_nonfinite_rows_give_minus_one(lib, rng):
-    """A row with any NaN/Inf logit samples no token (-1), greedy or not; the other rows are untouched."""
+    """A row with a NaN/+Inf logit, or with every logit -Inf, samples no token (-1), greedy or not; a -Inf alone is a
+    masked token (apply_token_bitmask) and the row samples as usual; the other rows are untouched."""
     B, V = 8, 5000
     logits = (rng.standard_normal((B, V)) * 3).astype(np.float32)
-    for row, col, value in ((1, 17, np.nan), (2, V - 1, np.inf), (5, 0, -np.inf), (6, 4000, np.nan)):
+    for row, col, value in ((1, 17, np.nan), (2, V - 1, np.inf), (6, 4000, np.nan)):
         logits[row, col] = value
-    temp = np.array([0, 0, 0.8, 0, 0, 1.0, 0.7, 0.9], np.float32)
+    logits[5, int(np.argmax(logits[5]))] = -np.inf                         # the best token masked
+    logits[7] = -np.inf
+    temp = np.array([0, 0, 0.8, 0, 0, 0, 0.7, 0.9], np.float32)
     top_k = np.zeros(B, np.int32)
     top_p = np.ones(B, np.float32)
     seeds = rng.integers(0, 2**62, B).astype(np.int64)
@@ -267,7 +270,8 @@ def test_sample_nonfinite_rows_give_minus_one(lib, rng):
                 ("ptr", lib.to_device(top_p)), ("ptr", lib.to_device(seeds)), ("ptr", lib.to_device(offs)),
                 ("ptr", out), ("ptr", lib.empty((B, V), "float32", poison=False)), ("i32", V)])
     got = out.numpy()
-    assert got[[1, 2, 5, 6]].tolist() == [-1, -1, -1, -1]
+    assert got[[1, 2, 6, 7]].tolist() == [-1, -1, -1, -1]
     want = ref.sample(logits, temp, top_k, top_p, seeds, offs)
-    assert want[[1, 2, 5, 6]].tolist() == [-1, -1, -1, -1]
-    assert got[[0, 3, 4]].tolist() == want[[0, 3, 4]].tolist()             # greedy rows: exact
+    assert want[[1, 2, 6, 7]].tolist() == [-1, -1, -1, -1]
+    assert got[[0, 3, 4, 5]].tolist() == want[[0, 3, 4, 5]].tolist()       # greedy rows: exact
+    assert got[5] == int(np.argsort(logits[5])[-2])                         # the masked best is skipped

@@ -65,12 +65,19 @@ def run_all(eng, requests):
     return outs, final
 
 
-@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("value", [np.nan, np.inf])
 def test_sample_op_refuses_non_finite_rows(value):
     logits = np.zeros((2, 8), np.float32)
     logits[1, 3] = value
     got = numpy_ops.sample(logits, [0.0, 0.0], [0, 0], [1.0, 1.0], [0, 0], [0, 0])
     assert got.tolist() == [0, -1]
+
+
+def test_sample_op_takes_minus_inf_as_masked_and_all_masked_as_no_token():
+    logits = np.array([[0.0, 5.0, 1.0, 2.0], [-np.inf] * 4, [0.0, 5.0, 1.0, 2.0]], np.float32)
+    logits[0, 1] = -np.inf                                   # the best token masked (apply_token_bitmask)
+    got = numpy_ops.sample(logits, [0.0, 0.0, 0.9], [0, 0, 0], [1.0, 1.0, 1.0], [0, 0, 3], [0, 0, 0])
+    assert got[0] == 3 and got[1] == -1 and got[2] in (0, 1, 2, 3)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),

@@ -89,6 +89,7 @@ class Plan:
         known = self.arena.keys() | self.weights.keys()
         self.buckets = [Bucket.from_dict(b, known) for b in manifest["buckets"]]
         self.kernels = manifest.get("kernels") or {}
+        self.generation_defaults: dict = manifest.get("generation_defaults") or {}   # request field -> default
         if self.weights_file is not None:
             self.weights_path = inside(self.dir, self.weights_file, "weights")
         check_layout(self.weights, int(w["size"]), layout)

@@ -121,9 +121,15 @@ def truncated_draw(p: np.ndarray, order: np.ndarray, top_p: float, min_p: float,
     return int(order[min(j, len(p) - 1)])
 
 
+def no_token(logits: np.ndarray) -> bool:
+    """A row the sample op answers NONFINITE_ID for: a NaN or +Inf logit, or every logit -Inf (a -Inf alone is a
+    token masked by apply_token_bitmask). kernels/sample.cu applies the same rule."""
+    return bool(np.isnan(logits).any() or np.isposinf(logits).any() or not (logits > -np.inf).any())
+
+
 def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float, seed: int, offset: int) -> int:
     logits = logits.astype(np.float32, copy=False)
-    if not np.isfinite(logits).all():
+    if no_token(logits):
         return NONFINITE_ID
     if temperature <= 0:
         return int(np.argmax(logits))
@@ -133,6 +139,16 @@ def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
     p /= p.sum()
     keep = int(top_k) if 0 < top_k < len(p) else len(p)
     return truncated_draw(p[:keep] / p[:keep].sum(), order, top_p, 0.0, seed, offset)
+
+
+def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray, bitmask_rows) -> np.ndarray:
+    """Rows with bitmask_rows[r] != 0: logits[r, i] = -inf unless bit i % 32 of bitmask[r, i // 32] is set."""
+    out = np.array(logits, dtype=np.float32)
+    v = out.shape[1]
+    for r in np.flatnonzero(np.asarray(bitmask_rows)):
+        bits = np.unpackbits(np.ascontiguousarray(bitmask[r], dtype="<i4").view(np.uint8), bitorder="little")[:v]
+        out[r, bits == 0] = -np.inf
+    return out
 
 
 def sample(logits, temperature, top_k, top_p, seeds, offsets) -> np.ndarray:

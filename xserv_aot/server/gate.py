@@ -28,10 +28,10 @@ def check_api_key(api_key: str | None) -> bytes | None:
 
 class Gate:
     def __init__(self, app, metrics: ServerMetrics, api_key: str | None, endpoints: tuple[str, ...],
-                 max_in_flight: int = MAX_IN_FLIGHT):
+                 max_in_flight: int = MAX_IN_FLIGHT, open_paths: tuple[str, ...] = OPEN_PATHS):
         if not (isinstance(max_in_flight, int) and max_in_flight >= 1):
             raise UsageError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
-        self.app, self.metrics, self.endpoints = app, metrics, endpoints
+        self.app, self.metrics, self.endpoints, self.open_paths = app, metrics, endpoints, open_paths
         self.key = check_api_key(api_key)
         self.max_in_flight, self.in_flight = max_in_flight, 0
 
@@ -67,7 +67,7 @@ class Gate:
             elif sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADER_BYTES:
                 await error_response(431, f"request headers exceed {MAX_HEADER_BYTES} bytes")(
                     scope, receive, send_status)
-            elif self.key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            elif self.key is not None and scope["path"] not in self.open_paths and not self._authorized(scope):
                 await error_response(401, "invalid or missing API key (Authorization: Bearer <key>)",
                                      code="invalid_api_key")(scope, receive, send_status)
             else:

@@ -52,44 +52,38 @@ def chat_logprobs(lps: list[TokenLogprob], tt: TokenText) -> dict:
                         for x in lps]}
 
 
-def completion_logprobs(lps: list[TokenLogprob], tt: TokenText, prior_ids: list[int]) -> dict:
+def completion_logprobs(lps: list[TokenLogprob], tt: TokenText, prior_ids: list[int], start: int = 0) -> dict:
     """text_offset[i]: characters of the response text before token i (a token that finishes a character split
-    across tokens starts where that character does); prior_ids: the ids of earlier chunks of this response."""
+    across tokens starts where that character does); prior_ids: the ids of earlier chunks of this response;
+    start: characters before the first generated token (an echoed prompt)."""
     ids, offsets = list(prior_ids), []
     for x in lps:
         before = tt.decode(ids) if ids else ""
         cut = before.endswith(REPLACEMENT) and ends_mid_character(tt.bytes, ids)
-        offsets.append(len(before) - cut)
+        offsets.append(start + len(before) - cut)
         ids.append(x.token_id)
     return {"tokens": [tt.label(x.token_id) for x in lps], "token_logprobs": [_lp(x.logprob) for x in lps],
             "top_logprobs": [{tt.label(t): _lp(l) for t, l in x.top} for x in lps], "text_offset": offsets}
 
 
-def chat_response(rid: str, created: int, model: str, message: dict, logprobs: dict | None,
-                  finish_reason: str | None, usage_: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", **message}, "logprobs": logprobs,
-                         "finish_reason": finish_reason}], "usage": usage_}
+def response(rid: str, created: int, model: str, kind: str, choices: list[dict], usage_: dict) -> dict:
+    obj = "chat.completion" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, "usage": usage_}
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict, logprobs: dict | None = None,
-               finish_reason: str | None = None, with_usage: bool = False) -> dict:
+               finish_reason: str | None = None, with_usage: bool = False, index: int = 0) -> dict:
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if with_usage:
         chunk["usage"] = None
     return chunk
 
 
-def completion_response(rid: str, created: int, model: str, text: str, logprobs: dict | None,
-                        finish_reason: str | None, usage_: dict) -> dict:
-    return {**completion_chunk(rid, created, model, text, logprobs, finish_reason), "usage": usage_}
-
-
 def completion_chunk(rid: str, created: int, model: str, text: str, logprobs: dict | None = None,
-                     finish_reason: str | None = None, with_usage: bool = False) -> dict:
+                     finish_reason: str | None = None, with_usage: bool = False, index: int = 0) -> dict:
     chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if with_usage:
         chunk["usage"] = None
     return chunk

@@ -1,23 +1,16 @@
-"""One generation request from first output to last: the engine stream (deadline, metrics, abort on close), client
-disconnect detection, and the two ways out: a full response body (collect) or server-sent events (events).
-
-Every stream that started ends with a final chunk or an error event, then `data: [DONE]`.
-"""
+"""One engine request from first output to last: the engine stream (deadline, metrics, abort on close), client
+disconnect detection, and the server-sent-events response. server/choices.py turns outputs into bodies."""
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 from xserv_aot.engine.api import RequestOutput
-from xserv_aot.server import responses as R
-from xserv_aot.server.errors import GENERATION_FAILED, REFUSALS, RequestTimeout, timeout_body
+from xserv_aot.server.errors import REFUSALS, RequestTimeout
 from xserv_aot.server.metrics import ServerMetrics
-from xserv_aot.server.protocol import GenerateRequest
-from xserv_aot.server.reasoning import ReasoningParser, split_reasoning
 
 log = logging.getLogger(__name__)
 GONE = object()                                      # the client disconnected before the result was ready
@@ -56,7 +49,7 @@ class Generation:
     def __init__(self, engine, metrics: ServerMetrics, rid: str, prompt_ids: list[int], params,
                  timeout: float | None, live: set):
         self.engine, self.metrics, self.rid, self.timeout, self.live = engine, metrics, rid, timeout, live
-        self.t0, self.t_first = time.monotonic(), None
+        self.t0, self.t_first, self.t_last = time.monotonic(), None, None
         self.final: RequestOutput | None = None
         self.refused = self.failed = False
         self.n_prompt = len(prompt_ids)
@@ -91,6 +84,10 @@ class Generation:
             if self.t_first is None:
                 self.t_first = now
                 m.ttft.observe(now - self.t0)
+            else:
+                for _ in out.new_token_ids:
+                    m.itl.observe((now - self.t_last) / len(out.new_token_ids))
+            self.t_last = now
         if out.finish_reason is not None:
             self.final = out
             m.e2e.observe(now - self.t0)
@@ -120,15 +117,22 @@ class Generation:
             self.live.discard(self)
 
 
-async def admitted(gen: "Generation"):
-    """The first output if the engine produces it (or refuses the request) without waiting for a step; else the
-    pending task, so a queued stream can send its headers at once."""
-    task = asyncio.ensure_future(gen.next())
+async def admitted(gens: list["Generation"]) -> list:
+    """Each generation's first output if the engine produces it (or refuses the request) without waiting for a step,
+    else its pending task, so a queued stream can send its headers at once. All are started before any is waited on
+    (one batch, as the non-streaming path); a refusal is raised after the pending tasks are cancelled."""
+    tasks = [asyncio.ensure_future(g.next()) for g in gens]
     for _ in range(ADMIT_YIELDS):
-        if task.done():
-            return task.result()
+        if all(t.done() for t in tasks):
+            break
         await asyncio.sleep(0)
-    return task
+    refused = next((t for t in tasks if t.done() and t.exception() is not None), None)
+    if refused is not None:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise refused.exception()
+    return [t.result() if t.done() else t for t in tasks]
 
 
 class SSEResponse:
@@ -152,112 +156,3 @@ class SSEResponse:
         finally:
             await self.events.aclose()
             await self.on_close()
-
-
-@dataclass
-class Reply:
-    """How one request's outputs become OpenAI bodies."""
-    req: GenerateRequest
-    rid: str
-    created: int
-    model: str
-    n_prompt: int
-    reasoning: bool                                  # split <think> blocks into reasoning_content (chat)
-    opens: bool                                      # the prompt already opened a <think> block
-    tokens: R.TokenText
-
-    @property
-    def ids(self) -> dict:
-        return dict(rid=self.rid, created=self.created, model=self.model)
-
-    def usage(self, final: RequestOutput) -> dict:
-        return R.usage(final.num_prompt_tokens or self.n_prompt, final.num_generated_tokens,
-                       final.num_cached_tokens)
-
-
-async def collect(gen: Generation, rp: Reply, out: RequestOutput) -> dict:
-    """The whole non-streaming response body; raises on an engine error."""
-    req, text, lps = rp.req, [], []
-    while True:
-        text.append(out.text)
-        lps.extend(out.logprobs or [])
-        if out.finish_reason is not None:
-            break
-        out = await gen.next()
-    if out.finish_reason == "error":
-        raise RuntimeError(f"engine error for {gen.rid}: {out.error}")
-    want_lps = req.params.logprobs is not None
-    if req.kind == "completion":
-        lp = R.completion_logprobs(lps, rp.tokens, []) if want_lps else None
-        return R.completion_response(**rp.ids, text="".join(text), logprobs=lp, finish_reason=out.finish_reason,
-                                     usage_=rp.usage(out))
-    message = {"content": "".join(text)}
-    if rp.reasoning:
-        reasoning, content = split_reasoning(message["content"], rp.opens)
-        message = {"content": content if content or reasoning is None else None, "reasoning_content": reasoning}
-    lp = R.chat_logprobs(lps, rp.tokens) if want_lps else None
-    return R.chat_response(**rp.ids, message=message, logprobs=lp, finish_reason=out.finish_reason,
-                           usage_=rp.usage(out))
-
-
-async def _first(task: asyncio.Future, keepalive: float) -> AsyncIterator[bytes]:
-    """SSE comments every `keepalive` seconds until task (the first output) is done; cancels it if closed early."""
-    try:
-        while not (await asyncio.wait({task}, timeout=keepalive))[0]:
-            yield KEEPALIVE
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-
-async def events(gen: Generation, rp: Reply, out, keepalive: float = KEEPALIVE_S) -> AsyncIterator[bytes]:
-    """SSE chunks from the first output on (out: that output, or the task that will produce it, with keep-alive
-    comments meanwhile); engine errors and timeouts become an error event before [DONE]."""
-    req = rp.req
-    chat, with_usage, want = req.kind == "chat", req.include_usage, req.params.logprobs is not None
-    parser = ReasoningParser(rp.opens) if chat and rp.reasoning else None
-    pending, emitted = [], []                          # logprobs not yet sent; ids of those sent
-    if chat:
-        yield sse(R.chat_chunk(**rp.ids, delta={"role": "assistant", "content": ""}, with_usage=with_usage))
-    try:
-        if isinstance(out, asyncio.Future):
-            async for comment in _first(out, keepalive):
-                yield comment
-            out = out.result()
-        while True:
-            done = out.finish_reason is not None
-            if out.finish_reason == "error":
-                log.error("engine error for %s: %s", gen.rid, out.error)
-                yield sse(R.error_body(GENERATION_FAILED, 500))
-                break
-            pending.extend(out.logprobs or [])
-            r, c = parser.feed(out.text) if parser else ("", out.text)
-            if parser and done:
-                r2, c2 = parser.flush()
-                r, c = r + r2, c + c2
-            if r or c or done:
-                if chat:
-                    delta = {k: v for k, v in (("reasoning_content", r), ("content", c)) if v}
-                    lp = R.chat_logprobs(pending, rp.tokens) if want else None
-                    chunk = R.chat_chunk(**rp.ids, delta=delta, logprobs=lp, finish_reason=out.finish_reason,
-                                         with_usage=with_usage)
-                else:
-                    lp = R.completion_logprobs(pending, rp.tokens, emitted) if want else None
-                    chunk = R.completion_chunk(**rp.ids, text=c, logprobs=lp, finish_reason=out.finish_reason,
-                                               with_usage=with_usage)
-                    emitted += [x.token_id for x in pending]
-                pending = []
-                yield sse(chunk)
-            if done:
-                if with_usage:
-                    yield sse(R.usage_chunk(**rp.ids, kind=req.kind, usage_=rp.usage(out)))
-                break
-            out = await gen.next()
-    except RequestTimeout as e:
-        log.warning("request %s timed out mid-stream", gen.rid)
-        yield sse(timeout_body(e))
-    except Exception:
-        log.exception("generation %s failed mid-stream", gen.rid)
-        yield sse(R.error_body(GENERATION_FAILED, 500))
-    yield sse("[DONE]")

@@ -95,7 +95,7 @@ def _serve_child(plan_dir: str, step_log: str, port: int) -> None:
 
     engine = build_engine(plan_dir, backend="cpu", model_name="tiny", max_waiting=4096,
                           runner_factory=functools.partial(InstantRunner, step_log=step_log, hold_first_step=True))
-    run_server(engine, port=port, log_level="warning", limit_concurrency=4096, shutdown_grace=1.0)
+    run_server(engine, port=port, log_level="warning", max_in_flight=4096, shutdown_grace=1.0)
 
 
 def _free_port() -> int:

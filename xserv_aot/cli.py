@@ -58,6 +58,7 @@ def compile(
     target: Optional[str] = typer.Option(None, help="GPU arch for kernels (sm_90a) or cpu"),
     gemm_library: Optional[bool] = typer.Option(None, help="CUTLASS GEMMs for linears of >= 128 rows (default on)"),
     pdl: Optional[bool] = typer.Option(None, help="programmatic dependent launch of every kernel (default off)"),
+    tensor_parallel: Optional[int] = typer.Option(None, help="ranks (GPUs) to shard the model over: 1, 2, 4 or 8"),
     dummy_weights: bool = typer.Option(False, help="random weights from the config alone (benchmarks)"),
     seed: int = typer.Option(0, help="seed for --dummy-weights"),
     force: bool = typer.Option(False, help="replace an existing plan"),
@@ -71,7 +72,7 @@ def compile(
     base = json.loads(build_config.read_text()) if build_config else {}
     given = dict(max_num_seqs=max_num_seqs, decode_buckets=_ints(decode_buckets), prefill_buckets=_ints(prefill_buckets),
                  max_seq_len=max_seq_len, block_size=block_size, num_blocks=num_blocks, dtype=dtype, target=target,
-                 gemm_library=gemm_library, pdl=pdl)
+                 gemm_library=gemm_library, pdl=pdl, tensor_parallel=tensor_parallel)
     base.update({k: v for k, v in given.items() if v is not None})
     if max_num_seqs and not decode_buckets and "decode_buckets" not in base:
         base["decode_buckets"] = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_num_seqs] + [max_num_seqs]

@@ -94,7 +94,13 @@ class Plan:
         self.model = ModelConfig.from_dict(manifest["model"])
         self.build = BuildConfig.from_dict(manifest["build"])
         w = manifest["weights"]
-        self.weights_file = w.get("file")
+        self.tensor_parallel = self.build.tensor_parallel
+        # one entry per rank: {file, size, fingerprint, quick_fingerprint}; empty for dummy weights
+        self.weight_files = w["files"] if "files" in w else [w] if w.get("file") else []
+        if self.weight_files and len(self.weight_files) != self.tensor_parallel:
+            raise ConfigError(f"{len(self.weight_files)} weights files for tensor_parallel {self.tensor_parallel}")
+        self.weights_file = self.weight_files[0]["file"] if self.weight_files else None
+        self.sharding = w.get("sharding")
         self.dummy_seed = w.get("dummy_seed")
         self.weights = {k: TensorInfo(**v) for k, v in w["tensors"].items()}
         self.arena = {k: TensorInfo(**v) for k, v in manifest["arena"]["buffers"].items()}
@@ -131,28 +137,27 @@ class Plan:
         return plan
 
     def verify_weights(self, full: bool = False) -> None:
-        if self.weights_file is None:
-            return
-        w = self.manifest["weights"]
-        path = self.dir / self.weights_file
-        if not path.is_file():
-            raise PlanError(f"{path}: weights file is missing")
-        if path.stat().st_size != w["size"]:
-            raise PlanError(f"{path}: weights file is {path.stat().st_size} bytes, the plan expects {w['size']}")
-        if quick_fingerprint(path) != w["quick_fingerprint"]:
-            raise PlanError(f"{path}: weights do not match the plan's fingerprint (file changed since compile)")
-        if full:
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                while blk := f.read(1 << 24):
-                    h.update(blk)
-            if "sha256:" + h.hexdigest() != w["fingerprint"]:
-                raise PlanError(f"{path}: weights do not match the plan's sha256 fingerprint")
+        for w in self.weight_files:
+            path = self.dir / w["file"]
+            if not path.is_file():
+                raise PlanError(f"{path}: weights file is missing")
+            if path.stat().st_size != w["size"]:
+                raise PlanError(f"{path}: weights file is {path.stat().st_size} bytes, the plan expects {w['size']}")
+            if quick_fingerprint(path) != w["quick_fingerprint"]:
+                raise PlanError(f"{path}: weights do not match the plan's fingerprint (file changed since compile)")
+            if full:
+                h = hashlib.sha256()
+                with open(path, "rb") as f:
+                    while blk := f.read(1 << 24):
+                        h.update(blk)
+                if "sha256:" + h.hexdigest() != w["fingerprint"]:
+                    raise PlanError(f"{path}: weights do not match the plan's sha256 fingerprint")
 
-    def weights_bytes(self) -> np.memmap | None:
-        if self.weights_file is None:
+    def weights_bytes(self, rank: int = 0) -> np.memmap | None:
+        """Rank `rank`'s weights file (every rank's has the same table); None for dummy weights."""
+        if not self.weight_files:
             return None
-        return np.memmap(self.dir / self.weights_file, dtype=np.uint8, mode="r")
+        return np.memmap(self.dir / self.weight_files[rank]["file"], dtype=np.uint8, mode="r")
 
     @property
     def has_tokenizer(self) -> bool:

@@ -79,21 +79,50 @@ def plan_tensors(m: ModelConfig, source, max_seq_len: int) -> Iterator[tuple[str
     yield "rope_sin", sin, True
 
 
+class WeightsFile:
+    """weights.bin being written: tensors streamed at aligned offsets, with its table and sha256 fingerprint."""
+
+    def __init__(self, path: Path):
+        self.f, self.table, self.off, self.h = open(path, "wb"), {}, 0, hashlib.sha256()
+
+    def add(self, name: str, arr: np.ndarray, dtype: str) -> None:
+        raw = encode(arr, dtype).tobytes()
+        pad = b"\0" * (-(-len(raw) // ALIGN) * ALIGN - len(raw))
+        for chunk in (raw, pad):
+            self.f.write(chunk)
+            self.h.update(chunk)
+        self.table[name] = TensorInfo(self.off, list(arr.shape), dtype)
+        self.off += len(raw) + len(pad)
+
+    def close(self) -> tuple[dict[str, TensorInfo], int, str]:
+        self.f.close()
+        return self.table, self.off, "sha256:" + self.h.hexdigest()
+
+
 def write_weights(path: Path, tensors: Iterator[tuple[str, np.ndarray, bool]], dtype: str,
                   on_tensor: Callable[[str], None] | None = None) -> tuple[dict[str, TensorInfo], int, str]:
     """Stream tensors into weights.bin at aligned offsets. Returns (table, size, sha256 fingerprint)."""
-    table, off, h = {}, 0, hashlib.sha256()
-    with open(path, "wb") as f:
+    out = WeightsFile(path)
+    try:
         for name, arr, is_rope in tensors:
-            dt = "float32" if is_rope else dtype
-            raw = encode(arr, dt).tobytes()
-            pad = -(-len(raw) // ALIGN) * ALIGN - len(raw)
-            f.write(raw)
-            f.write(b"\0" * pad)
-            h.update(raw)
-            h.update(b"\0" * pad)
-            table[name] = TensorInfo(off, list(arr.shape), dt)
-            off += len(raw) + pad
+            out.add(name, arr, "float32" if is_rope else dtype)
             if on_tensor:
                 on_tensor(name)
-    return table, off, "sha256:" + h.hexdigest()
+    finally:
+        result = out.close()
+    return result
+
+
+def write_rank_weights(paths: list[Path], shards: Iterator[tuple[str, list[np.ndarray], bool]], dtype: str,
+                       on_tensor: Callable[[str], None] | None = None) -> list[tuple[dict[str, TensorInfo], int, str]]:
+    """One weights file per rank from (name, [part of each rank], is_rope); every rank's table is the same."""
+    files = [WeightsFile(p) for p in paths]
+    try:
+        for name, parts, is_rope in shards:
+            for f, arr in zip(files, parts):
+                f.add(name, arr, "float32" if is_rope else dtype)
+            if on_tensor:
+                on_tensor(name)
+    finally:
+        results = [f.close() for f in files]
+    return results

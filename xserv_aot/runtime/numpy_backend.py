@@ -1,21 +1,42 @@
-"""NumPy backend: executes a plan's op list on the CPU over a paged KV cache. The oracle for the CUDA backend."""
+"""NumPy backend: executes a plan's op list on the CPU over a paged KV cache. The oracle for the CUDA backend.
+
+A tensor-parallel plan runs as `tensor_parallel` simulated ranks in one process: each rank has its own weights,
+arena and KV pool and runs every op on its shard; collectives (all_reduce, all_gather) combine the ranks' buffers
+on the host in rank order 0, 1, ... once every rank has reached them (the ranks run in lockstep, op by op).
+"""
 from __future__ import annotations
 
 import numpy as np
 
 from xserv_aot.dtypes import decode, round_to, storage_dtype
-from xserv_aot.plan.manifest import Bucket, Plan
 from xserv_aot.plan.dummy_weights import dummy_tensors
+from xserv_aot.plan.manifest import Bucket, Plan
+from xserv_aot.plan.op_records import COLLECTIVES, AllGather, AllReduce
+from xserv_aot.plan.tensor_parallel import ShardSpec, rank_shards
 from xserv_aot.runtime import numpy_ops as ops
 from xserv_aot.runtime.batch import BatchDescription, StepResult, stage_inputs
 
 
-def load_weights(plan: Plan) -> dict[str, np.ndarray]:
-    """plan weight name -> float32 array (bf16 words widened once, at load)."""
-    if plan.weights_file is None:      # the plan's dtype, as the GPU generator writes them
-        return {name: arr if rope else round_to(arr, plan.build.dtype)
-                for name, arr, rope in dummy_tensors(plan.model, plan.build.max_seq_len, int(plan.dummy_seed or 0))}
-    raw = plan.weights_bytes()
+def load_rank_weights(plan: Plan) -> list[dict[str, np.ndarray]]:
+    """Per rank: plan weight name -> float32 array (bf16 words widened once, at load)."""
+    tp = plan.tensor_parallel
+    if plan.weights_file is None:      # the plan's dtype, as the GPU generator writes them; shards cut from full
+        full = dummy_tensors(plan.model, plan.build.max_seq_len, int(plan.dummy_seed or 0))
+        if plan.sharding:
+            specs = {k: ShardSpec.from_dict(v) for k, v in plan.sharding.items()}
+            shards = rank_shards(full, specs, tp)
+        else:
+            shards = ((name, [arr], rope) for name, arr, rope in full)
+        out = [{} for _ in range(tp)]
+        for name, parts, rope in shards:
+            for rank, arr in enumerate(parts):
+                out[rank][name] = arr if rope else round_to(arr, plan.build.dtype)
+        return out
+    return [_read_weights(plan, rank) for rank in range(tp)]
+
+
+def _read_weights(plan: Plan, rank: int) -> dict[str, np.ndarray]:
+    raw = plan.weights_bytes(rank)
     out = {}
     for name, info in plan.weights.items():
         dt = storage_dtype(info.dtype)
@@ -24,23 +45,24 @@ def load_weights(plan: Plan) -> dict[str, np.ndarray]:
     return out
 
 
+def load_weights(plan: Plan, rank: int = 0) -> dict[str, np.ndarray]:
+    return load_rank_weights(plan)[rank]
+
+
 class NumpyRunner:
     def __init__(self, plan: Plan):
         self.plan = plan
-        self.w = load_weights(plan)
-        self.dtypes = {name: info.dtype for name, info in plan.arena.items()}
-        self.buf = {name: np.zeros(info.shape, dtype=np.float32 if info.dtype == "bfloat16" else storage_dtype(info.dtype))
-                    for name, info in plan.arena.items()}
-        L, _, nb, bs, nkv, hd = plan.kv_cache["shape"]
-        self.kv = np.zeros((L, 2, nb * bs, nkv, hd), dtype=np.float32)   # slot-flattened paged pool
-        self.kv_dtype = plan.kv_cache["dtype"]
+        self.ranks = [NumpyRank(plan, w) for w in load_rank_weights(plan)]
+        self.w, self.buf, self.kv = self.ranks[0].w, self.ranks[0].buf, self.ranks[0].kv   # rank 0's
 
     def reset_kv(self) -> None:
-        self.kv[:] = 0
+        for rank in self.ranks:
+            rank.kv[:] = 0
 
     def run(self, batch: BatchDescription) -> StepResult:
         bucket = self.plan.bucket_for(batch.num_tokens, batch.num_seqs)
-        stage_inputs(batch, self.buf, bucket.num_tokens, bucket.num_seqs)
+        for rank in self.ranks:
+            stage_inputs(batch, rank.buf, bucket.num_tokens, bucket.num_seqs)
         self.execute(bucket)
         n = batch.num_seqs
         logits = self.buf["logits"][:n].copy() if batch.need_logits else None
@@ -48,7 +70,36 @@ class NumpyRunner:
 
     def execute(self, bucket: Bucket) -> None:
         for op in bucket.ops:
-            getattr(self, "op_" + op.op)(op)
+            if isinstance(op, COLLECTIVES):
+                self.collective(op)
+            else:
+                for rank in self.ranks:
+                    getattr(rank, "op_" + op.op)(op)
+
+    def collective(self, op) -> None:
+        if len(self.ranks) != op.ranks:
+            raise ValueError(f"{op.op} over {op.ranks} ranks in a runner of {len(self.ranks)}")
+        if isinstance(op, AllReduce):
+            total = ops.all_reduce([rank.buf[op.buf][:op.rows] for rank in self.ranks])
+            for rank in self.ranks:
+                rank._set(op.buf, op.rows, total)
+        elif isinstance(op, AllGather):
+            full = ops.all_gather_columns([rank.buf[op.inp][:op.rows, :op.n] for rank in self.ranks])
+            for rank in self.ranks:
+                rank._set(op.out, op.rows, full)
+
+
+class NumpyRank:
+    """One rank's weights, arena and KV pool, and the ops that touch only them."""
+
+    def __init__(self, plan: Plan, weights: dict[str, np.ndarray]):
+        self.plan, self.w = plan, weights
+        self.dtypes = {name: info.dtype for name, info in plan.arena.items()}
+        self.buf = {name: np.zeros(info.shape, dtype=np.float32 if info.dtype == "bfloat16" else storage_dtype(info.dtype))
+                    for name, info in plan.arena.items()}
+        L, _, nb, bs, nkv, hd = plan.kv_cache["shape"]
+        self.kv = np.zeros((L, 2, nb * bs, nkv, hd), dtype=np.float32)   # slot-flattened paged pool
+        self.kv_dtype = plan.kv_cache["dtype"]
 
     # each op reads arena buffers / weights and writes its output rounded to the buffer's dtype
     def _set(self, name: str, rows: int, val: np.ndarray) -> None:

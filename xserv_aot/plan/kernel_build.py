@@ -16,8 +16,9 @@ from xserv_aot.plan.launch_records import check_launches, f32, i32, kv, launch, 
 from xserv_aot.plan.manifest import place
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
-from xserv_aot.plan.op_records import (AddRmsNorm, Attention, Embedding, GatherRows, KernelChoice, LaunchRecord, Linear,
-                                       Op, QkNormRopeCache, RmsNorm, Sample, SiluMul, op_from_dict)
+from xserv_aot.plan import nccl_records
+from xserv_aot.plan.op_records import (COLLECTIVES, AddRmsNorm, Attention, Embedding, GatherRows, KernelChoice,
+                                       LaunchRecord, Linear, Op, QkNormRopeCache, RmsNorm, Sample, SiluMul, op_from_dict)
 from xserv_aot.plan.signatures import check_sizes, cubin_param_sizes, host_signature, kernel_signatures
 
 GEMV_MAX_ROWS = 2            # above this the x re-reads make the GEMV L1/ALU-bound: tensor cores instead
@@ -191,7 +192,7 @@ def norm_threads(hidden: int) -> int:
 def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: dict | None,
                 attn: dict) -> list[KernelChoice]:
     """The kernel choice (with its launch records) of every op of one bucket, in order."""
-    m, kvc = manifest["model"], manifest["kv_cache"]
+    m, kvc = rank_model(manifest), manifest["kv_cache"]
     hidden, hd, vocab = m["hidden_size"], m["head_dim"], m["vocab_size"]
     nh, nkv = m["num_heads"], m["num_kv_heads"]
     num_slots, block_size = kv_slots(kvc), kvc["shape"][3]
@@ -231,6 +232,8 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
                                i32(num_slots)]))
         elif isinstance(op, Attention):
             c = plan_attention(op, kind, m, attn, block_size, arena[op.block_tables]["shape"][1], num_slots)
+        elif isinstance(op, COLLECTIVES):
+            c = nccl_records.plan_collective(op, arena)
         elif isinstance(op, Sample):
             c = kernel(launch("sample_rows", [rows], [1024], 0,
                               [ptr(op.logits), ptr(op.temperature), ptr(op.top_k), ptr(op.top_p), ptr(op.seeds),
@@ -246,8 +249,16 @@ def kv_slots(kv: dict) -> int:
     return int(kv["shape"][2]) * int(kv["shape"][3])
 
 
+def rank_model(manifest: dict) -> dict:
+    """The model dict with one rank's heads, kv heads and intermediate size (the model's own when unsharded)."""
+    from xserv_aot.config import ModelConfig
+    from xserv_aot.plan.tensor_parallel import local_model
+    tp = manifest["build"].get("tensor_parallel", 1)
+    return manifest["model"] if tp == 1 else local_model(ModelConfig.from_dict(manifest["model"]), tp).to_dict()
+
+
 def check_model(manifest: dict) -> None:
-    m, b = manifest["model"], manifest["build"]
+    m, b = rank_model(manifest), manifest["build"]
     if b["dtype"] != "bfloat16":
         raise KernelBuildError(f"CUDA kernels need build dtype bfloat16, got {b['dtype']!r} (use --dtype bfloat16)")
     if m["head_dim"] not in (64, 128):
@@ -288,7 +299,8 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
         raise KernelBuildError(f"unsupported CUDA target {target!r} (supported: {', '.join(SUPPORTED_TARGETS)})")
     check_model(manifest)
     out_dir = Path(out_dir)
-    m, b = manifest["model"], manifest["build"]
+    m, b = rank_model(manifest), manifest["build"]
+    tp = b.get("tensor_parallel", 1)
     cubins = compile_all(out_dir, target, progress)
     cutlass, why_not = try_cutlass(manifest, out_dir, target, progress)
     attn = {"split": P_KEYS, "splits": -(-b["max_seq_len"] // P_KEYS), "max_seq_len": b["max_seq_len"]}
@@ -321,6 +333,10 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
         add_arena_buffer(manifest, "gemm_splitk_ws", [ws], "float32")
     if cutlass is not None and cutlass.get("workspace"):
         add_arena_buffer(manifest, "gemm_ws", [-(-cutlass["workspace"] // 4)], "int32")
+    if tp > 1:
+        add_arena_buffer(manifest, nccl_records.GATHER_WORKSPACE, [tp, b["max_num_seqs"], m["vocab_size"] // tp],
+                         "float32")
+        signatures.update(nccl_records.SIGNATURES)
     launches = [(name, rec) for name, cs in choices.items() for c in cs for rec in c.launch]
     check_launches(manifest, launches, signatures)
     used = sorted({rec.fn for _, rec in launches})
@@ -330,6 +346,8 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
                "functions": {fn: name for name, c in cubins.items() for fn in c["functions"]},
                "signatures": {fn: signatures[fn] for fn in used},
                "attention": attn, "gemm_library": None, "gemm_library_skipped": why_not or None, "gemm_configs": {}}
+    if tp > 1:
+        section["collectives"] = {"library": nccl_records.LIBRARY, "ranks": tp, "env": nccl_records.ENV}
     if cutlass is not None:
         section["gemm_library"] = {k: cutlass[k] for k in ("file", "hash", "configs", "build_key") if k in cutlass}
         section["gemm_configs"] = cutlass.get("used", {})

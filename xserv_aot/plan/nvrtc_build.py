@@ -13,7 +13,8 @@ from xserv_aot.plan.kernel_constants import nvrtc_defines
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 KERNEL_SOURCES = ("elementwise.cu", "gemv.cu", "gemm_mma.cu", "gemm_skinny.cu", "rope_cache.cu", "attention_decode.cu",
-                  "attention_decode_batched.cu", "attention_decode_tc.cu", "attention_prefill.cu", "sample.cu")
+                  "attention_decode_batched.cu", "attention_decode_tc.cu", "attention_prefill.cu", "sample.cu",
+                  "collectives.cu")
 SUPPORTED_TARGETS = ("sm_90a", "sm_90")
 
 

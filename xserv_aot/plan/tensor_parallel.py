@@ -66,6 +66,37 @@ class ShardSpec:
         return np.ascontiguousarray(np.concatenate(parts, axis=self.dim))
 
 
+@dataclass(frozen=True)
+class Copy2D:
+    """Bytes: `height` rows of `width` from src (+ src_offset, row pitch src_pitch) to dst likewise."""
+    src_offset: int
+    src_pitch: int
+    dst_offset: int
+    dst_pitch: int
+    width: int
+    height: int
+
+
+def shard_copies(spec: ShardSpec, shape: list[int], itemsize: int, rank: int) -> list[Copy2D]:
+    """The 2-D copies that cut rank `rank`'s part out of the full row-major tensor (what spec.shard does), for a
+    device that holds the full tensor (runtime/cuda/dummy_upload.py)."""
+    row = int(np.prod(shape[1:], dtype=np.int64)) * itemsize            # bytes of one dim-0 row
+    if spec.dim is None:
+        total = int(shape[0]) * row
+        return [Copy2D(0, total, 0, total, total, 1)]
+    out, base, done = [], 0, 0
+    local = sum(s.local for s in spec.segments)
+    for s in spec.segments:
+        lo = base + s.starts[rank]
+        if spec.dim == 0:
+            out.append(Copy2D(lo * row, s.local * row, done * row, s.local * row, s.local * row, 1))
+        else:
+            out.append(Copy2D(lo * itemsize, shape[1] * itemsize, done * itemsize, local * itemsize,
+                              s.local * itemsize, shape[0]))
+        base, done = base + s.size, done + s.local
+    return out
+
+
 def check_divisible(m: ModelConfig, tp: int) -> None:
     """One-line ConfigError naming the first dimension that tp ranks cannot split."""
     dims = [("num_heads", m.num_heads), ("intermediate_size", m.intermediate_size), ("vocab_size", m.vocab_size)]
@@ -110,7 +141,7 @@ def tensor_sharding(m: ModelConfig, tp: int, names: list[str]) -> dict[str, Shar
     return out
 
 
-def _targets(name: str, sharding: dict[str, ShardSpec]) -> list[str]:
+def targets_of(name: str, sharding: dict[str, ShardSpec]) -> list[str]:
     """The plan tensors cut from full tensor `name`: itself, then a tied lm_head right after embed_tokens."""
     return [name] + [n for n, s in sharding.items() if s.source == name]
 
@@ -119,7 +150,7 @@ def rank_shards(tensors: Iterator[tuple[str, np.ndarray, bool]], sharding: dict[
                 tp: int) -> Iterator[tuple[str, list[np.ndarray], bool]]:
     """Full plan tensors -> (name, [part of rank 0, ..., rank tp-1], is_rope)."""
     for name, arr, rope in tensors:
-        for target in _targets(name, sharding):
+        for target in targets_of(name, sharding):
             yield target, [sharding[target].shard(arr, r) for r in range(tp)], rope
 
 
@@ -127,7 +158,7 @@ def local_shapes(full: dict[str, tuple[list[int], str]],
                  sharding: dict[str, ShardSpec]) -> dict[str, tuple[list[int], str]]:
     """Full (shape, dtype) of every plan tensor -> one rank's, in the order rank_shards writes them."""
     return {t: (sharding[t].local_shape(shape), dtype) for name, (shape, dtype) in full.items()
-            for t in _targets(name, sharding)}
+            for t in targets_of(name, sharding)}
 
 
 def manifest_section(m: ModelConfig, tp: int) -> dict:

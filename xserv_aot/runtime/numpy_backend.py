@@ -3,6 +3,8 @@
 A tensor-parallel plan runs as `tensor_parallel` simulated ranks in one process: each rank has its own weights,
 arena and KV pool and runs every op on its shard; collectives (all_reduce, all_gather) combine the ranks' buffers
 on the host in rank order 0, 1, ... once every rank has reached them (the ranks run in lockstep, op by op).
+With `rank` and `comm` it is one rank of a multi-process group (runtime/tp_ranks.py): comm.allgather(part) returns
+every rank's part in rank order, and each process combines them the same way.
 """
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ from xserv_aot.runtime import numpy_ops as ops
 from xserv_aot.runtime.batch import BatchDescription, StepResult, stage_inputs
 
 
-def load_rank_weights(plan: Plan) -> list[dict[str, np.ndarray]]:
-    """Per rank: plan weight name -> float32 array (bf16 words widened once, at load)."""
+def load_rank_weights(plan: Plan, ranks: list[int] | None = None) -> list[dict[str, np.ndarray]]:
+    """Per rank in `ranks` (default all): plan weight name -> float32 array (bf16 words widened once, at load)."""
     tp = plan.tensor_parallel
+    ranks = list(range(tp)) if ranks is None else ranks
     if plan.weights_file is None:      # the plan's dtype, as the GPU generator writes them; shards cut from full
         full = dummy_tensors(plan.model, plan.build.max_seq_len, int(plan.dummy_seed or 0))
         if plan.sharding:
@@ -27,12 +30,12 @@ def load_rank_weights(plan: Plan) -> list[dict[str, np.ndarray]]:
             shards = rank_shards(full, specs, tp)
         else:
             shards = ((name, [arr], rope) for name, arr, rope in full)
-        out = [{} for _ in range(tp)]
+        out = [{} for _ in ranks]
         for name, parts, rope in shards:
-            for rank, arr in enumerate(parts):
-                out[rank][name] = arr if rope else round_to(arr, plan.build.dtype)
+            for i, rank in enumerate(ranks):
+                out[i][name] = parts[rank] if rope else round_to(parts[rank], plan.build.dtype)
         return out
-    return [_read_weights(plan, rank) for rank in range(tp)]
+    return [_read_weights(plan, rank) for rank in ranks]
 
 
 def _read_weights(plan: Plan, rank: int) -> dict[str, np.ndarray]:
@@ -46,14 +49,18 @@ def _read_weights(plan: Plan, rank: int) -> dict[str, np.ndarray]:
 
 
 def load_weights(plan: Plan, rank: int = 0) -> dict[str, np.ndarray]:
-    return load_rank_weights(plan)[rank]
+    return load_rank_weights(plan, [rank])[0]
 
 
 class NumpyRunner:
-    def __init__(self, plan: Plan):
-        self.plan = plan
-        self.ranks = [NumpyRank(plan, w) for w in load_rank_weights(plan)]
-        self.w, self.buf, self.kv = self.ranks[0].w, self.ranks[0].buf, self.ranks[0].kv   # rank 0's
+    def __init__(self, plan: Plan, rank: int | None = None, comm=None):
+        """rank None: every rank of the plan in this process; else only `rank`, its collectives through comm."""
+        if (rank is None) != (comm is None):
+            raise ValueError("NumpyRunner: pass both rank and comm (one rank of a group) or neither")
+        self.plan, self.comm = plan, comm
+        ranks = None if rank is None else [rank]
+        self.ranks = [NumpyRank(plan, w) for w in load_rank_weights(plan, ranks)]
+        self.w, self.buf, self.kv = self.ranks[0].w, self.ranks[0].buf, self.ranks[0].kv   # the first rank's
 
     def reset_kv(self) -> None:
         for rank in self.ranks:
@@ -76,15 +83,21 @@ class NumpyRunner:
                 for rank in self.ranks:
                     getattr(rank, "op_" + op.op)(op)
 
+    def parts(self, local: list[np.ndarray], ranks: int) -> list[np.ndarray]:
+        """Every rank's part of a collective, in rank order."""
+        parts = local if self.comm is None else self.comm.allgather(local[0])
+        if len(parts) != ranks:
+            raise ValueError(f"collective over {ranks} ranks got {len(parts)} parts")
+        return parts
+
     def collective(self, op) -> None:
-        if len(self.ranks) != op.ranks:
-            raise ValueError(f"{op.op} over {op.ranks} ranks in a runner of {len(self.ranks)}")
         if isinstance(op, AllReduce):
-            total = ops.all_reduce([rank.buf[op.buf][:op.rows] for rank in self.ranks])
+            total = ops.all_reduce(self.parts([rank.buf[op.buf][:op.rows] for rank in self.ranks], op.ranks))
             for rank in self.ranks:
                 rank._set(op.buf, op.rows, total)
         elif isinstance(op, AllGather):
-            full = ops.all_gather_columns([rank.buf[op.inp][:op.rows, :op.n] for rank in self.ranks])
+            full = ops.all_gather_columns(self.parts([rank.buf[op.inp][:op.rows, :op.n] for rank in self.ranks],
+                                                     op.ranks))
             for rank in self.ranks:
                 rank._set(op.out, op.rows, full)
 

@@ -1,0 +1,196 @@
+"""Tensor-parallel rank processes: one process per rank (per GPU). Rank 0 is this process: it owns the engine and
+the scheduler, and its TensorParallelRunner is the engine's runner. Ranks 1.. are follower processes that run every
+batch description rank 0 sends them on their own shard, in the same order, and answer when the step is done.
+
+Backend-agnostic: CUDA ranks combine their shards with NCCL inside their bucket graphs (the pipes carry only batches
+and acknowledgements); NumPy ranks exchange their collective parts through the same pipes (PipeComm, star through
+rank 0, every process summing the parts in rank order), which is how the protocol is tested on the CPU.
+
+Messages (rank 0 -> follower): ("run", batch) | ("reset_kv",) | ("close",); follower -> rank 0: ("ready",) once,
+("done",) per request, ("error", text) instead of either; during a NumPy step ("part", array) / ("parts", list).
+A follower that fails, exits or does not answer within step_timeout_s fails the whole group: every follower is
+stopped and every later call raises RankFailure (the engine then fails for good; no half-alive server). On CUDA a
+follower that dies mid-step leaves rank 0's stream waiting in NCCL, so the watchdog ends the process with the error.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import sys
+import threading
+from pathlib import Path
+
+from xserv_aot.plan.manifest import Plan
+from xserv_aot.plan.nccl_records import ENV
+from xserv_aot.runtime.batch import BatchDescription, StepResult
+
+log = logging.getLogger("xserv_aot.tp")
+
+
+class RankFailure(RuntimeError):
+    """A rank of a tensor-parallel group failed, exited or hung; one line naming the rank."""
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+def expect(conn, kind: str, rank: int, timeout: float | None = None):
+    """The next message from `rank`, which must be `kind`; its payload (RankFailure otherwise)."""
+    try:
+        if timeout is not None and not conn.poll(timeout):
+            raise RankFailure(f"rank {rank} sent nothing for {timeout:g} s (hung?)")
+        msg = conn.recv()
+    except (EOFError, OSError):
+        raise RankFailure(f"rank {rank} exited") from None
+    if msg[0] == "error":
+        raise RankFailure(f"rank {rank} failed: {msg[1]}")
+    if msg[0] != kind:
+        raise RankFailure(f"rank {rank} sent {msg[0]!r}, expected {kind!r}")
+    return msg[1] if len(msg) > 1 else None
+
+
+class PipeComm:
+    """allgather over the rank pipes: rank 0 collects every follower's part, then sends the full list back."""
+
+    def __init__(self, rank: int, conns: list, timeout: float | None = None):
+        self.rank, self.conns, self.timeout = rank, conns, timeout    # rank 0: one conn per follower, else [rank 0]
+
+    def allgather(self, part):
+        if self.rank:
+            self.conns[0].send(("part", part))
+            return expect(self.conns[0], "parts", 0)
+        parts = [part] + [expect(c, "part", r, self.timeout) for r, c in enumerate(self.conns, 1)]
+        for c in self.conns:
+            c.send(("parts", parts))
+        return parts
+
+
+def rank_runner(plan: Plan, rank: int, backend: str, conns: list, nccl_id: bytes | None, timeout=None):
+    if backend == "cpu":
+        from xserv_aot.runtime.numpy_backend import NumpyRunner
+        return NumpyRunner(plan, rank, PipeComm(rank, conns, timeout))
+    from xserv_aot.runtime.cuda.runner import CudaRunner
+    return CudaRunner(plan, device=rank, rank=rank, nccl_id=nccl_id)
+
+
+def follower_main(conn, plan_dir: str, rank: int, backend: str, nccl_id: bytes | None) -> None:
+    os.environ.update(ENV)
+    try:
+        runner = rank_runner(Plan.load(plan_dir, verify="none"), rank, backend, [conn], nccl_id)
+        conn.send(("ready",))
+        while (msg := conn.recv())[0] != "close":
+            if msg[0] == "run":
+                runner.run(msg[1])
+            else:
+                runner.reset_kv()
+            conn.send(("done",))
+    except EOFError:
+        return                                   # rank 0 is gone
+    except BaseException as e:
+        try:
+            conn.send(("error", _one_line(e)))
+        except OSError:
+            pass
+        sys.exit(1)
+
+
+class TensorParallelRunner:
+    """The engine's runner for a plan of tensor_parallel > 1: rank 0 here, followers in their own processes."""
+
+    def __init__(self, plan: Plan, backend: str = "cuda", step_timeout_s: float | None = 300.0):
+        if plan.tensor_parallel < 2:
+            raise ValueError("TensorParallelRunner needs a plan compiled with --tensor-parallel 2 or more")
+        os.environ.update(ENV)                   # inherited by every follower; set before NCCL is loaded
+        self.plan, self.backend, self.timeout = plan, backend, step_timeout_s
+        self.failed: str | None = None
+        self._closing = False
+        nccl_id = None
+        if backend == "cuda":
+            from xserv_aot.runtime.cuda.nccl import Nccl
+            nccl_id = Nccl().unique_id()
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs, self.own = [], [], None
+        try:
+            for r in range(1, plan.tensor_parallel):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=follower_main, args=(child, str(Path(plan.dir).resolve()), r, backend, nccl_id),
+                                name=f"xserv-rank{r}", daemon=True)
+                p.start()
+                child.close()
+                self.conns.append(parent)
+                self.procs.append(p)
+            self.own = rank_runner(plan, 0, backend, self.conns, nccl_id, step_timeout_s)
+            for r, c in enumerate(self.conns, 1):
+                expect(c, "ready", r)
+        except BaseException as e:
+            self._stop_followers()
+            raise RankFailure(f"tensor-parallel group did not start: {e}") from None
+        self._watchdog = threading.Thread(target=self._watch, name="xserv-tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _watch(self) -> None:
+        ready = multiprocessing.connection.wait([p.sentinel for p in self.procs])
+        if self._closing:
+            return
+        dead = next(r for r, p in enumerate(self.procs, 1) if p.sentinel in ready)
+        self.failed = self.failed or f"rank {dead} exited (exit code {self.procs[dead - 1].exitcode})"
+        for p in self.procs:                     # the pipes belong to the engine thread: stop the rest by signal
+            p.kill()
+        if self.backend == "cuda":               # rank 0's stream may be waiting in NCCL for the dead rank
+            print(f"error: tensor-parallel group failed: {self.failed}", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    def _check(self) -> None:
+        if self.failed is not None:
+            raise self._fail(self.failed)
+
+    def _fail(self, msg: str) -> RankFailure:
+        self.failed = self.failed or msg
+        self._stop_followers()
+        return RankFailure(f"tensor-parallel group failed: {self.failed}")
+
+    def _all(self, msg: tuple, local) -> object:
+        """Send msg to every follower, run local() here, wait for every follower's answer."""
+        self._check()
+        try:
+            for r, c in enumerate(self.conns, 1):
+                try:
+                    c.send(msg)
+                except OSError:
+                    raise RankFailure(f"rank {r} exited") from None
+            out = local()
+            for r, c in enumerate(self.conns, 1):
+                expect(c, "done", r, self.timeout)
+        except RankFailure as e:
+            raise self._fail(str(e)) from None
+        except Exception as e:                   # rank 0 failed mid-step: the ranks are out of step for good
+            raise self._fail(f"rank 0 failed: {_one_line(e)}") from None
+        return out
+
+    def run(self, batch: BatchDescription) -> StepResult:
+        self.plan.bucket_for(batch.num_tokens, batch.num_seqs)    # a batch no bucket holds fails here, not the group
+        return self._all(("run", batch), lambda: self.own.run(batch))
+
+    def reset_kv(self) -> None:
+        self._all(("reset_kv",), self.own.reset_kv)
+
+    def _stop_followers(self) -> None:
+        self._closing = True
+        for c in self.conns:
+            try:
+                c.send(("close",))
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    def close(self) -> None:
+        self._stop_followers()
+        if self.own is not None and hasattr(self.own, "close"):
+            self.own.close()

@@ -17,7 +17,9 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import atexit
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -78,6 +80,7 @@ def rank_runner(plan: Plan, rank: int, backend: str, conns: list, nccl_id: bytes
 
 def follower_main(conn, plan_dir: str, rank: int, backend: str, nccl_id: bytes | None) -> None:
     os.environ.update(ENV)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C reaches the process group: rank 0 decides, then closes
     try:
         runner = rank_runner(Plan.load(plan_dir, verify="none"), rank, backend, [conn], nccl_id)
         conn.send(("ready",))
@@ -130,6 +133,7 @@ class TensorParallelRunner:
             raise RankFailure(f"tensor-parallel group did not start: {e}") from None
         self._watchdog = threading.Thread(target=self._watch, name="xserv-tp-watchdog", daemon=True)
         self._watchdog.start()
+        atexit.register(self.close)              # before multiprocessing's own exit handler stops the followers
 
     def _watch(self) -> None:
         ready = multiprocessing.connection.wait([p.sentinel for p in self.procs])
@@ -191,6 +195,9 @@ class TensorParallelRunner:
                 p.join()
 
     def close(self) -> None:
+        """Idempotent: stop the followers, then rank 0's own runner; later calls raise RankFailure."""
+        self.failed = self.failed or "runner closed"
         self._stop_followers()
-        if self.own is not None and hasattr(self.own, "close"):
-            self.own.close()
+        own, self.own = self.own, None
+        if own is not None and hasattr(own, "close"):
+            own.close()

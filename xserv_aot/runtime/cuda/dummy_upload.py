@@ -1,7 +1,7 @@
 """Dummy weights on the GPU: fill_normal_bf16 writes each tensor of plan/dummy_weights.py in place; a rank of a
 tensor-parallel plan fills the full tensor into a scratch buffer and copies its slices out (tensor_parallel
 .shard_copies), so every rank holds exactly its part of the one generator's values. The sharded path is NOT RUN on
-a GPU yet (tests/test_tp_gpu.py)."""
+a GPU yet (tests/test_cuda_tp.py)."""
 from __future__ import annotations
 
 import numpy as np

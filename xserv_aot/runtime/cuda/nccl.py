@@ -2,7 +2,7 @@
 process, and the plan's collective records (plan/nccl_records.py) as host calls on the capturing stream, so each
 all-reduce / all-gather is a node of the bucket's CUDA graph.
 
-NOT RUN on a GPU yet (no multi-GPU machine in the session that wrote it): tests/test_tp_gpu.py holds the checks.
+NOT RUN on a GPU yet (no multi-GPU machine in the session that wrote it): tests/test_cuda_tp.py holds the checks.
 NVLink SHARP stays off: NCCL_NVLS_ENABLE=0 is set before the library is loaded; nothing here calls cuMulticastCreate.
 """
 from __future__ import annotations

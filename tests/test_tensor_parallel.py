@@ -71,7 +71,7 @@ def test_rank_slices_follow_heads_by_index(tp):
     (dict(num_heads=6, num_kv_heads=6), 4, "num_heads 6"),
     (dict(num_heads=12, num_kv_heads=3), 2, "num_kv_heads 3"),
 ])
-def test_shapes_that_do_not_divide_are_refused(tmp_path, kw, tp, dim):
+def test_shapes_that_do_not_divide_are_refused(kw, tp, dim):
     from xserv_aot.plan.tensor_parallel import check_divisible
     with pytest.raises(ConfigError, match=dim):
         check_divisible(model_cfg(**kw), tp)

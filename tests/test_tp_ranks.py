@@ -209,3 +209,17 @@ def test_a_killed_rank_ends_the_engine_with_a_clear_error(cpu_plans):
             runner.reset_kv()
     finally:
         runner.close()
+
+
+def test_a_hung_rank_fails_the_group_after_the_step_timeout(cpu_plans):
+    """A stopped follower never sends its collective part: rank 0 gives up after step_timeout_s, kills the group."""
+    runner = TensorParallelRunner(cpu_plans[2], "cpu", step_timeout_s=0.5)
+    try:
+        s = Session(runner)
+        s.prefill(0, [5, 6, 7])
+        os.kill(runner.procs[0].pid, signal.SIGSTOP)
+        with pytest.raises(RankFailure, match=r"rank 1 sent nothing for 0.5 s \(hung\?\)"):
+            s.step({0: [8]})
+        assert not any(p.is_alive() for p in runner.procs)
+    finally:
+        runner.close()

@@ -113,8 +113,9 @@ def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress) -> di
             written = write_rank_weights([tmp / n for n in names], rank_shards(full, sharding, tp), build.dtype, tick)
             table, size = written[0][0], written[0][1]         # every rank's table (and size) is the same
             joint = hashlib.sha256(" ".join(fp for _, _, fp in written).encode()).hexdigest()
-            weights = {"size": size, "fingerprint": f"sha256-ranks:{joint}", "files": [{"file": n, "size": sz, "fingerprint": fp, "quick_fingerprint":
-                                                quick_fingerprint(tmp / n)} for n, (_, sz, fp) in zip(names, written)]}
+            files = [{"file": n, "size": sz, "fingerprint": fp, "quick_fingerprint": quick_fingerprint(tmp / n)}
+                     for n, (_, sz, fp) in zip(names, written)]
+            weights = {"size": size, "fingerprint": f"sha256-ranks:{joint}", "files": files}
         else:
             table, size, fp = write_weights(tmp / "weights.bin", full, build.dtype, tick)
             weights = {"file": "weights.bin", "size": size, "fingerprint": fp,

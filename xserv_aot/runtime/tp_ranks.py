@@ -10,11 +10,11 @@ Messages (rank 0 -> follower): ("run", batch) | ("reset_kv",) | ("close",); foll
 ("done",) per request, ("error", text) instead of either; during a NumPy step ("part", array) / ("parts", list).
 A follower that fails, exits or does not answer within step_timeout_s fails the whole group: every follower is
 stopped and every later call raises RankFailure (the engine then fails for good; no half-alive server). On CUDA a
-follower that dies mid-step leaves rank 0's stream waiting in NCCL, so the watchdog ends the process with the error.
+follower that dies or hangs mid-step leaves rank 0's stream waiting in NCCL, so the watchdog ends the process with
+the error (a step past step_timeout_s counts as hung).
 """
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import atexit
@@ -22,13 +22,12 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from xserv_aot.plan.manifest import Plan
 from xserv_aot.plan.nccl_records import ENV
 from xserv_aot.runtime.batch import BatchDescription, StepResult
-
-log = logging.getLogger("xserv_aot.tp")
 
 
 class RankFailure(RuntimeError):
@@ -109,7 +108,7 @@ class TensorParallelRunner:
         os.environ.update(ENV)                   # inherited by every follower; set before NCCL is loaded
         self.plan, self.backend, self.timeout = plan, backend, step_timeout_s
         self.failed: str | None = None
-        self._closing = False
+        self._closing, self._step_start = False, None    # _step_start: monotonic time of the step in flight
         nccl_id = None
         if backend == "cuda":
             from xserv_aot.runtime.cuda.nccl import Nccl
@@ -129,23 +128,34 @@ class TensorParallelRunner:
             for r, c in enumerate(self.conns, 1):
                 expect(c, "ready", r)
         except BaseException as e:
-            self._stop_followers()
+            self._stop_followers(polite=False)
             raise RankFailure(f"tensor-parallel group did not start: {e}") from None
         self._watchdog = threading.Thread(target=self._watch, name="xserv-tp-watchdog", daemon=True)
         self._watchdog.start()
         atexit.register(self.close)              # before multiprocessing's own exit handler stops the followers
 
     def _watch(self) -> None:
-        ready = multiprocessing.connection.wait([p.sentinel for p in self.procs])
-        if self._closing:
+        """A follower that exits fails the group. On CUDA also a step past step_timeout_s: rank 0 may be waiting
+        in NCCL for a dead or hung rank, so the process ends with the error (after killing the followers)."""
+        cuda = self.backend == "cuda"
+        while True:
+            ready = multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=1.0 if cuda else None)
+            if self._closing:
+                return
+            if ready:
+                dead = next(r for r, p in enumerate(self.procs, 1) if p.sentinel in ready)
+                self.failed = self.failed or f"rank {dead} exited (exit code {self.procs[dead - 1].exitcode})"
+            elif self.timeout is not None and self._step_start is not None \
+                    and time.monotonic() - self._step_start > self.timeout:
+                self.failed = self.failed or f"a step took more than {self.timeout:g} s (a rank hung?)"
+            else:
+                continue
+            for p in self.procs:                 # the pipes belong to the engine thread: stop the rest by signal
+                p.kill()
+            if cuda:
+                print(f"error: tensor-parallel group failed: {self.failed}", file=sys.stderr, flush=True)
+                os._exit(1)
             return
-        dead = next(r for r, p in enumerate(self.procs, 1) if p.sentinel in ready)
-        self.failed = self.failed or f"rank {dead} exited (exit code {self.procs[dead - 1].exitcode})"
-        for p in self.procs:                     # the pipes belong to the engine thread: stop the rest by signal
-            p.kill()
-        if self.backend == "cuda":               # rank 0's stream may be waiting in NCCL for the dead rank
-            print(f"error: tensor-parallel group failed: {self.failed}", file=sys.stderr, flush=True)
-            os._exit(1)
 
     def _check(self) -> None:
         if self.failed is not None:
@@ -153,12 +163,13 @@ class TensorParallelRunner:
 
     def _fail(self, msg: str) -> RankFailure:
         self.failed = self.failed or msg
-        self._stop_followers()
+        self._stop_followers(polite=False)
         return RankFailure(f"tensor-parallel group failed: {self.failed}")
 
     def _all(self, msg: tuple, local) -> object:
         """Send msg to every follower, run local() here, wait for every follower's answer."""
         self._check()
+        self._step_start = time.monotonic()
         try:
             for r, c in enumerate(self.conns, 1):
                 try:
@@ -168,6 +179,7 @@ class TensorParallelRunner:
             out = local()
             for r, c in enumerate(self.conns, 1):
                 expect(c, "done", r, self.timeout)
+            self._step_start = None
         except RankFailure as e:
             raise self._fail(str(e)) from None
         except Exception as e:                   # rank 0 failed mid-step: the ranks are out of step for good
@@ -181,15 +193,16 @@ class TensorParallelRunner:
     def reset_kv(self) -> None:
         self._all(("reset_kv",), self.own.reset_kv)
 
-    def _stop_followers(self) -> None:
+    def _stop_followers(self, polite: bool = True) -> None:
+        """polite: ask each follower to close and wait for it a while; else (a failed group) kill them now."""
         self._closing = True
-        for c in self.conns:
+        for c in self.conns if polite else ():
             try:
                 c.send(("close",))
             except OSError:
                 pass
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=10 if polite else 0)
             if p.is_alive():
                 p.kill()
                 p.join()

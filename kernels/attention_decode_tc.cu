@@ -130,14 +130,25 @@ __device__ __forceinline__ void attn_decode_tc_impl(
         l_b = l_b * cb + sumb;
 #pragma unroll
         for (int d = 0; d < DT; d++) { o[d][0] *= ca; o[d][1] *= ca; o[d][2] *= cb; o[d][3] *= cb; }
-        const u32 a0 = pack2(s[0][0], s[0][1]), a1 = pack2(s[0][2], s[0][3]);
-        const u32 a2 = pack2(s[1][0], s[1][1]), a3 = pack2(s[1][2], s[1][3]);
+        // P = hi + lo, both bf16 (P to ~16 bits: the PV product is as exact as the fp32 CUDA-core kernels')
+        u32 ah[4], al[4];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const float x0 = s[j][2 * h], x1 = s[j][2 * h + 1];
+                ah[2 * j + h] = pack2(x0, x1);
+                al[2 * j + h] = pack2(x0 - round_bf(x0), x1 - round_bf(x1));
+            }
+        }
 #pragma unroll
         for (int d = 0; d < DT; d += 2) {
             u32 b0, b1, b2, b3;
             ldmatrix_x4_trans(b0, b1, b2, b3, Vs + (warp * 16 + r8 + (qm & 1) * 8) * LD + d * 8 + (qm >> 1) * 8);
-            mma_bf16(o[d], a0, a1, a2, a3, b0, b1);
-            mma_bf16(o[d + 1], a0, a1, a2, a3, b2, b3);
+            mma_bf16(o[d], ah[0], ah[1], ah[2], ah[3], b0, b1);
+            mma_bf16(o[d + 1], ah[0], ah[1], ah[2], ah[3], b2, b3);
+            mma_bf16(o[d], al[0], al[1], al[2], al[3], b0, b1);
+            mma_bf16(o[d + 1], al[0], al[1], al[2], al[3], b2, b3);
         }
     }
     cp_async_wait<0>();
@@ -176,7 +187,7 @@ __device__ __forceinline__ void attn_decode_tc_impl(
 
 // attn_decode_tc_sSTAGES_hdHD (G = nh / nkv <= 16)
 #define DECODE_TC_KERNEL(HD, STAGES)                                                                         \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS) attn_decode_tc_s##STAGES##_hd##HD(              \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, 3) attn_decode_tc_s##STAGES##_hd##HD(           \
         const bf16* q, const bf16* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,   \
         float* part_o, float* part_ml, int* counters, bf16* out, int T, int nh, int nkv, int block_size,     \
         int max_blocks, int num_slots, float scale) {                                                        \

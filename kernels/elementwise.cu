@@ -1,6 +1,18 @@
 // Row-wise memory-bound ops on bf16 rows of H elements (H % 8 == 0): one block per row, 16-byte accesses.
 #include "common.cuh"
 
+// Overlapped steps: ids[r] = sampled[prev_rows[r]] where prev_rows[r] >= 0 (the previous step's token, never
+// copied to the host), else unchanged. One thread per token row.
+extern "C" __global__ void resolve_input_ids(int* __restrict__ ids, const int* __restrict__ prev_rows,
+                                             const int* __restrict__ sampled, int rows) {
+    pdl_entry();
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r < rows) {
+        int p = prev_rows[r];
+        if (p >= 0) ids[r] = sampled[p];
+    }
+}
+
 // out[r] = table[ids[r]]; ids clamped into [0, vocab).
 extern "C" __global__ void embedding(const int* __restrict__ ids, const bf16* __restrict__ table,
                                      bf16* __restrict__ out, int H, int vocab) {

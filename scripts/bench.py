@@ -22,9 +22,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from xserv_aot.plan.roofline import bucket_costs, ceilings_for, floor_s  # noqa: E402
 from xserv_aot.runtime.batch import BatchDescription  # noqa: E402
-from xserv_aot.runtime.cuda.profile import (HBM_BYTES_PER_S, decode_batch, format_table, op_bytes,  # noqa: E402
-                                            profile_runner)
+from xserv_aot.runtime.cuda.profile import decode_batch, format_table, profile_runner  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -57,7 +57,13 @@ def step_times(runner, batch, n: int) -> np.ndarray:
 
 def decode_bytes(plan, bucket: str, context: int) -> int:
     bk = next(b for b in plan.buckets if b.name == bucket)
-    return sum(op_bytes(op, plan, context, bk.num_seqs) for op in bk.ops)       # decode: every seq of the bucket
+    return sum(c[2] for c in bucket_costs(plan, bk, context))                    # decode: every seq of the bucket
+
+
+def step_floor_ms(plan, bk, context: int) -> float:
+    """The bucket's floor at `context` (plan/roofline.py): bytes over the read ceiling or FLOPs over the peak."""
+    costs = bucket_costs(plan, bk, context)
+    return floor_s(sum(c[2] for c in costs), sum(c[3] for c in costs), ceilings_for(plan.build.target))[0] * 1e3
 
 
 def ttft(runner, prompt_len: int, reps: int = 3) -> float:
@@ -84,9 +90,9 @@ def bench_ours(plan, res: dict, steps: int) -> None:
             nbytes = decode_bytes(plan, "decode_1", ctx)
             res[f"decode_b1_ctx{ctx}"] = {"ms_per_step": float(np.median(t)), "p90_ms": float(np.percentile(t, 90)),
                                           "tok_per_s": 1e3 / float(np.median(t)), "bytes_per_step": nbytes,
-                                          "roofline_ms": nbytes / HBM_BYTES_PER_S * 1e3}
+                                          "roofline_ms": nbytes / ceilings_for(plan.build.target).read_bytes_per_s * 1e3}
             log(f"decode b1 ctx {ctx}: {np.median(t):.3f} ms/step = {1e3 / np.median(t):.1f} tok/s "
-                f"(roofline {nbytes / HBM_BYTES_PER_S * 1e3:.3f} ms)")
+                f"(roofline {nbytes / ceilings_for(plan.build.target).read_bytes_per_s * 1e3:.3f} ms)")
         for b in (8, 32, 64):
             if b > plan.build.max_num_seqs:
                 continue
@@ -99,22 +105,19 @@ def bench_ours(plan, res: dict, steps: int) -> None:
                 log(f"TTFT {n}: {res[f'ttft_{n}']:.1f} ms")
         for ctx in (128, 4096):
             prof = profile_runner(runner, "decode_1", ctx)
-            res[f"profile_decode_1_ctx{ctx}"] = format_table(prof)
+            res[f"profile_decode_1_ctx{ctx}"] = format_table(prof, plan.build.target)
             print(res[f"profile_decode_1_ctx{ctx}"], flush=True)
         for b in (8, 64):
             if f"decode_{b}" in runner.buckets:
                 prof = profile_runner(runner, f"decode_{b}", 256)
-                res[f"profile_decode_{b}_ctx256"] = format_table(prof)
+                res[f"profile_decode_{b}_ctx256"] = format_table(prof, plan.build.target)
                 print(res[f"profile_decode_{b}_ctx256"], flush=True)
         big = max(b.num_tokens for b in plan.buckets if b.kind == "prefill")
         prof = profile_runner(runner, f"prefill_{big}", big)
-        res[f"profile_prefill_{big}"] = format_table(prof)
+        res[f"profile_prefill_{big}"] = format_table(prof, plan.build.target)
         print(res[f"profile_prefill_{big}"], flush=True)
     finally:
         runner.close()
-
-
-READ_BYTES_PER_S = 4.6e12     # H200 streaming read rate shown by the lm_head GEMV (issue 13); the floors below
 
 
 def mixed_batch(plan, num_decodes: int, context: int, chunk: int) -> BatchDescription:
@@ -135,7 +138,7 @@ def mixed_batch(plan, num_decodes: int, context: int, chunk: int) -> BatchDescri
 
 
 def bench_throughput(plan, res: dict, steps: int) -> None:
-    """Decode steps for batch x context with their floors (weights + KV over READ_BYTES_PER_S), mixed steps
+    """Decode steps for batch x context with their floors (step_floor_ms: weights + KV bytes or FLOPs), mixed steps
     (decodes + a 512-token chunk), and per-op profiles of the large buckets."""
     from xserv_aot.runtime.cuda.runner import CudaRunner
     runner = CudaRunner(plan, log=log)
@@ -151,8 +154,7 @@ def bench_throughput(plan, res: dict, steps: int) -> None:
                     continue
                 t = step_times(runner, batch, steps)
                 bk = runner.bucket_for(batch)
-                nbytes = sum(op_bytes(op, plan, ctx, bk.num_seqs) for op in bk.ops)
-                ms, floor = float(np.median(t)), nbytes / READ_BYTES_PER_S * 1e3
+                ms, floor = float(np.median(t)), step_floor_ms(plan, bk, ctx)
                 rows.append((f"decode b{bsz} ctx {ctx}", ms, bsz * 1e3 / ms, floor))
                 res[f"thr_decode_b{bsz}_ctx{ctx}"] = {"ms_per_step": ms, "tok_per_s": bsz * 1e3 / ms, "floor_ms": floor}
                 log(f"decode b{bsz} ctx {ctx}: {ms:.3f} ms/step = {bsz * 1e3 / ms:.0f} tok/s (floor {floor:.3f} ms)")
@@ -179,7 +181,7 @@ def bench_throughput(plan, res: dict, steps: int) -> None:
         for name, ctx in (("decode_64", 1024), ("decode_256", 1024), ("decode_32", 1024), ("prefill_640", 640)):
             if name in runner.buckets:
                 prof = profile_runner(runner, name, ctx)
-                res[f"profile_{name}_ctx{ctx}"] = format_table(prof)
+                res[f"profile_{name}_ctx{ctx}"] = format_table(prof, plan.build.target)
                 print(res[f"profile_{name}_ctx{ctx}"], flush=True)
     finally:
         runner.close()
@@ -300,7 +302,7 @@ def report(res: dict, args, plan) -> str:
              f"decode {plan.build.decode_buckets} prefill {plan.build.prefill_buckets}, max_seq_len "
              f"{plan.build.max_seq_len}; GEMM library: {'CUTLASS' if plan.kernels.get('gemm_library') else 'none (mma.sync fallback)'}",
              f"- runner start (alloc, dummy weights, warm-up, graph capture): {d.get('startup_s', 0):.1f} s", "",
-             "| measurement | ms | tok/s | roofline ms (bytes / 4.28 TB/s) |", "| --- | --- | --- | --- |"]
+             "| measurement | ms | tok/s | roofline ms (bytes / the target's read bandwidth, plan/roofline.py) |", "| --- | --- | --- | --- |"]
     for ctx in (128, 4096):
         r = d.get(f"decode_b1_ctx{ctx}")
         if r:

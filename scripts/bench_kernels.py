@@ -111,6 +111,7 @@ class Gemm:
 
 def bench_gemm(args) -> None:
     from xserv_aot.plan.kernel_build import plan_skinny
+    from xserv_aot.plan.op_records import Linear
     gemm = Gemm(Path(args.lib))
     kern = Kernels("gemm_skinny.cu")
     idx = {n: i for i, n in enumerate(gemm.names)}
@@ -142,14 +143,13 @@ def bench_gemm(args) -> None:
                     ci = idx[cname]
                     variants.append((cname, lambda j, ci=ci: gemm(ci, x, ws[j], y, M, N, K, 0)))
             if M <= 64:
-                op = {"rows": M, "n": N, "k": K}
-                plan_skinny(op, "f32" if f32 else "bf16", None)
-                spec = op["launch"][0]
-                fn = kern.fn("gemm_skinny.cu", spec["fn"], spec["smem"])
-                launches = [Launch(spec["fn"], fn, tuple(spec["grid"]), tuple(spec["block"]), spec["smem"],
+                rec = plan_skinny(Linear(inp="x", weight="w", bias=None, out="y", rows=M, n=N, k=K),
+                                  "f32" if f32 else "bf16", None).launch[0]      # the plan's kernel and geometry
+                fn = kern.fn("gemm_skinny.cu", rec.fn, rec.smem)
+                launches = [Launch(rec.fn, fn, rec.grid, rec.block, rec.smem,
                                    [("ptr", x.data_ptr()), ("ptr", w.data_ptr()), ("ptr", 0), ("ptr", y.data_ptr()),
                                     ("i32", M), ("i32", N), ("i32", K)], pdl=False) for w in ws]
-                variants.append((spec["fn"], lambda j, ls=launches: ls[j](stream())))
+                variants.append((rec.fn, lambda j, ls=launches: ls[j](stream())))
             for vname, body in variants:
                 try:
                     y.fill_(float("nan"))

@@ -48,24 +48,12 @@ def main() -> None:
     seed = args.seed if args.seed is not None else int(np.random.default_rng().integers(1 << 30))
     log(f"seed {seed}")
     import torch
-    import transformers
+
+    from tests.test_cuda_e2e import make_model          # the GPU tests' random Qwen3 (fan-in scaled weights)
     work = Path(args.work)
     hf_dir, plan_dir = work / "hf", work / "plan"
-    cfg = transformers.Qwen3Config(**SHAPE, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1e6,
-                                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(seed)
     t0 = time.perf_counter()
-    with torch.device("cuda"):
-        model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * (torch.rand_like(p, dtype=torch.float32) * 2 - 1))
-            elif "embed" in name:
-                p.copy_(torch.randn_like(p, dtype=torch.float32))
-            else:
-                p.copy_(torch.randn_like(p, dtype=torch.float32) * p.shape[1] ** -0.5)
-    model.save_pretrained(hf_dir, max_shard_size="4GB")
+    model = make_model(hf_dir, SHAPE, seed, max_shard_size="4GB")
     log(f"HF model made and saved ({len(list(hf_dir.glob('*.safetensors')))} shards) in {time.perf_counter() - t0:.0f}s")
 
     rng = np.random.default_rng(seed)

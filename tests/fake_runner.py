@@ -49,6 +49,7 @@ class FakeRunner:
                                     model=SimpleNamespace(vocab_size=vocab_size, eos_token_ids=list(eos_token_ids)))
         self.fail_when = fail_when            # callable(batch) -> bool: raise RuntimeError for that step
         self.batches: list[BatchDescription] = []
+        self.last_sampled = np.zeros(build.max_num_seqs, dtype=np.int32)   # what sampled_ids holds on a device
         self.reset_kv()
 
     def reset_kv(self) -> None:
@@ -67,7 +68,7 @@ class FakeRunner:
         written: dict[int, int] = {}
         for i in range(s):
             lo, hi = b.query_start_loc[i], b.query_start_loc[i + 1]
-            bt, L = b.block_tables[i], b.seq_lens[i]
+            bt, L = list(b.block_tables[i]), int(b.seq_lens[i])
             assert hi > lo and L <= bld.max_seq_len and len(bt) <= bld.max_blocks_per_seq
             assert -(-L // bs) <= len(bt) and all(0 <= x < bld.num_blocks for x in bt)
             for j, r in enumerate(range(lo, hi)):
@@ -76,7 +77,7 @@ class FakeRunner:
                 assert b.slot_mapping[r] == bt[p // bs] * bs + p % bs, (i, r)
                 written[bt[p // bs]] = i
         for i, bt in enumerate(b.block_tables):
-            for blk in bt:
+            for blk in list(bt)[:-(-int(b.seq_lens[i]) // bs)]:          # past seq_len: padding or not yet used
                 assert written.get(blk, i) == i, f"seq {i} shares block {blk} that seq {written[blk]} writes"
 
     def run(self, batch: BatchDescription) -> StepResult:
@@ -85,9 +86,10 @@ class FakeRunner:
         if self.fail_when is not None and self.fail_when(batch):
             raise RuntimeError("injected runner failure")
         bs = self.build.block_size
-        for tok, pos, slot in zip(batch.input_ids, batch.positions, batch.slot_mapping):
-            if slot >= 0:
-                self.kv_tokens[slot], self.kv_pos[slot] = tok, pos
+        prev = batch.prev_rows if len(batch.prev_rows) else [-1] * batch.num_tokens
+        for tok, p, pos, slot in zip(batch.input_ids, prev, batch.positions, batch.slot_mapping):
+            if slot >= 0:               # like resolve_input_ids: a pending token comes from the last sampled ids
+                self.kv_tokens[slot], self.kv_pos[slot] = (self.last_sampled[p] if p >= 0 else tok), pos
         logits, sampled = [], []
         for i in range(batch.num_seqs):
             p = np.arange(batch.seq_lens[i])
@@ -95,10 +97,16 @@ class FakeRunner:
             assert (self.kv_pos[slots] == p).all(), f"seq {i}: KV pool holds positions {self.kv_pos[slots]}"
             row = context_logits(self.kv_tokens[slots].tolist(), self.vocab_size)
             logits.append(row)
-            sampled.append(draw(row, batch.temperature[i], batch.top_k[i], batch.top_p[i], 0.0,
-                                batch.seeds[i], batch.sample_offsets[i]))
-        return StepResult(np.asarray(sampled, dtype=np.int32),
-                          np.stack(logits) if batch.need_logits else None)
+            sampled.append(draw(row, float(batch.temperature[i]), int(batch.top_k[i]), float(batch.top_p[i]), 0.0,
+                                int(batch.seeds[i]), int(batch.sample_offsets[i])))
+        self.last_sampled = np.asarray(sampled, dtype=np.int32)
+        return StepResult(self.last_sampled.copy(), np.stack(logits) if batch.need_logits else None)
+
+    def launch(self, batch: BatchDescription) -> StepResult:
+        return self.run(batch)
+
+    def wait(self, handle: StepResult) -> StepResult:
+        return handle
 
 
 PIECES = [c for c in "abcdefghijklmnopqrstuvwxyz"] + ["th", "e ", "ing", " the", "!", "?", ". ", "xy", "z\n"]
@@ -134,7 +142,9 @@ class FaultyRunner:
     Calls are counted from 0. A call fails when its index is in fail_calls, when `always` is set, or while
     `fail_next` > 0 (decremented per failure; settable from another thread while the engine is idle).
     bad_result_calls: run normally but return a StepResult without logits, so postprocess fails mid-way.
+    remote_methods: what a test may call across the engine process boundary (engine.call_runner).
     """
+    remote_methods = ("fail_next_calls", "num_failures")
 
     def __init__(self, inner, fail_calls=(), always: bool = False, bad_result_calls=()):
         self.inner, self.plan = inner, inner.plan
@@ -156,3 +166,15 @@ class FaultyRunner:
 
     def reset_kv(self) -> None:
         self.inner.reset_kv()
+
+    def launch(self, batch: BatchDescription) -> StepResult:
+        return self.run(batch)
+
+    def wait(self, handle: StepResult) -> StepResult:
+        return handle
+
+    def fail_next_calls(self, n: int) -> None:
+        self.fail_next = n
+
+    def num_failures(self) -> int:
+        return self.failures

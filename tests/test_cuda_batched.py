@@ -9,7 +9,8 @@ import pytest
 
 from tests.cuda_fixtures import bf, lib, rng  # noqa: F401  (fixtures)
 from tests.test_cuda_kernels import check, paged_setup
-from xserv_aot.plan import kernel_build as kb
+from xserv_aot.plan import attention_plan
+from xserv_aot.plan.op_records import Attention
 from xserv_aot.runtime import numpy_ops as ref
 
 pytestmark = pytest.mark.gpu
@@ -66,10 +67,12 @@ def test_mixed_step_attention(lib, rng, hd, nh, nkv):
     T = int(qsl[-1]) + 5
     q = bf(rng.standard_normal((T, nh, hd)))
     out = lib.empty((T, nh * hd), "bfloat16")
-    op = {"rows": T, "num_seqs": len(seqs)}
+    op = Attention(q="q", kv_cache="kv_cache", layer=0, query_start_loc="qsl", seq_lens="lens", block_tables="bt",
+                   out="attn", rows=T, num_seqs=len(seqs), num_heads=nh, num_kv_heads=nkv, head_dim=hd,
+                   scale=hd ** -0.5)
     m = {"num_heads": nh, "num_kv_heads": nkv, "head_dim": hd}
-    dec = kb.batched_attn_launch(op, m, block_size * max_blocks)
-    splits = dec["grid"][2]
+    dec = attention_plan.batched_attn_launch(op, m, block_size * max_blocks, [], [])   # the plan's kernel, grid and smem
+    splits = dec.grid[2]
     po, pml = lib.empty((len(seqs), nh, splits, hd), "float32"), lib.empty((len(seqs), nh, splits, 2), "float32")
     counters = lib.to_device(np.zeros((len(seqs), nkv), np.int32))
     dq, dkv, dqsl, dlens, dtab = (lib.to_device(q, "bfloat16"), lib.to_device(kv, "bfloat16"), lib.to_device(qsl),
@@ -81,10 +84,10 @@ def test_mixed_step_attention(lib, rng, hd, nh, nkv):
     got = out.numpy()
     decode_rows = [int(qsl[i]) for i, (n, _) in enumerate(seqs) if n == 1]
     assert np.isnan(got[decode_rows]).all(), "the prefill kernel must leave one-row seqs to the decode kernel"
-    lib.launch(dec["fn"], dec["grid"], dec["block"],
+    lib.launch(dec.fn, dec.grid, dec.block,
                [("ptr", dq), ("ptr", dkv), ("ptr", dqsl), ("ptr", dlens), ("ptr", dtab), ("ptr", po), ("ptr", pml),
                 ("ptr", counters), ("ptr", out), ("i32", T), ("i32", nh), ("i32", nkv), ("i32", block_size),
-                ("i32", max_blocks), ("i32", kv.shape[1]), ("f32", hd ** -0.5)], smem=dec["smem"])
+                ("i32", max_blocks), ("i32", kv.shape[1]), ("f32", hd ** -0.5)], smem=dec.smem)
     want = ref.attention(q, kv, qsl, lens, tables, block_size, hd ** -0.5)
     got = out.numpy()
     check(got, want)

@@ -27,8 +27,9 @@ def gpu_or_skip():
         pytest.skip("torch without CUDA")
 
 
-def make_model(out: Path, shape: dict, seed: int) -> Path:
-    """Random Qwen3 with fan-in scaled weights (activations stay O(1) at any width), saved as bf16 safetensors."""
+def make_model(out: Path, shape: dict, seed: int, max_shard_size: str = "5GB"):
+    """Random Qwen3 with fan-in scaled weights (activations stay O(1) at any width), saved as bf16 safetensors;
+    returns the model (bf16, on the GPU)."""
     import torch
     import transformers
     cfg = transformers.Qwen3Config(**shape, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1e6,
@@ -44,7 +45,7 @@ def make_model(out: Path, shape: dict, seed: int) -> Path:
                 p.copy_(torch.randn_like(p, dtype=torch.float32))
             else:
                 p.copy_(torch.randn_like(p, dtype=torch.float32) * p.shape[1] ** -0.5)
-    model.save_pretrained(out)
+    model.save_pretrained(out, max_shard_size=max_shard_size)
     return model
 
 

@@ -85,23 +85,36 @@ def test_graph_replay_equals_eager_bitwise(runner):
     np.testing.assert_array_equal(graph, eager)
 
 
-def test_batched_sequences_are_independent(runner):
+def test_batched_sequences_match_running_alone(runner):
+    """Three sequences prefilled together and decoded in decode_4 (whose GEMM and attention kernels differ from
+    decode_1's) against each run alone, teacher-forced on the alone run's greedy tokens: per-step logits within
+    the bf16 tolerance of the kernel tests, and the same greedy token wherever the alone run's top-2 margin > 0.1.
+    (Bit-identical results across buckets are not claimed: each bucket has its own kernels.)"""
     from xserv_aot.runtime.session import Session
-    rng = np.random.default_rng()
+    seed = int(np.random.default_rng().integers(1 << 30))
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, SHAPE["vocab_size"], n).tolist() for n in (5, 19, 3)]
     alone = []
     for p in prompts:
         runner.reset_kv()
-        alone.append(Session(runner).greedy(p, 6)[0])
+        toks, logits = Session(runner).greedy(p, 6)
+        alone.append((toks, np.array(logits, np.float64)))
     runner.reset_kv()
     s = Session(runner, num_seqs=3)
-    first = s.step({k: p for k, p in enumerate(prompts)})[0]           # three prefills in one batch
-    outs = {k: [int(first[k])] for k in range(3)}
-    for _ in range(5):
-        ids, _ = s.step({k: [outs[k][-1]] for k in range(3)})
+    _, lg = s.step({k: p for k, p in enumerate(prompts)})              # three prefills in one batch
+    got = {k: [lg[k]] for k in range(3)}
+    for t in range(5):
+        _, lg = s.step({k: [alone[k][0][t]] for k in range(3)})
         for k in range(3):
-            outs[k].append(int(ids[k]))
-    assert [outs[k] for k in range(3)] == alone
+            got[k].append(lg[k])
+    for k in range(3):
+        ref, out = alone[k][1], np.array(got[k], np.float64)
+        errs = np.linalg.norm(out - ref, axis=1) / np.linalg.norm(ref, axis=1)
+        assert errs.max() <= 1e-2, f"seq {k}: per-step logits error {errs.max():.2e} (seed {seed})"
+        top2 = np.sort(ref, axis=1)[:, -2:]
+        sure = (top2[:, 1] - top2[:, 0]) > 0.1
+        assert (out.argmax(1) == ref.argmax(1))[sure].all(), f"seq {k} (seed {seed})"
 
 
 def test_device_sampling_matches_numpy_sampler(plan, runner):

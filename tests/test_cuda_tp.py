@@ -128,3 +128,27 @@ while True:
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 1, p.stderr[-2000:]
     assert "tensor-parallel group failed: rank 1 exited" in p.stderr     # the watchdog's line or the step's error
+
+
+def test_tp_engine_overlap_on_equals_off(plans):
+    """Overlapped steps across rank processes: step N+1 reaches the followers (prev_rows and all) before step N is
+    read. With as many requests as sequence slots the steps have the same shapes on and off, so every token must be
+    identical (greedy and seeded rows)."""
+    if gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    from tests.test_cuda_overlap import _generate
+    from xserv_aot.engine.api import SamplingParams
+    from xserv_aot.runtime.tp_ranks import TensorParallelRunner
+    rng = np.random.default_rng(21)
+    n = plans[2].build.max_num_seqs
+    prompts = [rng.integers(3, CONFIG["vocab_size"], size=int(k)).tolist() for k in rng.integers(5, 60, size=n)]
+    params = [SamplingParams(max_tokens=int(rng.integers(4, 24)), temperature=t, seed=i, ignore_eos=True)
+              for i, t in enumerate([0.0, 0.8] * (n // 2))]
+    runner = TensorParallelRunner(plans[2], "cuda")
+    try:
+        assert runner.overlaps
+        (off, shapes_off), (on, shapes_on) = (_generate(runner, prompts, params, o) for o in (False, True))
+    finally:
+        runner.close()
+    assert shapes_on == shapes_off
+    assert on == off

@@ -14,7 +14,7 @@ from xserv_aot.config import BuildConfig
 from xserv_aot.engine.api import InvalidRequestError, QueueFullError, RequestTooLongError, SamplingParams
 from xserv_aot.engine.async_engine import AsyncEngine
 from xserv_aot.engine.llm_engine import LLMEngine
-from xserv_aot.engine.sequence import Sequence
+from xserv_aot.engine.text_output import TextOutput
 
 VOCAB = 50
 
@@ -140,16 +140,16 @@ def test_stop_string_buffer_against_reference():
         stops = ["".join(rng.choice("abc") for _ in range(rng.randrange(1, 5))) for _ in range(rng.randrange(1, 4))]
         hits = [text.find(s) for s in stops if s in text]
         want = text[:min(hits)] if hits else text
-        seq = Sequence("s", [1], SamplingParams(stop=stops), seed=0)
+        buf = TextOutput(None, stops)
         emitted, pos, stopped = "", 0, False
         while pos < len(text) and not stopped:
             n = rng.randrange(1, 4)
-            delta, stopped = seq.feed_text(text[pos:pos + n])
+            delta, stopped = buf.feed(text[pos:pos + n])
             pos += n
             emitted += delta
             assert want.startswith(emitted)
         if not stopped:
-            emitted += seq.flush_text()
+            emitted += buf.flush()
         assert emitted == want and stopped == bool(hits)
 
 

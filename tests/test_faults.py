@@ -7,6 +7,7 @@ Engine and AsyncEngine on FakeRunner (outputs checked against the unpaged refere
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 
@@ -205,9 +206,14 @@ def plan(tmp_path_factory):
     return tiny_plan(tmp_path_factory, num_blocks=64)
 
 
+MAX_FAILURES = 3
+
+
 def served(plan, **runner_kw):
-    ae = build_engine(plan, backend="cpu", model_name="tiny")
-    ae.engine.runner = FaultyRunner(ae.engine.runner, **runner_kw)
+    """The server over an engine core process whose runner is wrapped, in that process, by FaultyRunner."""
+    ae = build_engine(plan, backend="cpu", model_name="tiny", engine_process=True,
+                      runner_wrapper=functools.partial(FaultyRunner, **runner_kw),
+                      engine_kwargs={"max_consecutive_failures": MAX_FAILURES})
     return ae, LiveServer(create_app(ae, model_name="tiny", manage_engine=True))
 
 
@@ -227,10 +233,10 @@ def test_server_transient_fault_gives_500_and_error_event_then_recovers(plan):
     tok = ae.tokenizer
     ids = tok.encode("meadow signal orbit")
     with srv as url:
-        ae.engine.runner.fail_next = 1
+        ae.call_runner("fail_next_calls", 1)
         r = completion(url, ids)
         assert r.status_code == 500 and r.json()["error"]["message"] == "internal error while generating"
-        ae.engine.runner.fail_next = 1
+        ae.call_runner("fail_next_calls", 1)
         r = completion(url, ids, stream=True)
         ev = sse_events(r)
         assert r.status_code == 200 and ev[-1] == "[DONE]"
@@ -250,7 +256,7 @@ def test_server_reports_a_permanently_failed_engine(plan):
     ae, srv = served(plan, always=True)
     ids = ae.tokenizer.encode("quartz harbor")
     with srv as url:
-        for k in range(ae.engine.max_consecutive_failures):
+        for k in range(MAX_FAILURES):
             assert httpx.get(url + "/health").status_code == 200
             assert completion(url, ids, stream=k % 2 == 1).status_code in (500, 200)
         assert httpx.get(url + "/health").status_code == 503
@@ -259,7 +265,7 @@ def test_server_reports_a_permanently_failed_engine(plan):
         assert m[("xserv_num_requests_running", frozenset())] == 0 == m[("xserv_kv_cache_blocks_used", frozenset())]
         r = completion(url, ids)                    # refused at once, never queued
         assert r.status_code >= 500 and "error" in r.json()
-        assert not ae.stats().healthy and ae.engine.runner.failures == ae.engine.max_consecutive_failures
+        assert not ae.stats().healthy and ae.call_runner("num_failures") == MAX_FAILURES
 
 
 def test_health_reports_a_stopped_engine():

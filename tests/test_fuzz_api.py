@@ -33,7 +33,7 @@ NORMAL = {"model": "tiny", "prompt": "river violet engine", "max_tokens": 4, "te
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    ae = build_engine(tiny_plan(tmp_path_factory), backend="cpu", model_name="tiny")
+    ae = build_engine(tiny_plan(tmp_path_factory), backend="cpu", model_name="tiny", engine_process=True)
     with LiveServer(create_app(ae, model_name="tiny", manage_engine=True, max_request_bytes=MAX_BYTES)) as url:
         with httpx.Client(base_url=url, timeout=30) as client:
             first = client.post(COMP, json=NORMAL)

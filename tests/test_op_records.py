@@ -30,8 +30,8 @@ def plan_dir(tmp_path_factory):
 def test_loaded_ops_are_frozen_records(plan_dir):
     plan = Plan.load(plan_dir)
     ops = plan.buckets[0].ops
-    assert [op.op for op in ops[:3]] == ["embedding", "rmsnorm", "linear"]
-    lin = ops[2]
+    assert [op.op for op in ops[:4]] == ["resolve_input_ids", "embedding", "rmsnorm", "linear"]
+    lin = ops[3]
     assert isinstance(lin, Linear) and (lin.inp, lin.weight, lin.bias, lin.out) == ("h", "layers.0.qkv", None, "qkv")
     with pytest.raises(dataclasses.FrozenInstanceError):
         lin.rows = 3
@@ -39,17 +39,17 @@ def test_loaded_ops_are_frozen_records(plan_dir):
 
 
 @pytest.mark.parametrize("edit,needle", [
-    (lambda op: op.update(op="conv2d"), "op 2: unknown op 'conv2d'"),
-    (lambda op: op.update(alpha=1.0), "op 2 (linear): unknown field 'alpha'"),
-    (lambda op: op.pop("k"), "op 2 (linear): missing field 'k'"),
-    (lambda op: op.update(n="4096"), "op 2 (linear): field 'n' = '4096' is not"),
+    (lambda op: op.update(op="conv2d"), "op 3: unknown op 'conv2d'"),
+    (lambda op: op.update(alpha=1.0), "op 3 (linear): unknown field 'alpha'"),
+    (lambda op: op.pop("k"), "op 3 (linear): missing field 'k'"),
+    (lambda op: op.update(n="4096"), "op 3 (linear): field 'n' = '4096' is not"),
     (lambda op: op.update(rows=True), "field 'rows' = True is not"),
     (lambda op: op.update(weight="layers.9.qkv"), "names 'layers.9.qkv', which the plan has neither"),
     (lambda op: op.update(cuda={"kernel": "x", "color": 1}), "bad cuda entry"),
 ])
 def test_bad_op_entries_are_refused_with_one_line(plan_dir, tmp_path, edit, needle):
     m = json.loads((plan_dir / "manifest.json").read_text())
-    edit(m["buckets"][0]["ops"][2])
+    edit(m["buckets"][0]["ops"][3])
     (tmp_path / "p").mkdir()
     (tmp_path / "p" / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(PlanError) as e:

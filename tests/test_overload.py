@@ -62,7 +62,7 @@ def one_request(url: str, text: str, stream: bool, start: threading.Barrier) -> 
 
 def test_burst_of_10x_the_queue(plan):
     texts = prompts(8)
-    ae = build_engine(plan, backend="cpu", model_name="tiny", max_waiting=MAX_WAITING)
+    ae = build_engine(plan, backend="cpu", model_name="tiny", max_waiting=MAX_WAITING, engine_process=True)
     with LiveServer(create_app(ae, model_name="tiny", manage_engine=True)) as url:
         start = threading.Barrier(BURST)
         t0 = time.monotonic()

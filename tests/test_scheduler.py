@@ -7,6 +7,8 @@ from xserv_aot.config import BuildConfig
 from xserv_aot.engine.api import SamplingParams
 from xserv_aot.engine.scheduler import Scheduler
 from xserv_aot.engine.sequence import Sequence, SequenceStatus
+from xserv_aot.runtime.batch import BatchDescription, NewRow
+from xserv_aot.runtime.input_batch import InputBatch
 
 
 def mkbuild(**kw) -> BuildConfig:
@@ -20,9 +22,30 @@ def mkseq(n, rid, params=None, seed=0):
     return Sequence(rid, [random.randrange(1000) for _ in range(n)], params or SamplingParams(), seed=seed)
 
 
+class Sched(Scheduler):
+    """A scheduler with the runner side's persistent batch next to it, as in the engine."""
+
+    def __init__(self, build, **kw):
+        super().__init__(build, **kw)
+        self.ib = InputBatch(build)
+
+
+def as_lists(b: BatchDescription) -> BatchDescription:
+    fields = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
+              "temperature", "top_k", "top_p", "seeds", "sample_offsets")
+    return BatchDescription(**{f: [list(map(int, r)) for r in getattr(b, f)] if f == "block_tables"
+                               else [x.item() for x in getattr(b, f)] for f in fields}, need_logits=b.need_logits)
+
+
 def step(sched, token=7):
-    """What the engine does around the runner: schedule, commit, append a token for every sampling row."""
+    """What the engine does around the runner: schedule, prepare the batch, commit, append a token for every
+    sampling row (on both sides: the runner side records it as its device sample)."""
     out = sched.schedule()
+    if out.is_empty:
+        sched.ib.apply(out.update)
+    else:
+        out.batch = as_lists(sched.ib.prepare(out.update))
+        sched.ib.record([token] * len(out.seqs))
     sched.commit(out)
     for seq, samples in zip(out.seqs, out.samples):
         if samples:
@@ -31,13 +54,14 @@ def step(sched, token=7):
 
 
 def test_chunked_prefill_exact_batches():
-    s = Scheduler(mkbuild())
+    s = Sched(mkbuild())
     a = mkseq(10, "a")
     s.add(a)
     o = step(s, token=42)
     b = o.batch
     assert b.input_ids == a.prompt_ids[:8] and b.positions == list(range(8)) and b.slot_mapping == list(range(8))
     assert b.query_start_loc == [0, 8] and b.seq_lens == [8] and b.block_tables == [[0, 1, 2]]
+    assert o.update.new_rows == [NewRow(0, a.prompt_ids, 10, 0, [0, 1, 2], 1.0, 0, 1.0, 0)]
     assert o.samples == [False] and a.num_computed_tokens == 8
     o = step(s, token=43)
     b = o.batch
@@ -51,7 +75,7 @@ def test_chunked_prefill_exact_batches():
 
 
 def test_decodes_first_then_prefill_chunks_under_budget():
-    s = Scheduler(mkbuild())
+    s = Sched(mkbuild())
     a, b, c = mkseq(6, "a"), mkseq(6, "b"), mkseq(3, "c")
     for q in (a, b, c):
         s.add(q)
@@ -71,7 +95,7 @@ def test_decodes_first_then_prefill_chunks_under_budget():
 
 
 def test_max_num_seqs_and_budget_limits():
-    s = Scheduler(mkbuild())
+    s = Sched(mkbuild())
     seqs = [mkseq(3, f"r{i}") for i in range(6)]
     for q in seqs:
         s.add(q)
@@ -85,7 +109,7 @@ def test_max_num_seqs_and_budget_limits():
 
 
 def test_preempts_newest_first_and_requeues_in_order():
-    s = Scheduler(mkbuild(num_blocks=4, prefill_buckets=[16]))
+    s = Sched(mkbuild(num_blocks=4, prefill_buckets=[16]))
     a, b, c, d = (mkseq(4, r) for r in "abcd")
     for q in (a, b, c, d):
         s.add(q)
@@ -107,7 +131,7 @@ def test_preempts_newest_first_and_requeues_in_order():
 
 
 def test_preemption_of_itself_when_newest():
-    s = Scheduler(mkbuild(num_blocks=3, prefill_buckets=[16]))
+    s = Sched(mkbuild(num_blocks=3, prefill_buckets=[16]))
     a, b = mkseq(4, "a"), mkseq(8, "b")
     s.add(a)
     s.add(b)
@@ -117,7 +141,7 @@ def test_preemption_of_itself_when_newest():
 
 
 def test_lone_sequence_that_cannot_grow_fails_instead_of_deadlocking():
-    s = Scheduler(mkbuild(num_blocks=2, prefill_buckets=[16]))
+    s = Sched(mkbuild(num_blocks=2, prefill_buckets=[16]))
     a = mkseq(8, "a")
     s.add(a)
     o = step(s)
@@ -129,7 +153,7 @@ def test_lone_sequence_that_cannot_grow_fails_instead_of_deadlocking():
 
 
 def test_waiting_sequence_larger_than_the_pool_fails():
-    s = Scheduler(mkbuild(num_blocks=2))
+    s = Sched(mkbuild(num_blocks=2))
     big, small = mkseq(12, "big"), mkseq(3, "small")
     s.add(big)
     s.add(small)
@@ -138,7 +162,7 @@ def test_waiting_sequence_larger_than_the_pool_fails():
 
 
 def test_need_logits_only_for_sampling_host_rows():
-    s = Scheduler(mkbuild())
+    s = Sched(mkbuild())
     host = SamplingParams(logprobs=2, temperature=0.5, top_k=3, top_p=0.9, seed=5)
     a = Sequence("a", list(range(12)), host, seed=5)
     s.add(a)
@@ -152,7 +176,7 @@ def test_need_logits_only_for_sampling_host_rows():
 def test_random_load_respects_limits_and_frees_everything():
     rng = random.Random(1)
     build = mkbuild(num_blocks=10, prefill_buckets=[8, 16])
-    s = Scheduler(build)
+    s = Sched(build)
     pending = [Sequence(f"r{i}", [rng.randrange(50) for _ in range(rng.randrange(1, 20))], SamplingParams(),
                         seed=i) for i in range(30)]
     targets = {q.request_id: rng.randrange(1, 12) for q in pending}
@@ -184,7 +208,7 @@ def test_mixed_step_caps_prompt_tokens_while_decodes_run():
     """With decodes running, a long prompt gets at most mixed_prefill_tokens a step (exact rows and blocks);
     alone, it takes the whole prefill chunk."""
     random.seed(11)
-    s = Scheduler(mkbuild(prefill_buckets=[4, 8], mixed_prefill_tokens=3, num_blocks=32))
+    s = Sched(mkbuild(prefill_buckets=[4, 8], mixed_prefill_tokens=3, num_blocks=32))
     a = mkseq(2, "a")
     s.add(a)
     o = step(s)
@@ -194,7 +218,8 @@ def test_mixed_step_caps_prompt_tokens_while_decodes_run():
     o = step(s)                                   # a decodes, long takes 3 prompt tokens (not 7)
     assert o.seqs == [a, long] and o.num_new_tokens == [1, 3] and o.samples == [True, False]
     assert o.batch.query_start_loc == [0, 1, 4] and o.batch.positions == [2, 0, 1, 2]
-    assert o.batch.block_tables == [[0], [1, 2, 3]] and o.batch.slot_mapping == [2, 4, 5, 6]
+    assert [row[:n] for row, n in zip(o.batch.block_tables, (1, 3))] == [[0], [1, 2, 3]]
+    assert o.batch.slot_mapping == [2, 4, 5, 6]
     o = step(s)
     assert o.num_new_tokens == [1, 3] and o.batch.positions == [3, 3, 4, 5] and o.batch.slot_mapping == [3, 7, 8, 9]
     s.finish(a, "stop")
@@ -208,3 +233,94 @@ def test_mixed_prefill_tokens_bounds():
     with pytest.raises(ConfigError, match="mixed_prefill_tokens"):
         mkbuild(mixed_prefill_tokens=9)
     assert mkbuild().mixed_prefill_budget == 8 and mkbuild(mixed_prefill_tokens=5).mixed_prefill_budget == 5
+def test_updates_carry_only_what_changed():
+    s = Sched(mkbuild(max_num_seqs=2, decode_buckets=[1, 2]))
+    a, b = mkseq(7, "a"), mkseq(3, "b")
+    s.add(a)
+    u = step(s).update                             # a: 7 prompt tokens in blocks 0, 1
+    assert [r.row for r in u.new_rows] == [0] and u.new_rows[0].block_ids == [0, 1] and u.rows == [0]
+    assert (u.removed, u.new_blocks, u.new_tokens, u.num_scheduled) == ([], [], [], [7])
+    u = step(s).update                             # a decodes its 9th token: block 2 is new
+    assert (u.new_rows, u.new_blocks, u.rows, u.num_scheduled) == ([], [], [0], [1])
+    s.add(b)
+    u = step(s).update
+    assert u.new_blocks == [(0, [2])] and [r.row for r in u.new_rows] == [1] and u.new_rows[0].block_ids == [3]
+    assert u.rows == [0, 1] and u.num_scheduled == [1, 3]
+    s.host_token(a, 99)                            # the engine sampled a's last token on the host
+    s.finish(b, "stop")
+    c = mkseq(2, "c")
+    s.add(c)
+    o = step(s)
+    u = o.update                                   # b's row 1 is freed and given to c in the same update
+    assert u.new_tokens == [(0, 99)] and u.removed == [1] and [r.row for r in u.new_rows] == [1]
+    assert o.batch.input_ids == [99] + c.prompt_ids
+    s.host_token(c, 5)
+    s.finish(c, "stop")                            # a host token of a row that left is dropped
+    assert step(s).update.new_tokens == []
+
+
+def test_preempted_row_comes_back_with_all_its_tokens_and_recover_resets():
+    s = Sched(mkbuild(num_blocks=3, prefill_buckets=[16]))
+    a, b = mkseq(4, "a"), mkseq(8, "b")
+    s.add(a)
+    s.add(b)
+    step(s, token=11)
+    o = step(s)                                    # a needs a block: b (row 1) is preempted
+    assert o.preempted == [b] and o.update.removed == [1] and o.update.new_blocks == [(0, [2])]
+    s.finish(a, "stop")
+    o = step(s)
+    assert o.update.removed == [0] and o.update.new_rows[0].token_ids == b.prompt_ids + [11]
+    r = o.update.new_rows[0]                      # the next free row; its first block is a prefix cache hit
+    assert (r.row, r.num_computed_tokens, r.block_ids) == (2, 4, [1, 2, 0]) and o.batch.sample_offsets == [1]
+    s.recover([])
+    u = step(s).update
+    assert u.reset and [r.row for r in u.new_rows] == [0]
+
+
+def reference_batch(out) -> BatchDescription:
+    """The batch built from scratch out of the sequences' own state (what the persistent batch must equal)."""
+    b = BatchDescription([], [], [], [0], [], [])
+    bs = 4
+    for seq, n, sampled in zip(out.seqs, out.num_new_tokens, out.samples):
+        start = seq.num_computed_tokens - n        # commit already advanced it, and a sampled token was appended
+        b.input_ids += seq.token_ids[start:start + n]
+        b.positions += range(start, start + n)
+        b.slot_mapping += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        b.query_start_loc.append(b.query_start_loc[-1] + n)
+        b.seq_lens.append(start + n)
+        b.block_tables.append(list(seq.block_table))
+        b.sample_offsets.append(seq.num_output_tokens - sampled)
+        b.seeds.append(seq.seed)
+    return b
+
+
+def test_persistent_batch_equals_the_from_scratch_batch_under_random_load():
+    seed = 5
+    rng = random.Random(seed)
+    build = mkbuild(num_blocks=12, prefill_buckets=[8, 16])
+    s = Sched(build)
+    pending = [Sequence(f"r{i}", [rng.randrange(50) for _ in range(rng.randrange(1, 20))], SamplingParams(),
+                        seed=i) for i in range(40)]
+    steps = 0
+    while (pending or s.has_unfinished()) and steps < 3000:
+        steps += 1
+        if pending and rng.random() < 0.3:
+            s.add(pending.pop())
+        running = [q for q in s.running if q.num_output_tokens]
+        if running and rng.random() < 0.1:
+            s.finish(rng.choice(running), "abort")
+        if not s.has_unfinished():
+            continue
+        o = step(s, token=rng.randrange(50))
+        if o.is_empty:
+            continue
+        want = reference_batch(o)
+        got = o.batch
+        assert (got.input_ids, got.positions, got.slot_mapping, got.query_start_loc, got.seq_lens, got.seeds) == \
+            (want.input_ids, want.positions, want.slot_mapping, want.query_start_loc, want.seq_lens, want.seeds), seed
+        assert [t[:len(w)] for t, w in zip(got.block_tables, want.block_tables)] == want.block_tables, seed
+        assert got.sample_offsets == want.sample_offsets, seed
+        for q, smp in zip(o.seqs, o.samples):
+            if smp and q.num_output_tokens >= 6:
+                s.finish(q, "length")
+    assert not pending and not s.has_unfinished() and s.num_preemptions > 0, (seed, steps, s.num_preemptions)

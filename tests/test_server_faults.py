@@ -104,8 +104,8 @@ def plan(tmp_path_factory):
 
 
 def test_engine_stopped_under_the_server(plan):
-    """The real engine thread stops while a stream is open: the stream ends (no hang), new requests get 503 at once."""
-    ae = build_engine(plan, backend="cpu", model_name="tiny")
+    """The engine core process stops while a stream is open: the stream ends (no hang), new requests get 503 at once."""
+    ae = build_engine(plan, backend="cpu", model_name="tiny", engine_process=True)
     with LiveServer(create_app(ae, model_name="tiny", manage_engine=True)) as url:
         body = {"model": "tiny", "prompt": "orbit signal", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
         with httpx.stream("POST", url + COMP, json={**body, "stream": True}, timeout=30) as r:

@@ -5,6 +5,7 @@ cannot hold a connection open past the timeout.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,8 +37,8 @@ class SlowRunner:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    ae = build_engine(tiny_plan(tmp_path_factory), backend="cpu", model_name="tiny")
-    ae.engine.runner = SlowRunner(ae.engine.runner, delay=0.01)
+    ae = build_engine(tiny_plan(tmp_path_factory), backend="cpu", model_name="tiny", engine_process=True,
+                      runner_wrapper=functools.partial(SlowRunner, delay=0.01))
     with LiveServer(create_app(ae, model_name="tiny", manage_engine=True, request_timeout=TIMEOUT_S)) as url:
         yield ae, url
 
@@ -67,7 +68,7 @@ def test_non_streaming_timeout_is_504_and_frees_blocks(served):
     assert TIMEOUT_S * 0.9 <= elapsed < TIMEOUT_S + 5
     st = settled(ae)
     assert (st.num_running, st.num_waiting, st.kv_blocks_used) == (0, 0, 0), st
-    assert not ae.engine._seqs
+    assert ae.debug_state()["seqs"] == 0
     assert scrape(url)[("xserv_request_timeouts_total", frozenset())] == before + 1
 
 

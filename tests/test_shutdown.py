@@ -3,6 +3,7 @@ end with a final chunk (finish_reason "abort") and [DONE], and `xserv-aot serve`
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -138,20 +139,41 @@ def plan(tmp_path_factory):
     return out
 
 
-def test_sigterm_mid_stream_ends_streams_and_exits_0(plan, tmp_path):
+@contextlib.contextmanager
+def serve_process(plan, port: int, grace: float, tmp_path, *args: str):
+    """`xserv-aot serve PLAN` on the CPU, its output in tmp_path/serve.log; killed at exit if still running."""
+    with open(tmp_path / "serve.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "xserv_aot.cli", "serve", str(plan), "--backend", "cpu",
+                                 "--port", str(port), "--shutdown-grace", str(grace), "--model-name", "tiny", *args],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def serve_log(tmp_path) -> str:
+    return (tmp_path / "serve.log").read_text(errors="replace")
+
+
+def wait_healthy(url: str, proc) -> None:
+    """Until the server process answers /health 200 (it must not exit meanwhile)."""
+    def up():
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+    assert wait_until(lambda: up() or proc.poll() is not None, timeout=90) and proc.poll() is None
+
+
+@pytest.mark.parametrize("process_flag", ["--engine-process", "--no-engine-process"])
+def test_sigterm_mid_stream_ends_streams_and_exits_0(plan, tmp_path, process_flag):
     port, grace = free_port(), 1.0
     url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "xserv_aot.cli", "serve", str(plan), "--backend", "cpu",
-                             "--port", str(port), "--shutdown-grace", str(grace), "--model-name", "tiny"],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        def up():
-            try:
-                return httpx.get(url + "/health", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-        assert wait_until(lambda: up() or proc.poll() is not None, timeout=90) and proc.poll() is None
+    with serve_process(plan, port, grace, tmp_path, process_flag) as proc:
+        wait_healthy(url, proc)
         long = Stream(url, {"model": "tiny", "prompt": "river violet engine", "max_tokens": 2000, "temperature": 0,
                             "ignore_eos": True})
         long.start()
@@ -162,13 +184,7 @@ def test_sigterm_mid_stream_ends_streams_and_exits_0(plan, tmp_path):
         reason, text = long.finish()
         assert reason == "abort" and text
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-    out = (tmp_path / "serve.log").read_text(errors="replace")
-    assert "Traceback" not in out, out[-3000:]
+    assert "Traceback" not in serve_log(tmp_path), serve_log(tmp_path)[-3000:]
 
 
 def test_second_shutdown_request_skips_the_grace():

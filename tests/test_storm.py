@@ -40,7 +40,7 @@ def wait_settled(ae, timeout: float = SETTLE_S):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         st = ae.stats()
-        if (st.num_running, st.num_waiting, st.kv_blocks_used) == (0, 0, 0) and not ae._streams:
+        if (st.num_running, st.num_waiting, st.kv_blocks_used) == (0, 0, 0) and not ae.debug_state()["streams"]:
             return st
         time.sleep(0.05)
     return ae.stats()
@@ -53,10 +53,8 @@ def assert_no_leaks(ae, url: str) -> None:
     assert gauge(m, "xserv_num_requests_running") == 0 and gauge(m, "xserv_num_requests_waiting") == 0
     assert gauge(m, "xserv_kv_cache_blocks_used") == 0 and gauge(m, "xserv_kv_cache_usage_ratio") == 0
     assert gauge(m, "xserv_kv_cache_blocks_total") == NUM_BLOCKS and gauge(m, "xserv_engine_healthy") == 1
-    eng = ae.engine
-    assert not ae._streams and ae._pending_adds == 0 and ae._commands.empty()
-    assert not eng._seqs and not eng.scheduler.running and not eng.scheduler.waiting
-    assert not any(eng.scheduler.block_manager.ref_counts)
+    state = ae.debug_state()                         # inside the engine core process
+    assert set(state.values()) == {0}, state
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +64,7 @@ def plan(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(plan):
-    ae = build_engine(plan, backend="cpu", model_name="tiny", max_waiting=1000)
+    ae = build_engine(plan, backend="cpu", model_name="tiny", max_waiting=1000, engine_process=True)
     with LiveServer(create_app(ae, model_name="tiny", manage_engine=True)) as url:
         yield ae, url
 

@@ -211,3 +211,15 @@ def test_dummy_weight_plans_shard_the_one_generator(tmp_path):
     want_tokens, want = Session(NumpyRunner(one)).greedy(prompt, 6)
     got_tokens, got = Session(NumpyRunner(two)).greedy(prompt, 6)
     assert rel_err(got, want) <= 1e-5 and got_tokens == want_tokens
+
+
+def test_roofline_counts_one_ranks_heads(plans):
+    from xserv_aot.plan.roofline import bucket_costs
+    one, sharded, _, _ = plans(CASES[1])         # qwen3, 4 ranks, 2 kv heads (one per rank, replicated)
+    m, ctx, item = one.model, 64, 4              # float32 plans, float32 KV
+    for plan, nh, nkv in ((one, m.num_heads, m.num_kv_heads), (sharded, m.num_heads // 4, 1)):
+        bk = next(b for b in plan.buckets if b.name == "decode_2")
+        costs = {c[1].op: c[2] for c in bucket_costs(plan, bk, ctx)}
+        assert costs["attention"] == 2 * ctx * nkv * m.head_dim * item * 2 + 2 * 2 * nh * m.head_dim * item
+        assert costs["qk_norm_rope_cache"] == 2 * ((2 * nh + 2 * nkv) * m.head_dim * item + 2 * nkv * m.head_dim * item)
+        assert ("all_reduce" in costs) == (plan is sharded) and costs.get("all_reduce", 0) == 0

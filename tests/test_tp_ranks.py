@@ -176,6 +176,28 @@ def test_engine_on_rank_processes_matches_tp1(cpu_plans):
     assert got == want
 
 
+def test_overlapped_steps_on_rank_processes_match_tp1_without_overlap(cpu_plans):
+    """Followers get each step's prev_rows and resolve the pending ids from their own sampled_ids; launch/wait keep
+    their answers in order. A follower that embedded the placeholder ids would change the all_reduce sums."""
+    rng = np.random.default_rng(79)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (6, 21, 3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=40, seed=11, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)]
+    want = [o.new_token_ids for o in LLMEngine(NumpyRunner(cpu_plans[1]), None, overlap=False).generate(prompts, params)]
+    in_process = LLMEngine(NumpyRunner(cpu_plans[4]), None, overlap=True)
+    assert [o.new_token_ids for o in in_process.generate(prompts, params)] == want
+    runner = TensorParallelRunner(cpu_plans[2], "cpu")
+    try:
+        assert runner.overlaps is False             # NumPy ranks: on only when asked
+        eng = LLMEngine(runner, None, overlap=True)
+        assert [o.new_token_ids for o in eng.generate(prompts, params)] == want
+        assert not runner._pending
+        runner.reset_kv()
+    finally:
+        runner.close()
+
+
 def test_a_rank_that_cannot_start_fails_the_group(cpu_plans, tmp_path):
     import shutil
     broken = tmp_path / "broken"

@@ -1,4 +1,4 @@
-"""The `xserv-aot` command line: compile, inspect, generate, chat, serve, profile, bench."""
+"""The `xserv-aot` command line: compile, inspect, generate, chat, serve, profile, bench, bench-serve."""
 from __future__ import annotations
 
 import json
@@ -104,11 +104,15 @@ def kv_blocks_for_memory(model: Path, build, gib: float, dummy: bool) -> int:
 @app.command()
 @guarded
 def inspect(plan_dir: Path = typer.Argument(..., metavar="PLAN"),
-            ops: Optional[str] = typer.Option(None, help="print the op list of this bucket (e.g. decode_1)")):
+            ops: Optional[str] = typer.Option(None, help="print the op list of this bucket (e.g. decode_1)"),
+            roofline: bool = typer.Option(False, help="per bucket: bytes, FLOPs and the floor they imply on the target"),
+            context: int = typer.Option(128, help="--roofline: context length of every sequence")):
     """Print a plan's memory map, buckets, op list and the bytes each decode step reads."""
     from xserv_aot.plan.inspect import describe
 
-    typer.echo(describe(plan_dir, ops))
+    if context < 1:
+        fail(f"--context must be >= 1, got {context}")
+    typer.echo(describe(plan_dir, ops, roofline=roofline, context=context))
 
 
 def load_runner(plan_dir: Path, backend: str):
@@ -196,13 +200,15 @@ def serve(plan_dir: Path = typer.Argument(..., metavar="PLAN"),
           request_timeout: Optional[float] = typer.Option(None, help="seconds from arrival before a request is "
                                                           "aborted (504 / an error event); default: none"),
           shutdown_grace: float = typer.Option(30.0, help="on SIGTERM, seconds in-flight requests get to finish "
-                                               "before they are aborted")):
+                                               "before they are aborted"),
+          engine_process: bool = typer.Option(True, help="run the scheduler and runner in their own process "
+                                              "(--no-engine-process: an engine thread in the server process)")):
     """Serve PLAN with an OpenAI-compatible HTTP API."""
     from xserv_aot.serve import launch
 
     launch(plan_dir, host=host, port=port, api_key=api_key, max_waiting=max_waiting,
            model_name=model_name or Path(plan_dir).resolve().name, max_request_bytes=max_request_bytes, backend=backend,
-           request_timeout=request_timeout, shutdown_grace=shutdown_grace)
+           request_timeout=request_timeout, shutdown_grace=shutdown_grace, engine_process=engine_process)
 
 
 @app.command()
@@ -211,22 +217,49 @@ def bench(plan_dir: Path = typer.Argument(..., metavar="PLAN"), backend: str = t
           prompt_len: int = typer.Option(128), decode_steps: int = typer.Option(64),
           batch: int = typer.Option(1)):
     """Measure time to first token and decode tok/s on random prompts."""
-    from xserv_aot.bench import run_bench
+    from xserv_aot.bench.offline import run_bench
 
     runner = load_runner(plan_dir, backend)
     typer.echo(json.dumps(run_bench(runner, prompt_len, decode_steps, batch), indent=1))
 
 
+@app.command("bench-serve", add_help_option=False,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_serve(ctx: typer.Context):
+    """Serving benchmark against any OpenAI-compatible server (vLLM `bench serve` flags; --help lists them)."""
+    from xserv_aot.bench.serve import main as bench_serve_main
+
+    raise typer.Exit(bench_serve_main(ctx.args))
+
+
 @app.command()
 @guarded
 def profile(plan_dir: Path = typer.Argument(..., metavar="PLAN"), bucket: str = typer.Option("decode_1"),
-            context: int = typer.Option(128), trace: Optional[Path] = typer.Option(None, help="Chrome-trace JSON out")):
-    """Per-op timing of one bucket on the GPU (CUDA events) plus whole-graph step time."""
+            context: int = typer.Option(128), trace: Optional[Path] = typer.Option(None, help="Chrome-trace JSON out"),
+            nsys: bool = typer.Option(False, help="run this profile under Nsight Systems (--trace cuda,nvtx)"),
+            ncu: bool = typer.Option(False, help="run one eager step under Nsight Compute; per-kernel DRAM/SM "
+                                     "throughput and occupancy beside the plan's bytes and FLOPs"),
+            kernel: Optional[str] = typer.Option(None, help="--ncu: only kernels whose name matches this regex"),
+            out: Optional[Path] = typer.Option(None, help="--nsys: report path (default xserv-BUCKET)"),
+            nvtx: bool = typer.Option(False, help="NVTX ranges around every op and graph replay"),
+            one_step: bool = typer.Option(False, hidden=True, help="one eager step between cuProfilerStart/Stop")):
+    """Per-op timing of one bucket on the GPU (CUDA events) plus whole-graph step time; or --nsys / --ncu."""
+    if nsys and ncu:
+        fail("--nsys and --ncu are exclusive")
+    if context < 1:
+        fail(f"--context must be >= 1, got {context}")
+    if nsys or ncu:
+        from xserv_aot.runtime.nsight import run_ncu, run_nsys
+        typer.echo(run_nsys(plan_dir, bucket, context, out) if nsys else run_ncu(plan_dir, bucket, context, kernel))
+        return
     try:
-        from xserv_aot.runtime.cuda.profile import profile_plan
+        from xserv_aot.runtime.cuda.profile import profile_plan, run_one_step
     except ImportError as e:
         fail(f"profile needs the CUDA backend ({e})")
-    typer.echo(profile_plan(plan_dir, bucket=bucket, context=context, trace=trace))
+    if one_step:
+        typer.echo(run_one_step(plan_dir, bucket, context, nvtx=True))
+        return
+    typer.echo(profile_plan(plan_dir, bucket=bucket, context=context, trace=trace, nvtx=nvtx))
 
 
 def main():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable
 
 from xserv_aot.engine.async_engine import AsyncEngine
 from xserv_aot.engine.llm_engine import LLMEngine
@@ -14,22 +15,37 @@ log = logging.getLogger("xserv_aot.serve")
 
 
 def build_engine(plan_dir: Path, *, backend: str = "auto", max_waiting: int = 256, model_name: str | None = None,
-                 verify: str = "quick") -> AsyncEngine:
+                 verify: str = "quick", engine_process: bool = False, runner_factory: Callable | None = None,
+                 **core_kwargs):
+    """An AsyncEngine (engine thread in this process), or with engine_process an EngineCoreClient (scheduler,
+    runner and device in a child process; core_kwargs go to it, e.g. runner_wrapper for fault injection).
+    runner_factory(plan) -> runner replaces the backend's runner of the in-process engine (the injection point for
+    test doubles such as bench.instant_runner.InstantRunner; keep it picklable: a top-level class or a
+    functools.partial of one)."""
+    model_name = model_name or Path(plan_dir).resolve().name
+    if engine_process:
+        if runner_factory is not None:
+            raise ValueError("runner_factory replaces the runner of the in-process engine; the engine process takes "
+                             "runner_wrapper")
+        from xserv_aot.engine.core_client import EngineCoreClient
+        return EngineCoreClient(plan_dir, backend=backend, model_name=model_name, max_waiting=max_waiting,
+                                verify=verify, **core_kwargs)
     plan = Plan.load(plan_dir, verify=verify)
     if not plan.has_tokenizer:
         raise PlanError(f"{plan_dir}: plan has no tokenizer; serving needs one")
     tokenizer = Tokenizer.from_dir(plan.dir)
-    runner = make_runner(plan, backend)
+    runner = runner_factory(plan) if runner_factory is not None else make_runner(plan, backend)
     log.info("plan %s: %s on %s, %d buckets, max_seq_len %d", plan.dir, plan.model.arch, type(runner).__name__,
              len(plan.buckets), plan.build.max_seq_len)
     engine = LLMEngine(runner, tokenizer)
-    return AsyncEngine(engine, model_name=model_name or Path(plan_dir).resolve().name, max_waiting=max_waiting)
+    return AsyncEngine(engine, model_name=model_name, max_waiting=max_waiting)
 
 
 def launch(plan_dir: Path, *, host: str, port: int, api_key: str | None, max_waiting: int, model_name: str,
            max_request_bytes: int, backend: str, request_timeout: float | None = None,
-           shutdown_grace: float = 30.0) -> None:
-    """Blocks until SIGTERM/SIGINT: then drains (shutdown_grace seconds for requests in flight) and returns."""
+           shutdown_grace: float = 30.0, engine_process: bool = True) -> None:
+    """Blocks until SIGTERM/SIGINT: then drains (shutdown_grace seconds for requests in flight) and returns.
+    Raises RuntimeError when the engine core process died (the server stopped; the CLI exits 1)."""
     from xserv_aot.server.run import run_server
 
     if request_timeout is not None and not request_timeout > 0:
@@ -39,6 +55,13 @@ def launch(plan_dir: Path, *, host: str, port: int, api_key: str | None, max_wai
     if max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = build_engine(plan_dir, backend=backend, max_waiting=max_waiting, model_name=model_name)
-    run_server(engine, host=host, port=port, api_key=api_key, model_name=model_name,
-               max_request_bytes=max_request_bytes, request_timeout=request_timeout, shutdown_grace=shutdown_grace)
+    engine = build_engine(plan_dir, backend=backend, max_waiting=max_waiting, model_name=model_name,
+                          engine_process=engine_process)
+    engine.start()                                 # startup errors end here, as one line
+    try:
+        run_server(engine, host=host, port=port, api_key=api_key, model_name=model_name,
+                   max_request_bytes=max_request_bytes, request_timeout=request_timeout, shutdown_grace=shutdown_grace)
+    finally:
+        engine.shutdown()
+    if getattr(engine, "dead", None):
+        raise RuntimeError(f"{engine.dead}; the server stopped")

@@ -20,18 +20,25 @@ import dataclasses
 import logging
 import queue
 import threading
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from xserv_aot.engine.api import (EngineFailedError, EngineStats, InvalidRequestError, QueueFullError,
                                   RequestOutput, SamplingParams)
-from xserv_aot.engine.llm_engine import LLMEngine
+from xserv_aot.engine.llm_engine import LLMEngine, one_line
 
 log = logging.getLogger(__name__)
 
 
-def _one_line(e: BaseException) -> str:
-    msg = " ".join(str(e).split())
-    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+async def until_finished(q: asyncio.Queue, closed: Callable[[bool], None]) -> AsyncIterator[RequestOutput]:
+    """Yield a request's outputs up to its final one; closed(finished) runs however the consumer stops."""
+    finished = False
+    try:
+        while not finished:
+            out = await q.get()
+            finished = out.finish_reason is not None
+            yield out
+    finally:
+        closed(finished)
 
 
 class AsyncEngine:
@@ -89,17 +96,14 @@ class AsyncEngine:
             self._streams[request_id] = (loop, q)
             self._pending_adds += 1
             self._commands.put(("add", request_id, list(prompt_ids), params))
-        finished = False
-        try:
-            while not finished:
-                out = await q.get()
-                finished = out.finish_reason is not None
-                yield out
-        finally:
+
+        def closed(finished: bool) -> None:
             with self._lock:
                 self._streams.pop(request_id, None)
             if not finished:
                 self._commands.put(("abort", request_id))
+        async for out in until_finished(q, closed):
+            yield out
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the engine frees the request's blocks before its next step. Unknown ids are ignored."""
@@ -112,6 +116,18 @@ class AsyncEngine:
             return dataclasses.replace(self._stats, num_waiting=self._stats.num_waiting + self._pending_adds,
                                        accepting=accepting)
 
+    def call_runner(self, method: str, *args):
+        """Call one of the runner's remote_methods (the same hook EngineCoreClient forwards to its process)."""
+        if method not in getattr(self.engine.runner, "remote_methods", ()):
+            raise RuntimeError(f"ValueError: unknown utility call 'runner' [{method!r}]")
+        return getattr(self.engine.runner, method)(*args)
+
+    def debug_state(self) -> dict[str, int]:
+        """Leak check counters (all 0 when idle); read while the engine is idle."""
+        from xserv_aot.engine.core import debug_state
+        with self._lock:
+            return {**debug_state(self.engine), "streams": len(self._streams), "pending_adds": self._pending_adds}
+
     # engine thread
 
     def _loop(self) -> None:
@@ -121,21 +137,17 @@ class AsyncEngine:
                 self._drain(block=not eng.has_unfinished())
                 if self._stop.is_set() or not eng.has_unfinished():
                     continue
-                try:
-                    outputs = eng.step()
-                except Exception as e:
-                    log.exception("engine step failed")
-                    outputs = eng.recover(f"engine step failed: {_one_line(e)}")
-                    if eng.failed is not None:        # refuse new requests before anyone sees these errors
-                        with self._lock:
-                            self._dead, self._closed = eng.failed, True
+                outputs = eng.step_or_recover()
+                if eng.failed is not None:            # refuse new requests before anyone sees these errors
+                    with self._lock:
+                        self._dead, self._closed = eng.failed, True
                 self._publish(outputs)
             if eng.failed is not None:
                 log.error("%s", eng.failed)
                 self._dead = eng.failed
         except Exception as e:
             log.exception("engine loop died")
-            self._dead = f"engine failed: {_one_line(e)}"
+            self._dead = f"engine failed: {one_line(e)}"
             eng.failed = eng.failed or self._dead
         self._close()
 
@@ -171,7 +183,7 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(rid, prompt, params)
                 except Exception as e:
-                    outputs.append(RequestOutput(rid, [], "", finish_reason="error", error=_one_line(e)))
+                    outputs.append(RequestOutput(rid, [], "", finish_reason="error", error=one_line(e)))
             elif cmd[0] == "abort":
                 out = self.engine.abort(cmd[1])
                 if out is not None:

@@ -14,6 +14,7 @@ and consecutive_failures say what happened).
 """
 from __future__ import annotations
 
+import logging
 import random
 from typing import Callable
 
@@ -27,7 +28,15 @@ from xserv_aot.engine.sampler import sample_token
 from xserv_aot.engine.scheduler import Scheduler, SchedulerOutput
 from xserv_aot.engine.sequence import Sequence
 from xserv_aot.runtime.batch import StepResult
+from xserv_aot.runtime.input_batch import InputBatch
+from xserv_aot.runtime.nvtx import ranges as nvtx_ranges
 
+log = logging.getLogger(__name__)
+
+
+def one_line(e: BaseException) -> str:
+    msg = " ".join(str(e).split())
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
 def _default_detokenizer(tokenizer):
@@ -84,11 +93,13 @@ class LLMEngine:
     def __init__(self, runner, tokenizer=None, *, build: BuildConfig | None = None,
                  eos_token_ids: list[int] | None = None, vocab_size: int | None = None,
                  enable_prefix_caching: bool = True, detokenizer_factory: Callable | None = None,
-                 seed: int | None = None, max_consecutive_failures: int = 3):
+                 seed: int | None = None, max_consecutive_failures: int = 3, overlap: bool | None = None):
         """build and vocab_size default to runner.plan's; eos_token_ids to the model's plus the tokenizer's.
         tokenizer None: ids only, no text. detokenizer_factory(tokenizer) -> object with add(id) -> str, flush() -> str
         (default: xserv_aot.detokenizer.IncrementalDetokenizer).
-        max_consecutive_failures: failed steps in a row after which the engine gives up for good (>= 1)."""
+        max_consecutive_failures: failed steps in a row after which the engine gives up for good (>= 1).
+        overlap: launch step N+1 before step N's tokens are seen (runner.launch/wait, plans with resolve_input_ids);
+        None: when the runner says it overlaps (runner.overlaps). Outputs are the same either way."""
         if not (isinstance(max_consecutive_failures, int) and max_consecutive_failures >= 1):
             raise ValueError(f"max_consecutive_failures must be an integer >= 1, got {max_consecutive_failures!r}")
         plan = getattr(runner, "plan", None)
@@ -103,6 +114,7 @@ class LLMEngine:
         self.vocab_size = vocab_size if vocab_size is not None else getattr(model, "vocab_size", None)
         self.max_seq_len = self.build.max_seq_len
         self.scheduler = Scheduler(self.build, enable_prefix_caching)
+        self.input_batch = InputBatch(self.build)
         self.max_consecutive_failures = max_consecutive_failures
         self.failed: str | None = None                 # set when the engine has failed permanently
         self.consecutive_failures = 0
@@ -112,8 +124,13 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._rng = random.Random(seed)
         self._num_added = 0
-        self._inflight: SchedulerOutput | None = None
+        self.overlap = (bool(getattr(runner, "overlaps", False)) if overlap is None else overlap)
+        if self.overlap and not hasattr(runner, "launch"):
+            raise ValueError(f"overlap needs a runner with launch/wait; {type(runner).__name__} has none")
+        self._inflight: list[SchedulerOutput] | None = []   # steps whose requests a failure ends (None: all)
+        self._running: tuple | None = None             # (out, handle, record) of the step still on the device
         self.on_scheduled: Callable[[], None] | None = None    # called between schedule and run (stats)
+        self.nvtx = nvtx_ranges(False)                 # runtime.nvtx.ranges(True): NVTX ranges around each stage
 
     # requests
 
@@ -139,6 +156,7 @@ class LLMEngine:
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return None
+        seq.drop_pending()
         self.scheduler.finish(seq, "abort")
         return self._output(seq, [], "")
 
@@ -151,67 +169,115 @@ class LLMEngine:
     # steps
 
     def step(self) -> list[RequestOutput]:
-        self._inflight = out = self.scheduler.schedule()
+        """Schedule and launch a step; return the outputs of the step that completed. Overlapped: the step launched
+        here runs while the previous one's tokens are checked (a step needing host sampling completes at once).
+        NVTX ranges (self.nvtx): schedule, run (prepare + run or launch), postprocess (wait + outputs)."""
+        nv = self.nvtx
+        self._inflight = None                          # until the schedule succeeds a failure ends every request
+        with nv.range("schedule"):
+            out = self.scheduler.schedule()
+        self._inflight = [out] + ([self._running[0]] if self._running is not None else [])
         if self.on_scheduled is not None:
             self.on_scheduled()
-        result = self.runner.run(out.batch) if not out.is_empty else None
-        outputs = self.postprocess(out, result)
-        self._inflight, self.consecutive_failures = None, 0
+        outputs = [self._finish(seq, [], seq.text.flush(), seq.finish_reason, None) for seq in out.failed]
+        with nv.range("run"):
+            launched = self._launch(out)
+        with nv.range("postprocess"):
+            if self._running is not None:
+                running, self._running = self._running, None
+                outputs += self._complete(*running, latest=out)
+            if launched is not None and (not self.overlap or out.update.need_logits):
+                outputs += self._complete(out, *launched, latest=out)
+            elif launched is not None:
+                self._running = (out, *launched)
+        self._inflight = [self._running[0]] if self._running is not None else []
+        self.consecutive_failures = 0
         return outputs
 
-    def postprocess(self, out: SchedulerOutput, result: StepResult | None) -> list[RequestOutput]:
-        self.scheduler.commit(out)
-        outputs = [self._finish(seq, [], seq.flush_text(), seq.finish_reason, None) for seq in out.failed]
-        if result is None:
-            return outputs
+    def _launch(self, out: SchedulerOutput):
+        if out.is_empty:
+            self.input_batch.apply(out.update)
+            return None
+        out.batch = self.input_batch.prepare(out.update)
+        handle = self.runner.launch(out.batch) if self.overlap else self.runner.run(out.batch)
+        record = self.input_batch.launched()
+        self.scheduler.advance(out)
+        for seq, samples in zip(out.seqs, out.samples):
+            if samples:
+                seq.append_placeholder()
+        return handle, record
+
+    def _complete(self, out: SchedulerOutput, handle, record, latest: SchedulerOutput) -> list[RequestOutput]:
+        """Read out's result; latest (the step launched last) has its inputs all known once out's are resolved."""
+        result = self.runner.wait(handle) if self.overlap else handle
+        self.input_batch.resolve(record, result.sampled_ids)
+        return self.postprocess(out, result, latest)
+
+    def step_or_recover(self) -> list[RequestOutput]:
+        """One step; when it raises, the failure policy (recover) decides which requests end."""
+        try:
+            return self.step()
+        except Exception as e:
+            log.exception("engine step failed")
+            return self.recover(f"engine step failed: {one_line(e)}")
+
+    def postprocess(self, out: SchedulerOutput, result: StepResult, latest: SchedulerOutput) -> list[RequestOutput]:
+        """Resolve the step's placeholders with its tokens; register the blocks out and latest (the step launched
+        last) computed, whose tokens are all known now; then check stop conditions, in row order."""
+        new = []
         sampled = np.asarray(result.sampled_ids).reshape(-1)
         for i, seq in enumerate(out.seqs):
             if not out.samples[i] or seq.is_finished:
-                continue                                   # mid-prefill chunk: its sampled id is not a token
-            if seq.params.needs_host_sampling:
+                continue                                   # mid-prefill chunk, or ended while this step ran
+            if seq.needs_host_sampling:
                 if result.logits is None:
                     raise RuntimeError("runner returned no logits for a batch with need_logits set")
                 token, lp = sample_token(np.asarray(result.logits[i]), seq.params, seq.prompt_ids,
-                                         seq.output_ids, seq.seed, seq.num_output_tokens)
+                                         seq.known_output_ids, seq.seed, seq.num_known_output_tokens)
+                self.scheduler.host_token(seq, token)
             else:
                 token, lp = int(sampled[i]), None
-            outputs.append(self._append(seq, token, lp))
-        return outputs
+            seq.resolve_placeholder(token)
+            new.append((seq, token, lp))
+        self.scheduler.cache(out.seqs if latest is out else out.seqs + latest.seqs)
+        return [self._append(seq, token, lp) for seq, token, lp in new]
 
     def _append(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
-        seq.append_token(token)
-        p = seq.params
-        text, reason = "", None
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            reason = "stop"
-            text = seq.flush_text()
-        else:
-            text, hit = seq.feed_text(seq.detokenizer.add(token) if seq.detokenizer is not None else "")
-            if hit:
-                reason = "stop"
-            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_seq_len:
-                reason = "length"
-                text += seq.flush_text()
+        text, reason = seq.text.step(token, self.id_finish(seq, token))
         lps = [lp] if lp is not None else None
         if reason is not None:
             return self._finish(seq, [token], text, reason, lps)
         return self._output(seq, [token], text, lps)
 
+    def id_finish(self, seq: Sequence, token: int) -> str | None:
+        """The finish decided by ids alone, after token was appended: "stop" (EOS unless ignore_eos, or a stop
+        token id), "length" (max_tokens or max_seq_len), or None."""
+        p = seq.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if seq.num_known_output_tokens >= p.max_tokens or seq.num_tokens - seq.num_pending >= self.max_seq_len:
+            return "length"
+        return None
+
     def _finish(self, seq: Sequence, tokens: list[int], text: str, reason: str, lps) -> RequestOutput:
         self._seqs.pop(seq.request_id, None)
+        seq.drop_pending()                             # a token sampled past the stop is never seen
         self.scheduler.finish(seq, reason, seq.error)
         return self._output(seq, tokens, text, lps)
 
     def _output(self, seq: Sequence, tokens: list[int], text: str, lps=None) -> RequestOutput:
         return RequestOutput(seq.request_id, tokens, text, seq.finish_reason, lps, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.num_prompt_cached_tokens or 0, seq.error)
+                             seq.num_known_output_tokens, seq.num_prompt_cached_tokens or 0, seq.error)
 
     def recover(self, error: str) -> list[RequestOutput]:
         """After step() raised: the requests of the failed step end with finish_reason "error" (all requests when
         scheduling itself failed); the others restart from their tokens so far on a reset KV pool, unless this was
         the max_consecutive_failures-th failure in a row: then every open request ends with "error" too."""
-        out, self._inflight = self._inflight, None
-        affected = (out.seqs + out.failed) if out is not None else list(self._seqs.values())
+        steps, self._inflight, self._running = self._inflight, [], None
+        affected = ([s for o in steps for s in o.seqs + o.failed] if steps is not None
+                    else list(self._seqs.values()))
+        for seq in self._seqs.values():
+            seq.drop_pending()                         # survivors restart from the tokens seen so far
         outputs, seen = [], set()
         for seq in affected:
             if seq.request_id in seen:

@@ -5,8 +5,13 @@ block, the newest running sequence not yet scheduled this step is preempted (blo
 the waiting queue, recomputed later), possibly itself. (2) running sequences still prefilling, oldest first, and
 (3) waiting sequences in arrival order (none when this step preempted), each taking a chunk of what is left of
 the token budget `prefill_chunk`, with at most `max_num_seqs` running. A step that carries decodes gives prompts
-at most `mixed_prefill_budget` tokens, so a long prompt delays running decodes by one such step, never more. A sequence that cannot get its blocks
-while it is the only one holding any can never run: it finishes with an error instead of deadlocking.
+at most `mixed_prefill_budget` tokens, so a long prompt delays running decodes by one such step, never more. A
+sequence that cannot get its blocks while it is the only one holding any can never run: it finishes with an error
+instead of deadlocking.
+
+The step goes to the runner side as a BatchUpdate (runtime/batch.py): each running sequence holds a persistent
+row id from first schedule until it finishes or is preempted; only new rows carry tokens and block tables, and a
+running row sends only the block ids allocated since the last step.
 """
 from __future__ import annotations
 
@@ -17,18 +22,18 @@ from xserv_aot.config import BuildConfig
 from xserv_aot.engine.block_manager import BlockManager
 from xserv_aot.engine.sampler import effective_temperature
 from xserv_aot.engine.sequence import Sequence, SequenceStatus
-from xserv_aot.runtime.batch import BatchDescription
+from xserv_aot.runtime.batch import BatchDescription, BatchUpdate, NewRow
 
 
 @dataclass
-
 class SchedulerOutput:
-    batch: BatchDescription
+    update: BatchUpdate
     seqs: list[Sequence]                 # row i of the batch
     num_new_tokens: list[int]
     samples: list[bool]                  # row i completes its sequence's tokens, so its sampled id is a new token
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)   # finished with an error by the scheduler
+    batch: BatchDescription | None = None                  # the runner side's view, once prepared
 
     @property
     def is_empty(self) -> bool:
@@ -38,6 +43,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, build: BuildConfig, enable_prefix_caching: bool = True):
         self.max_num_seqs = build.max_num_seqs
+        self.max_seq_len = build.max_seq_len
         self.token_budget = build.prefill_chunk
         self.mixed_prefill_budget = build.mixed_prefill_budget
         self.block_size = build.block_size
@@ -45,6 +51,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []          # admission order, newest last
         self.num_preemptions = 0
+        self._free_rows = deque(range(build.max_num_seqs))
+        self._pending = BatchUpdate()              # changes since the last schedule (removed rows, host tokens)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -60,6 +68,7 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq)
+            self._release_row(seq)
         else:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
@@ -68,6 +77,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        self._release_row(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -85,7 +95,8 @@ class Scheduler:
         prompt_budget = self.mixed_prefill_budget if decodes else budget   # prompt tokens this step may take
         for seq in decodes + prefills:
             is_prompt = seq.num_uncomputed_tokens > 1
-            if seq.status is not SequenceStatus.RUNNING or budget == 0 or (is_prompt and prompt_budget == 0):
+            if (seq.status is not SequenceStatus.RUNNING or budget == 0 or (is_prompt and prompt_budget == 0)
+                    or self._ends_pending(seq)):
                 continue
             while not bm.can_append(seq):
                 victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
@@ -126,40 +137,65 @@ class Scheduler:
             prompt_budget -= n
         return self._build(rows, preempted, failed)
 
+    def _ends_pending(self, seq: Sequence) -> bool:
+        """Its pending token (overlapped steps) is its last (max_tokens or max_seq_len): nothing more to compute."""
+        return bool(seq.num_pending) and (seq.num_output_tokens >= seq.params.max_tokens
+                                          or seq.num_tokens >= self.max_seq_len)
+
     def _fail_too_big(self, seq: Sequence, failed: list[Sequence]) -> None:
         need = self.block_manager.blocks_needed(seq.num_tokens)
         self.finish(seq, "error", f"KV cache too small: request {seq.request_id} needs {need} blocks of "
                                   f"{self.block_size} tokens, the pool has {self.block_manager.num_blocks}")
         failed.append(seq)
 
+    def _release_row(self, seq: Sequence) -> None:
+        if seq.row is None:
+            return
+        p = self._pending
+        p.new_tokens = [t for t in p.new_tokens if t[0] != seq.row]
+        p.removed.append(seq.row)
+        self._free_rows.append(seq.row)
+        seq.row = None
+
+    def host_token(self, seq: Sequence, token: int) -> None:
+        """The engine sampled seq's last token on the host: the runner side's device sample is replaced."""
+        if seq.row is not None:
+            self._pending.new_tokens.append((seq.row, int(token)))
+
     def _build(self, rows, preempted, failed) -> SchedulerOutput:
-        bs = self.block_size
-        b = BatchDescription(input_ids=[], positions=[], slot_mapping=[], query_start_loc=[0], seq_lens=[],
-                             block_tables=[])
-        samples = []
+        u, samples = self._pending, []
         for seq, n in rows:
-            start = seq.num_computed_tokens
-            b.input_ids += seq.token_ids[start:start + n]
-            b.positions += range(start, start + n)
-            b.slot_mapping += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            b.query_start_loc.append(b.query_start_loc[-1] + n)
-            b.seq_lens.append(start + n)
-            b.block_tables.append(list(seq.block_table))
-            p = seq.params
-            b.temperature.append(effective_temperature(p.temperature))
-            b.top_k.append(int(p.top_k))
-            b.top_p.append(float(p.top_p))
-            b.seeds.append(seq.seed)
-            b.sample_offsets.append(seq.num_output_tokens)
-            samples.append(start + n == seq.num_tokens)
-            b.need_logits |= samples[-1] and p.needs_host_sampling
-        return SchedulerOutput(b, [s for s, _ in rows], [n for _, n in rows], samples, preempted, failed)
+            if seq.row is None:
+                seq.row, p = self._free_rows.popleft(), seq.params
+                u.new_rows.append(NewRow(seq.row, list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed_tokens,
+                                         list(seq.block_table), effective_temperature(p.temperature), int(p.top_k),
+                                         float(p.top_p), seq.seed))
+                seq.num_blocks_sent = len(seq.block_table)
+            elif len(seq.block_table) > seq.num_blocks_sent:
+                u.new_blocks.append((seq.row, seq.block_table[seq.num_blocks_sent:]))
+                seq.num_blocks_sent = len(seq.block_table)
+            u.rows.append(seq.row)
+            u.num_scheduled.append(n)
+            samples.append(seq.num_computed_tokens + n == seq.num_tokens)
+            u.need_logits |= samples[-1] and seq.needs_host_sampling
+        self._pending = BatchUpdate()
+        return SchedulerOutput(u, [s for s, _ in rows], [n for _, n in rows], samples, preempted, failed)
 
     def commit(self, out: SchedulerOutput) -> None:
         """After the runner ran out.batch: advance computed tokens and register newly full blocks."""
+        self.advance(out)
+        self.cache(out.seqs)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """Once out.batch is launched: its tokens count as computed."""
         for seq, n in zip(out.seqs, out.num_new_tokens):
             if seq.status is SequenceStatus.RUNNING:
                 seq.num_computed_tokens += n
+
+    def cache(self, seqs: list[Sequence]) -> None:
+        """Register newly full computed blocks; every token below num_computed_tokens must be known by now."""
+        for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.cache_blocks(seq)
 
     def recover(self, failed: list[Sequence]) -> None:
@@ -169,8 +205,12 @@ class Scheduler:
         for seq in failed:
             seq.status = SequenceStatus.FINISHED
         survivors = [s for s in self.running + list(self.waiting) if id(s) not in dead and not s.is_finished]
+        for seq in survivors + failed:
+            seq.row = None
         for seq in survivors:
             seq.status = SequenceStatus.WAITING
             seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
         self.running, self.waiting = [], deque(survivors)
         self.block_manager.reset()
+        self._free_rows = deque(range(self.max_num_seqs))
+        self._pending = BatchUpdate(reset=True)

@@ -1,13 +1,16 @@
-"""One request inside the engine: its tokens, KV bookkeeping, sampling state and stop-string text buffer.
+"""One request inside the engine: its tokens, KV bookkeeping, sampling state and text output.
 
 Invariant: token_ids = prompt + outputs; KV exists for token_ids[:num_computed_tokens]. A step schedules
 token_ids[num_computed_tokens:num_computed_tokens + n]; when that reaches num_tokens, the step samples the next token.
+That token is appended as a placeholder when the step is launched and resolved when its result arrives (the last
+num_pending tokens are placeholders; with overlapped steps one can be the input of the next step already).
 """
 from __future__ import annotations
 
 import enum
 
 from xserv_aot.engine.api import SamplingParams
+from xserv_aot.engine.text_output import TextOutput
 
 
 class SequenceStatus(enum.Enum):
@@ -32,8 +35,11 @@ class Sequence:
         self.num_prompt_cached_tokens: int | None = None   # same, at first admission (reported to the client)
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.detokenizer = detokenizer
-        self._held_text = ""                       # text that may be the start of a stop string
+        self.text = TextOutput(detokenizer, params.stop)
+        self.needs_host_sampling = params.needs_host_sampling
+        self.row: int | None = None                # persistent batch row while running (scheduler-assigned)
+        self.num_blocks_sent = 0                   # block ids the runner side knows for this row
+        self.num_pending = 0                       # trailing placeholder tokens (sampled on the device, not yet seen)
 
     @property
     def num_tokens(self) -> int:
@@ -62,36 +68,31 @@ class Sequence:
     def block_tokens(self, i: int, block_size: int) -> list[int]:
         return self.token_ids[i * block_size:(i + 1) * block_size]
 
+    @property
+    def num_known_output_tokens(self) -> int:
+        return self.num_output_tokens - self.num_pending
+
+    @property
+    def known_output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending]
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(int(token_id))
 
-    def feed_text(self, delta: str) -> tuple[str, bool]:
-        """Add detokenized text; return (text safe to emit, stop string hit). Stop text itself is never emitted."""
-        buf = self._held_text + delta
-        stops = [s for s in self.params.stop if s]
-        if not stops:
-            self._held_text = ""
-            return buf, False
-        hits = [i for i in (buf.find(s) for s in stops) if i >= 0]
-        if hits:
-            self._held_text = ""
-            return buf[:min(hits)], True
-        hold = 0
-        for k in range(min(len(buf), max(len(s) for s in stops) - 1), 0, -1):
-            if any(s.startswith(buf[-k:]) for s in stops):
-                hold = k
-                break
-        self._held_text = buf[len(buf) - hold:]
-        return buf[:len(buf) - hold], False
+    def append_placeholder(self) -> None:
+        self.token_ids.append(-1)
+        self.num_pending += 1
 
-    def flush_text(self) -> str:
-        """At finish (not by stop string): release held text plus whatever the detokenizer still buffers."""
-        tail = self.detokenizer.flush() if self.detokenizer is not None else ""
-        text, hit = self.feed_text(tail)
-        if not hit:
-            text += self._held_text
-        self._held_text = ""
-        return text
+    def resolve_placeholder(self, token_id: int) -> None:
+        """The oldest placeholder becomes token_id."""
+        assert self.num_pending > 0, f"{self.request_id}: no placeholder to resolve"
+        self.token_ids[len(self.token_ids) - self.num_pending] = int(token_id)
+        self.num_pending -= 1
+
+    def drop_pending(self) -> None:
+        if self.num_pending:
+            del self.token_ids[-self.num_pending:]
+            self.num_pending = 0
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "

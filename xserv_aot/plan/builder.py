@@ -125,7 +125,7 @@ def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress) -> di
         weights["sharding"] = {k: v.to_dict() for k, v in sharding.items()}
     has_tok = save_tokenizer(source, fmt, tmp) if fmt != "config" else False
     arena, arena_size = layout(arena_buffers(model, build))
-    kv_heads = local_model(model, tp).num_kv_heads if tp > 1 else model.num_kv_heads
+    kv_heads = local_model(model, tp).num_kv_heads
     kv_shape = [model.num_layers, 2, build.num_blocks, build.block_size, kv_heads, model.head_dim]
     kv_bytes = math.prod(kv_shape) * ITEMSIZE[build.dtype]
     buckets = [{"name": n, "kind": k, "num_tokens": t, "num_seqs": s,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from xserv_aot.dtypes import ITEMSIZE
 from xserv_aot.plan.manifest import Plan
+from xserv_aot.plan.roofline import ceilings_for, format_roofline
 
-HBM_BYTES_PER_S = 4.28e12     # H200 device-to-device copy, read + write, measured on the lent machine
 
 
 def decode_step_bytes(plan: Plan, batch: int = 1, context: int = 128) -> dict:
@@ -21,11 +21,13 @@ def decode_step_bytes(plan: Plan, batch: int = 1, context: int = 128) -> dict:
     kv_bytes = batch * context * m.num_layers * 2 * kv_heads * m.head_dim * elem
     total = weight_bytes + kv_bytes
     return {"weights": weight_bytes, "kv": kv_bytes, "total": total,
-            "roofline_tok_per_s": batch * HBM_BYTES_PER_S / total}
+            "roofline_tok_per_s": batch * ceilings_for(plan.build.target).read_bytes_per_s / total}
 
 
-def describe(plan_dir: Path, ops_bucket: str | None = None) -> str:
+def describe(plan_dir: Path, ops_bucket: str | None = None, roofline: bool = False, context: int = 128) -> str:
     plan = Plan.load(plan_dir, verify="none")
+    if roofline:
+        return format_roofline(plan, context)
     m, b = plan.model, plan.build
     mib = lambda n: f"{n / 2**20:10.1f} MiB"
     tp = plan.tensor_parallel
@@ -49,10 +51,11 @@ def describe(plan_dir: Path, ops_bucket: str | None = None) -> str:
         lines.append(f"  {bk.name:<14} {bk.kind:<8} tokens {bk.num_tokens:>5} seqs {bk.num_seqs:>4}  {len(bk.ops)} ops"
                      f"  ({', '.join(f'{k} x{v}' for k, v in kinds.items())})")
     lines += ["", f"bytes read per decode step (batch 1{', one rank' if tp > 1 else ''}):"]
+    bw = ceilings_for(b.target).read_bytes_per_s
     for ctx in sorted({min(128, b.max_seq_len), min(4096, b.max_seq_len)}):
         d = decode_step_bytes(plan, 1, ctx)
         lines.append(f"  context {ctx:>5}: weights {mib(d['weights'])} + KV {mib(d['kv'])} ="
-                     f" {mib(d['total'])} -> roofline {d['roofline_tok_per_s']:.0f} tok/s at 4.28 TB/s")
+                     f" {mib(d['total'])} -> roofline {d['roofline_tok_per_s']:.0f} tok/s at {bw / 1e12:.2f} TB/s")
     if ops_bucket:
         bk = next((x for x in plan.buckets if x.name == ops_bucket), None)
         if bk is None:

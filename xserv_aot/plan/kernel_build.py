@@ -12,14 +12,16 @@ from pathlib import Path
 from typing import Callable
 
 from xserv_aot.plan.kernel_constants import G_MAX, NORM_NC, P_KEYS, gemm_smem, skinny_smem
-from xserv_aot.plan.launch_records import check_launches, f32, i32, kv, launch, library_call, ptr
+from xserv_aot.plan.attention_plan import plan_attention
+from xserv_aot.plan.launch_records import check_launches, f32, i32, kernel, kv, launch, library_call, ptr
 from xserv_aot.plan.manifest import place
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
 from xserv_aot.plan import nccl_records
-from xserv_aot.plan.op_records import (COLLECTIVES, AddRmsNorm, Attention, Embedding, GatherRows, KernelChoice,
-                                       LaunchRecord, Linear, Op, QkNormRopeCache, RmsNorm, Sample, SiluMul, op_from_dict)
+from xserv_aot.plan.op_records import (COLLECTIVES, AddRmsNorm, Attention, Embedding, GatherRows, KernelChoice, Linear,
+                                       Op, QkNormRopeCache, ResolveInputIds, RmsNorm, Sample, SiluMul, op_from_dict)
 from xserv_aot.plan.signatures import check_sizes, cubin_param_sizes, host_signature, kernel_signatures
+from xserv_aot.plan.tensor_parallel import rank_model
 
 GEMV_MAX_ROWS = 2            # above this the x re-reads make the GEMV L1/ALU-bound: tensor cores instead
 CUTLASS_MIN_ROWS = 128
@@ -30,11 +32,6 @@ SPLITK_TARGET_BLOCKS = 264   # 2 blocks per SM on 132 SMs
 SPLITK_MAX = 8
 ELEMWISE_THREADS = 256
 SWAP_MIN_ROWS = 16           # decode rows 16..256: CUTLASS GEMMs by decode_gemm_route (cutlass_build.SWAP_CONFIGS)
-BATCHED_ATTN_MIN_SEQS = 3    # decode attention for >= 3 seqs: the batched kernels below
-BATCHED_ATTN_KERNEL = "tc"   # tc: kernels/attention_decode_tc.cu (tensor cores); cc: attention_decode_batched.cu
-BATCHED_ATTN_TILE = 64       # keys per tile of either kernel (cc instantiates 64 and 32, tc 64)
-BATCHED_ATTN_STAGES = 2      # tiles in the cp.async ring (cc: 2; tc: 2, 3, 4)
-BATCHED_ATTN_BLOCKS = 4 * 132  # splits per seq chosen so a full bucket launches about this many blocks
 GEMM_ENTRY = "xserv_gemm_bf16"   # the CUTLASS library's C entry points (kernels/cutlass/gemm_sm90.cu)
 GEMM_ENTRY_EX = "xserv_gemm_bf16_ex"   # ... with splits and a workspace (the swap-AB decode configs)
 GEMM_SOURCE = KERNEL_DIR / "cutlass" / "gemm_sm90.cu"
@@ -53,10 +50,6 @@ def linear_args(op: Linear, fused_silu_out: str | None = None) -> list:
     if fused_silu_out:
         return [ptr(op.inp), ptr(op.weight), ptr(fused_silu_out), i32(op.rows), i32(op.n // 2), i32(op.k)]
     return [ptr(op.inp), ptr(op.weight), ptr(op.bias), ptr(op.out), i32(op.rows), i32(op.n), i32(op.k)]
-
-
-def kernel(rec: LaunchRecord, **facts) -> KernelChoice:
-    return KernelChoice(rec.fn, (rec,), **facts)
 
 
 def plan_skinny(op: Linear, suffix: str, fuse_into: str | None, bn: int | None = None) -> KernelChoice:
@@ -148,43 +141,6 @@ def plan_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: dict
                          gemm_smem(tile), linear_args(op)))
 
 
-def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, tail: list) -> LaunchRecord:
-    """The batched decode kernel over every seq row of the op: splits so the bucket fills the SMs."""
-    seqs, nkv, hd = op.num_seqs, m["num_kv_heads"], m["head_dim"]
-    g = m["num_heads"] // nkv
-    splits = max(1, min(-(-max_seq_len // BATCHED_ATTN_TILE), -(-BATCHED_ATTN_BLOCKS // (seqs * nkv))))
-    if BATCHED_ATTN_KERNEL == "tc":                                 # K and V tiles, rows padded to hd + 8
-        smem = BATCHED_ATTN_STAGES * 2 * BATCHED_ATTN_TILE * (hd + 8) * 2
-        name = f"attn_decode_tc_s{BATCHED_ATTN_STAGES}_hd{hd}"
-    else:
-        smem = BATCHED_ATTN_STAGES * 2 * BATCHED_ATTN_TILE * hd * 2
-        name = f"attn_decode_b_t{BATCHED_ATTN_TILE}s{BATCHED_ATTN_STAGES}_hd{hd}_g{4 if g <= 4 else 8}"
-    return launch(name, [seqs, nkv, splits], [128], smem,
-                  common + [ptr("attn_part_o"), ptr("attn_part_ml"), ptr("attn_counters"), ptr(op.out),
-                            i32(op.rows), i32(m["num_heads"]), i32(nkv), *tail])
-
-
-def plan_attention(op: Attention, kind: str, m: dict, attn: dict, block_size: int, max_blocks: int,
-                   num_slots: int) -> KernelChoice:
-    """Decode buckets: split-KV kernel (few seqs) or the batched flash-decoding kernel. Prefill buckets: the
-    flash prefill kernel, plus the batched decode kernel for the one-row (decode) seqs of a mixed step."""
-    hd, nh, nkv = m["head_dim"], m["num_heads"], m["num_kv_heads"]
-    common = [ptr(op.q), kv(op.layer), ptr(op.query_start_loc), ptr(op.seq_lens), ptr(op.block_tables)]
-    tail = [i32(block_size), i32(max_blocks), i32(num_slots), f32(op.scale)]
-    if kind == "decode" and op.num_seqs < BATCHED_ATTN_MIN_SEQS:
-        s_max = attn["splits"]
-        return kernel(launch(f"attn_decode_hd{hd}", [op.num_seqs, nkv, s_max], [128], 0,
-                             common + [ptr("attn_part_o"), ptr("attn_part_ml"), ptr("attn_counters"), ptr(op.out),
-                                       i32(op.rows), i32(nh), i32(nkv), *tail, i32(s_max)]),
-                      split=attn["split"], splits=s_max)
-    dec = batched_attn_launch(op, m, attn["max_seq_len"], common, tail)
-    if kind == "decode":
-        return KernelChoice(dec.fn, (dec,), splits=dec.grid[2])
-    pre = launch(f"attn_prefill_hd{hd}", [-(-op.rows // 64) + op.num_seqs, nh], [128], 0,
-                 common + [ptr(op.out), i32(op.rows), i32(op.num_seqs), i32(nh), i32(nkv), *tail, i32(2)])
-    return KernelChoice(pre.fn, (pre, dec), splits=dec.grid[2])
-
-
 def norm_threads(hidden: int) -> int:
     return min(1024, -(-(hidden // 8) // 32) * 32)
 
@@ -201,7 +157,10 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
     out: list[KernelChoice] = []
     for idx, op in enumerate(ops):
         rows = op.rows
-        if isinstance(op, Embedding):
+        if isinstance(op, ResolveInputIds):
+            c = kernel(launch("resolve_input_ids", [-(-rows // ELEMWISE_THREADS)], [ELEMWISE_THREADS], 0,
+                              [ptr(op.ids), ptr(op.prev_rows), ptr(op.sampled), i32(rows)]))
+        elif isinstance(op, Embedding):
             c = kernel(launch("embedding", [rows], row_threads, 0,
                               [ptr(op.ids), ptr(op.table), ptr(op.out), i32(hidden), i32(vocab)]))
         elif isinstance(op, RmsNorm):
@@ -249,14 +208,6 @@ def kv_slots(kv: dict) -> int:
     return int(kv["shape"][2]) * int(kv["shape"][3])
 
 
-def rank_model(manifest: dict) -> dict:
-    """The model dict with one rank's heads, kv heads and intermediate size (the model's own when unsharded)."""
-    from xserv_aot.config import ModelConfig
-    from xserv_aot.plan.tensor_parallel import local_model
-    tp = manifest["build"].get("tensor_parallel", 1)
-    return manifest["model"] if tp == 1 else local_model(ModelConfig.from_dict(manifest["model"]), tp).to_dict()
-
-
 def check_model(manifest: dict) -> None:
     m, b = rank_model(manifest), manifest["build"]
     if b["dtype"] != "bfloat16":
@@ -300,7 +251,6 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
     check_model(manifest)
     out_dir = Path(out_dir)
     m, b = rank_model(manifest), manifest["build"]
-    tp = b.get("tensor_parallel", 1)
     cubins = compile_all(out_dir, target, progress)
     cutlass, why_not = try_cutlass(manifest, out_dir, target, progress)
     attn = {"split": P_KEYS, "splits": -(-b["max_seq_len"] // P_KEYS), "max_seq_len": b["max_seq_len"]}
@@ -333,10 +283,7 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
         add_arena_buffer(manifest, "gemm_splitk_ws", [ws], "float32")
     if cutlass is not None and cutlass.get("workspace"):
         add_arena_buffer(manifest, "gemm_ws", [-(-cutlass["workspace"] // 4)], "int32")
-    if tp > 1:
-        add_arena_buffer(manifest, nccl_records.GATHER_WORKSPACE, [tp, b["max_num_seqs"], m["vocab_size"] // tp],
-                         "float32")
-        signatures.update(nccl_records.SIGNATURES)
+    collectives = nccl_records.add_collectives(manifest, m, signatures, add_arena_buffer)
     launches = [(name, rec) for name, cs in choices.items() for c in cs for rec in c.launch]
     check_launches(manifest, launches, signatures)
     used = sorted({rec.fn for _, rec in launches})
@@ -346,8 +293,7 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
                "functions": {fn: name for name, c in cubins.items() for fn in c["functions"]},
                "signatures": {fn: signatures[fn] for fn in used},
                "attention": attn, "gemm_library": None, "gemm_library_skipped": why_not or None, "gemm_configs": {}}
-    if tp > 1:
-        section["collectives"] = {"library": nccl_records.LIBRARY, "ranks": tp, "env": nccl_records.ENV}
+    section.update({"collectives": collectives} if collectives else {})
     if cutlass is not None:
         section["gemm_library"] = {k: cutlass[k] for k in ("file", "hash", "configs", "build_key") if k in cutlass}
         section["gemm_configs"] = cutlass.get("used", {})

@@ -3,7 +3,7 @@ against the parsed kernel signatures (plan.signatures) at compile time."""
 from __future__ import annotations
 
 from xserv_aot.plan.nvrtc_build import KernelBuildError
-from xserv_aot.plan.op_records import LaunchRecord
+from xserv_aot.plan.op_records import KernelChoice, LaunchRecord
 from xserv_aot.plan.signatures import SCALAR_TYPES
 
 ARG_KINDS = ("ptr", "kv", *sorted(set(SCALAR_TYPES.values())))
@@ -15,6 +15,11 @@ def launch(fn: str, grid, block, smem: int = 0, args: list | None = None) -> Lau
     g = tuple(int(x) for x in grid) + (1,) * (3 - len(grid))
     b = tuple(int(x) for x in block) + (1,) * (3 - len(block))
     return LaunchRecord(fn, tuple(args or ()), g, b, int(smem))
+
+
+def kernel(rec: LaunchRecord, **facts) -> KernelChoice:
+    """The choice of one kernel launch for an op."""
+    return KernelChoice(rec.fn, (rec,), **facts)
 
 
 def library_call(library: str, fn: str, args: list) -> LaunchRecord:

@@ -45,3 +45,14 @@ def plan_collective(op: AllReduce | AllGather, arena: dict) -> KernelChoice:
     place = launch("gather_shard_columns", [op.rows, op.ranks], [256], 0,
                    [ptr(GATHER_WORKSPACE), ptr(op.out), i32(op.rows), i32(op.n), i32(op.ranks)])
     return KernelChoice("nccl_all_gather", (gather, place))
+
+
+def add_collectives(manifest: dict, rank_model: dict, signatures: dict, add_buffer) -> dict | None:
+    """Tensor-parallel plans: the all_gather workspace (add_buffer(manifest, name, shape, dtype)) and the NCCL
+    signatures; returns the kernels section's `collectives` entry (None for an unsharded plan)."""
+    tp, b = manifest["build"].get("tensor_parallel", 1), manifest["build"]
+    if tp == 1:
+        return None
+    add_buffer(manifest, GATHER_WORKSPACE, [tp, b["max_num_seqs"], rank_model["vocab_size"] // tp], "float32")
+    signatures.update(SIGNATURES)
+    return {"library": LIBRARY, "ranks": tp, "env": ENV}

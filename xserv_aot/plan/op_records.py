@@ -81,6 +81,16 @@ class Op:
 
 
 @dataclass(frozen=True)
+class ResolveInputIds(Op):
+    """Overlapped steps: ids[i] = sampled[prev_rows[i]] where prev_rows[i] >= 0 (the previous step's device
+    sample), else ids[i] unchanged."""
+    OP = "resolve_input_ids"
+    ids: str
+    prev_rows: str
+    sampled: str
+
+
+@dataclass(frozen=True)
 class Embedding(Op):
     OP = "embedding"
     ids: str
@@ -200,8 +210,9 @@ class AllGather(Op):
     ranks: int
 
 
-OP_TYPES: dict[str, type[Op]] = {c.OP: c for c in (Embedding, RmsNorm, AddRmsNorm, Linear, QkNormRopeCache, Attention,
-                                                   SiluMul, GatherRows, Sample, AllReduce, AllGather)}
+OP_TYPES: dict[str, type[Op]] = {c.OP: c for c in (ResolveInputIds, Embedding, RmsNorm, AddRmsNorm, Linear,
+                                                   QkNormRopeCache, Attention, SiluMul, GatherRows, Sample, AllReduce,
+                                                   AllGather)}
 COLLECTIVES = (AllReduce, AllGather)
 _CHECKS = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
            float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from xserv_aot.config import BuildConfig, ModelConfig
 from xserv_aot.plan.op_records import (AddRmsNorm, AllGather, AllReduce, Attention, Embedding, GatherRows, Linear, Op,
-                                       QkNormRopeCache, RmsNorm, Sample, SiluMul)
+                                       QkNormRopeCache, ResolveInputIds, RmsNorm, Sample, SiluMul)
 from xserv_aot.plan.tensor_parallel import local_model
 
 
@@ -13,7 +13,7 @@ def arena_buffers(m: ModelConfig, b: BuildConfig) -> dict[str, tuple[list[int], 
     s = b.max_num_seqs                            # sequence rows
     act, tp = b.dtype, b.tensor_parallel
     full_vocab = m.vocab_size
-    m = local_model(m, tp) if tp > 1 else m
+    m = local_model(m, tp)
     shard = {"logits_shard": ([s, full_vocab // tp], "float32")} if tp > 1 else {}
     return {
         "input_ids": ([t], "int32"),
@@ -28,6 +28,7 @@ def arena_buffers(m: ModelConfig, b: BuildConfig) -> dict[str, tuple[list[int], 
         "top_p": ([s], "float32"),
         "seeds": ([s], "int64"),
         "sample_offsets": ([s], "int32"),
+        "prev_rows": ([t], "int32"),
         "x": ([t, m.hidden_size], act),
         "h": ([t, m.hidden_size], act),
         "qkv": ([t, m.q_size + 2 * m.kv_size], act),
@@ -44,18 +45,19 @@ def arena_buffers(m: ModelConfig, b: BuildConfig) -> dict[str, tuple[list[int], 
 
 
 INPUT_BUFFERS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
-                 "logits_indices", "temperature", "top_k", "top_p", "seeds", "sample_offsets")
+                 "logits_indices", "temperature", "top_k", "top_p", "seeds", "sample_offsets", "prev_rows")
 
 
 def bucket_ops(m: ModelConfig, t: int, s: int, tp: int = 1) -> list[Op]:
     """Ops for a bucket of t token rows and s sequences, as each of tp ranks runs them: with tp > 1 the shapes are
     a rank's, o_proj and down are followed by an all_reduce, and the vocab-parallel lm_head by an all_gather."""
     vocab, tied = m.vocab_size, m.tie_word_embeddings
-    m = local_model(m, tp) if tp > 1 else m
+    m = local_model(m, tp)
     eps, hd = m.rms_norm_eps, m.head_dim
     h, inter, nqkv = m.hidden_size, m.intermediate_size, m.q_size + 2 * m.kv_size
     heads = dict(num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=hd)
-    ops: list[Op] = [Embedding(ids="input_ids", table="embed_tokens", out="x", rows=t)]
+    ops: list[Op] = [ResolveInputIds(ids="input_ids", prev_rows="prev_rows", sampled="sampled_ids", rows=t),
+                     Embedding(ids="input_ids", table="embed_tokens", out="x", rows=t)]
     for li in range(m.num_layers):
         p = f"layers.{li}."
         if li == 0:

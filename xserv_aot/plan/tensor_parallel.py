@@ -108,10 +108,19 @@ def check_divisible(m: ModelConfig, tp: int) -> None:
 
 
 def local_model(m: ModelConfig, tp: int) -> ModelConfig:
-    """The per-rank shapes (heads, kv heads, intermediate size); vocab stays full (the embedding is replicated)."""
+    """The per-rank shapes (heads, kv heads, intermediate size); vocab stays full (the embedding is replicated).
+    m itself when tp == 1."""
+    if tp == 1:
+        return m
     check_divisible(m, tp)
     return dataclasses.replace(m, num_heads=m.num_heads // tp, num_kv_heads=max(1, m.num_kv_heads // tp),
                                intermediate_size=m.intermediate_size // tp)
+
+
+def rank_model(manifest: dict) -> dict:
+    """A manifest's model dict with one rank's heads, kv heads and intermediate size (its own when unsharded)."""
+    tp = manifest["build"].get("tensor_parallel", 1)
+    return manifest["model"] if tp == 1 else local_model(ModelConfig.from_dict(manifest["model"]), tp).to_dict()
 
 
 def kv_head_starts(m: ModelConfig, tp: int) -> list[int]:

@@ -5,6 +5,12 @@ query_start_loc[i]:query_start_loc[i+1]; after this step its context is seq_lens
 so its new tokens sit at positions seq_lens[i] - n_new .. seq_lens[i] - 1. The runner pads the batch to the
 plan's smallest bucket with num_tokens >= batch.num_tokens and num_seqs >= batch.num_seqs; padding token rows get
 slot -1 (kernels skip them) and padding sequences get seq_len 0 and an empty query range.
+
+The engine does not rebuild a BatchDescription every step: the scheduler sends a BatchUpdate (what changed: new
+rows with their tokens and block table, removed rows, newly allocated blocks, host-sampled tokens, and the tokens
+scheduled per row), and runtime.input_batch.InputBatch, which keeps every row's state in persistent arrays,
+turns it into this step's BatchDescription of NumPy arrays with a fixed number of vectorized operations.
+Fields may be lists or NumPy arrays; block_tables may be a 2-D array [num_seqs, width].
 """
 from __future__ import annotations
 
@@ -29,6 +35,24 @@ class BatchDescription:
     seeds: list[int] = field(default_factory=list)           # 0 <= seed < 2**63
     sample_offsets: list[int] = field(default_factory=list)  # index of the token being generated (RNG counter)
     need_logits: bool = False            # copy float32 logits back to the host
+    # overlapped steps: prev_rows[i] >= 0 means token i is the previous step's sampled_ids[prev_rows[i]], still on
+    # the device (input_ids[i] is a placeholder); empty or -1: input_ids[i] as given
+    prev_rows: list[int] = field(default_factory=list)       # [num_tokens]
+
+    def block_table_array(self, num_rows: int, width: int) -> np.ndarray:
+        """Block tables as int32 [num_rows, width], zero-padded (rows past num_seqs are padding sequences)."""
+        out = np.zeros((num_rows, width), dtype=np.int32)
+        tables = self.block_tables
+        if isinstance(tables, np.ndarray):
+            if tables.shape[1] > width:
+                raise ValueError(f"block tables are {tables.shape[1]} blocks wide (max {width})")
+            out[:len(tables), :tables.shape[1]] = tables
+            return out
+        for i, row in enumerate(tables):
+            if len(row) > width:
+                raise ValueError(f"block table of seq {i} has {len(row)} blocks (max {width})")
+            out[i, :len(row)] = row
+        return out
 
     @property
     def num_tokens(self) -> int:
@@ -40,16 +64,10 @@ class BatchDescription:
 
     def fill_sampling_defaults(self) -> "BatchDescription":
         n = self.num_seqs
-        if not self.temperature:
-            self.temperature = [0.0] * n
-        if not self.top_k:
-            self.top_k = [0] * n
-        if not self.top_p:
-            self.top_p = [1.0] * n
-        if not self.seeds:
-            self.seeds = [0] * n
-        if not self.sample_offsets:
-            self.sample_offsets = [0] * n
+        for name, default in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("seeds", 0),
+                              ("sample_offsets", 0)):
+            if len(getattr(self, name)) == 0:
+                setattr(self, name, [default] * n)
         return self
 
 
@@ -75,17 +93,57 @@ def stage_inputs(batch: BatchDescription, dst: dict[str, np.ndarray], num_tokens
     qsl[:ns + 1] = batch.query_start_loc
     qsl[ns + 1:num_seqs + 1] = batch.query_start_loc[-1]
     bt = dst["block_tables"]
-    for i, row in enumerate(batch.block_tables):
-        if len(row) > bt.shape[1]:
-            raise ValueError(f"block table of seq {i} has {len(row)} blocks (max {bt.shape[1]})")
-        bt[i, :len(row)] = row
-        bt[i, len(row):] = 0
+    tables = batch.block_tables
+    if isinstance(tables, np.ndarray):                   # the persistent batch's [num_seqs, width] array
+        if tables.shape[1] > bt.shape[1]:
+            raise ValueError(f"block tables are {tables.shape[1]} blocks wide (max {bt.shape[1]})")
+        bt[:ns, :tables.shape[1]] = tables
+        bt[:ns, tables.shape[1]:] = 0
+    else:
+        for i, row in enumerate(tables):
+            if len(row) > bt.shape[1]:
+                raise ValueError(f"block table of seq {i} has {len(row)} blocks (max {bt.shape[1]})")
+            bt[i, :len(row)] = row
+            bt[i, len(row):] = 0
+    prev = np.asarray(batch.prev_rows, dtype=np.int32) if len(batch.prev_rows) else None
+    if "prev_rows" in dst:
+        dst["prev_rows"][:nt] = prev if prev is not None else -1
+        dst["prev_rows"][nt:num_tokens] = -1
+    elif prev is not None and (prev >= 0).any():
+        raise ValueError("this plan has no resolve_input_ids op (compiled before overlapped steps); recompile it")
     last = np.asarray(batch.query_start_loc[1:], dtype=np.int64) - 1
     values = {"seq_lens": batch.seq_lens, "logits_indices": np.maximum(last, 0), "temperature": batch.temperature,
               "top_k": batch.top_k, "top_p": batch.top_p, "seeds": batch.seeds, "sample_offsets": batch.sample_offsets}
     for name, pad in SEQ_PADDING.items():
         dst[name][:ns] = values[name]
         dst[name][ns:num_seqs] = pad
+
+
+@dataclass
+class NewRow:
+    """A sequence entering the persistent batch (admitted, or re-admitted after preemption)."""
+    row: int                             # persistent row id in [0, max_num_seqs)
+    token_ids: list[int]                 # every token so far: prompt + outputs
+    num_prompt_tokens: int
+    num_computed_tokens: int             # KV already present (prefix cache hits)
+    block_ids: list[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+
+@dataclass
+class BatchUpdate:
+    """What changed since the previous step, then this step's rows. Applied in field order."""
+    new_tokens: list[tuple[int, int]] = field(default_factory=list)   # (row, token): the host sampled it, not the device
+    removed: list[int] = field(default_factory=list)                  # rows that left (finished, preempted, aborted)
+    new_rows: list[NewRow] = field(default_factory=list)
+    new_blocks: list[tuple[int, list[int]]] = field(default_factory=list)   # (row, block ids appended)
+    rows: list[int] = field(default_factory=list)                     # this step's rows, in batch order
+    num_scheduled: list[int] = field(default_factory=list)            # tokens computed per row this step
+    need_logits: bool = False
+    reset: bool = False                  # forget every row first (after a failed step)
 
 
 @dataclass

@@ -66,6 +66,8 @@ class NumpyRunner:
         for rank in self.ranks:
             rank.kv[:] = 0
 
+    overlaps = False                     # launch runs the step at once: overlapping gains nothing on the CPU
+
     def run(self, batch: BatchDescription) -> StepResult:
         bucket = self.plan.bucket_for(batch.num_tokens, batch.num_seqs)
         for rank in self.ranks:
@@ -74,6 +76,13 @@ class NumpyRunner:
         n = batch.num_seqs
         logits = self.buf["logits"][:n].copy() if batch.need_logits else None
         return StepResult(self.buf["sampled_ids"][:n].copy(), logits)
+
+    def launch(self, batch: BatchDescription) -> StepResult:
+        """The step runs here and now; its sampled_ids stay in the arena for the next step's resolve_input_ids."""
+        return self.run(batch)
+
+    def wait(self, handle: StepResult) -> StepResult:
+        return handle
 
     def execute(self, bucket: Bucket) -> None:
         for op in bucket.ops:
@@ -117,6 +126,10 @@ class NumpyRank:
     # each op reads arena buffers / weights and writes its output rounded to the buffer's dtype
     def _set(self, name: str, rows: int, val: np.ndarray) -> None:
         self.buf[name][:rows] = round_to(val, self.dtypes[name]).reshape(self.buf[name][:rows].shape)
+
+    def op_resolve_input_ids(self, op):
+        b, r = self.buf, op.rows
+        b[op.ids][:r] = ops.resolve_input_ids(b[op.ids][:r], b[op.prev_rows][:r], b[op.sampled])
 
     def op_embedding(self, op):
         self._set(op.out, op.rows, ops.embedding(self.buf[op.ids][:op.rows], self.w[op.table]))

@@ -9,6 +9,12 @@ import numpy as np
 from xserv_aot.rng import uniform
 
 
+def resolve_input_ids(ids: np.ndarray, prev_rows: np.ndarray, sampled: np.ndarray) -> np.ndarray:
+    """Overlapped steps: a token whose id is still on the device is taken from the previous step's sampled_ids."""
+    prev_rows = np.asarray(prev_rows)
+    return np.where(prev_rows >= 0, np.asarray(sampled)[np.maximum(prev_rows, 0)], ids).astype(np.int32)
+
+
 def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
     return table[np.asarray(ids, dtype=np.int64)].astype(np.float32, copy=False)        # [T, H]
 

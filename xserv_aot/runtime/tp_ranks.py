@@ -8,6 +8,10 @@ rank 0, every process summing the parts in rank order), which is how the protoco
 
 Messages (rank 0 -> follower): ("run", batch) | ("reset_kv",) | ("close",); follower -> rank 0: ("ready",) once,
 ("done",) per request, ("error", text) instead of either; during a NumPy step ("part", array) / ("parts", list).
+The batch is the engine's BatchDescription as is (prev_rows included). Overlapped steps (launch/wait): launch sends
+step N+1 to the followers and launches it on rank 0 before wait reads step N's result and its followers' "done"s
+(answered in order, one per run); a follower runs its steps one after another, each resolving its pending ids from
+its own sampled_ids (the same on every rank: every rank samples the same gathered logits).
 A follower that fails, exits or does not answer within step_timeout_s fails the whole group: every follower is
 stopped and every later call raises RankFailure (the engine then fails for good; no half-alive server). On CUDA a
 follower that dies or hangs mid-step leaves rank 0's stream waiting in NCCL, so the watchdog ends the process with
@@ -15,6 +19,7 @@ the error (a step past step_timeout_s counts as hung).
 """
 from __future__ import annotations
 
+import collections
 import multiprocessing as mp
 import multiprocessing.connection
 import atexit
@@ -38,8 +43,8 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
-def expect(conn, kind: str, rank: int, timeout: float | None = None):
-    """The next message from `rank`, which must be `kind`; its payload (RankFailure otherwise)."""
+def receive(conn, rank: int, timeout: float | None = None) -> tuple:
+    """The next message from `rank`; RankFailure when it exited, failed or sent nothing within timeout."""
     try:
         if timeout is not None and not conn.poll(timeout):
             raise RankFailure(f"rank {rank} sent nothing for {timeout:g} s (hung?)")
@@ -48,31 +53,48 @@ def expect(conn, kind: str, rank: int, timeout: float | None = None):
         raise RankFailure(f"rank {rank} exited") from None
     if msg[0] == "error":
         raise RankFailure(f"rank {rank} failed: {msg[1]}")
+    return msg
+
+
+def expect(conn, kind: str, rank: int, timeout: float | None = None):
+    """The next message from `rank`, which must be `kind`; its payload (RankFailure otherwise)."""
+    msg = receive(conn, rank, timeout)
     if msg[0] != kind:
         raise RankFailure(f"rank {rank} sent {msg[0]!r}, expected {kind!r}")
     return msg[1] if len(msg) > 1 else None
 
 
 class PipeComm:
-    """allgather over the rank pipes: rank 0 collects every follower's part, then sends the full list back."""
+    """allgather over the rank pipes: rank 0 collects every follower's part, then sends the full list back.
+    Under overlapped steps a follower's "done" for the previous step may come before its first part of the next:
+    rank 0 counts it in early_done (TensorParallelRunner reads those first)."""
 
     def __init__(self, rank: int, conns: list, timeout: float | None = None):
         self.rank, self.conns, self.timeout = rank, conns, timeout    # rank 0: one conn per follower, else [rank 0]
+        self.early_done = [0] * len(conns)
+
+    def _part(self, rank: int, conn):
+        while (msg := receive(conn, rank, self.timeout))[0] == "done":
+            self.early_done[rank - 1] += 1
+        if msg[0] != "part":
+            raise RankFailure(f"rank {rank} sent {msg[0]!r}, expected 'part'")
+        return msg[1]
 
     def allgather(self, part):
         if self.rank:
             self.conns[0].send(("part", part))
             return expect(self.conns[0], "parts", 0)
-        parts = [part] + [expect(c, "part", r, self.timeout) for r, c in enumerate(self.conns, 1)]
+        parts = [part] + [self._part(r, c) for r, c in enumerate(self.conns, 1)]
         for c in self.conns:
             c.send(("parts", parts))
         return parts
 
 
-def rank_runner(plan: Plan, rank: int, backend: str, conns: list, nccl_id: bytes | None, timeout=None):
+def rank_runner(plan: Plan, rank: int, backend: str, comm: PipeComm | None, nccl_id: bytes | None):
+    """comm: the NumPy ranks' pipes (None on CUDA: NCCL inside the graphs)."""
     if backend == "cpu":
         from xserv_aot.runtime.numpy_backend import NumpyRunner
-        return NumpyRunner(plan, rank, PipeComm(rank, conns, timeout))
+        return NumpyRunner(plan, rank, comm)
     from xserv_aot.runtime.cuda.runner import CudaRunner
     return CudaRunner(plan, device=rank, rank=rank, nccl_id=nccl_id)
 
@@ -81,7 +103,8 @@ def follower_main(conn, plan_dir: str, rank: int, backend: str, nccl_id: bytes |
     os.environ.update(ENV)
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C reaches the process group: rank 0 decides, then closes
     try:
-        runner = rank_runner(Plan.load(plan_dir, verify="none"), rank, backend, [conn], nccl_id)
+        comm = PipeComm(rank, [conn]) if backend == "cpu" else None
+        runner = rank_runner(Plan.load(plan_dir, verify="none"), rank, backend, comm, nccl_id)
         conn.send(("ready",))
         while (msg := conn.recv())[0] != "close":
             if msg[0] == "run":
@@ -108,13 +131,14 @@ class TensorParallelRunner:
         os.environ.update(ENV)                   # inherited by every follower; set before NCCL is loaded
         self.plan, self.backend, self.timeout = plan, backend, step_timeout_s
         self.failed: str | None = None
-        self._closing, self._step_start = False, None    # _step_start: monotonic time of the step in flight
+        self._closing, self._step_start = False, None    # _step_start: monotonic time of the oldest step in flight
+        self._pending: collections.deque[float] = collections.deque()   # launch times of unanswered requests
         nccl_id = None
         if backend == "cuda":
             from xserv_aot.runtime.cuda.nccl import Nccl
             nccl_id = Nccl().unique_id()
         ctx = mp.get_context("spawn")
-        self.conns, self.procs, self.own = [], [], None
+        self.conns, self.procs, self.own, self.comm = [], [], None, None
         try:
             for r in range(1, plan.tensor_parallel):
                 parent, child = ctx.Pipe()
@@ -124,7 +148,8 @@ class TensorParallelRunner:
                 child.close()
                 self.conns.append(parent)
                 self.procs.append(p)
-            self.own = rank_runner(plan, 0, backend, self.conns, nccl_id, step_timeout_s)
+            self.comm = PipeComm(0, self.conns, step_timeout_s) if backend == "cpu" else None
+            self.own = rank_runner(plan, 0, backend, self.comm, nccl_id)
             for r, c in enumerate(self.conns, 1):
                 expect(c, "ready", r)
         except BaseException as e:
@@ -166,32 +191,69 @@ class TensorParallelRunner:
         self._stop_followers(polite=False)
         return RankFailure(f"tensor-parallel group failed: {self.failed}")
 
-    def _all(self, msg: tuple, local) -> object:
-        """Send msg to every follower, run local() here, wait for every follower's answer."""
+    @property
+    def overlaps(self) -> bool:
+        """Overlapped steps by default where rank 0's runner has them (CUDA plans with prev_rows)."""
+        return bool(getattr(self.own, "overlaps", False))
+
+    def _guarded(self, body):
+        """body(); any failure fails the whole group (the ranks are out of step for good)."""
         self._check()
-        self._step_start = time.monotonic()
         try:
-            for r, c in enumerate(self.conns, 1):
-                try:
-                    c.send(msg)
-                except OSError:
-                    raise RankFailure(f"rank {r} exited") from None
-            out = local()
-            for r, c in enumerate(self.conns, 1):
-                expect(c, "done", r, self.timeout)
-            self._step_start = None
+            return body()
         except RankFailure as e:
             raise self._fail(str(e)) from None
-        except Exception as e:                   # rank 0 failed mid-step: the ranks are out of step for good
+        except Exception as e:                   # rank 0 failed mid-step
             raise self._fail(f"rank 0 failed: {_one_line(e)}") from None
-        return out
+
+    def _send_all(self, msg: tuple) -> None:
+        self._pending.append(time.monotonic())
+        self._step_start = self._pending[0]
+        for r, c in enumerate(self.conns, 1):
+            try:
+                c.send(msg)
+            except OSError:
+                raise RankFailure(f"rank {r} exited") from None
+
+    def _done_all(self) -> None:
+        """Every follower's answer to the oldest request still pending."""
+        early = self.comm.early_done if self.comm is not None else [0] * len(self.conns)
+        for r, c in enumerate(self.conns, 1):
+            if early[r - 1]:
+                early[r - 1] -= 1
+            else:
+                expect(c, "done", r, self.timeout)
+        self._pending.popleft()
+        self._step_start = self._pending[0] if self._pending else None
+
+    def launch(self, batch: BatchDescription):
+        """Send the step to every follower and launch it on rank 0; wait(handle) reads its result."""
+        self.plan.bucket_for(batch.num_tokens, batch.num_seqs)    # a batch no bucket holds fails here, not the group
+
+        def body():
+            self._send_all(("run", batch))
+            return self.own.launch(batch)
+        return self._guarded(body)
+
+    def wait(self, handle) -> StepResult:
+        """Steps are waited for in the order they were launched."""
+        def body():
+            result = self.own.wait(handle)
+            self._done_all()
+            return result
+        return self._guarded(body)
 
     def run(self, batch: BatchDescription) -> StepResult:
-        self.plan.bucket_for(batch.num_tokens, batch.num_seqs)    # a batch no bucket holds fails here, not the group
-        return self._all(("run", batch), lambda: self.own.run(batch))
+        return self.wait(self.launch(batch))
 
     def reset_kv(self) -> None:
-        self._all(("reset_kv",), self.own.reset_kv)
+        def body():
+            if self._pending:
+                raise RuntimeError("reset_kv with a step still in flight")
+            self._send_all(("reset_kv",))
+            self.own.reset_kv()
+            self._done_all()
+        self._guarded(body)
 
     def _stop_followers(self, polite: bool = True) -> None:
         """polite: ask each follower to close and wait for it a while; else (a failed group) kill them now."""

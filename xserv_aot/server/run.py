@@ -89,4 +89,7 @@ def run_server(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str |
                      max_request_bytes=max_request_bytes, reasoning=reasoning, manage_engine=True,
                      request_timeout=request_timeout)
     config = server_config(app, host, port, limit_concurrency=limit_concurrency, log_level=log_level)
-    DrainingServer(config, shutdown_grace=shutdown_grace).run()
+    server = DrainingServer(config, shutdown_grace=shutdown_grace)
+    if hasattr(engine, "on_death"):                  # an engine core process that dies stops the server
+        engine.on_death.append(lambda reason: server.request_shutdown())
+    server.run()

@@ -197,6 +197,9 @@ class Device:
     def record(self, ev) -> None:
         check(_cu().cuEventRecord(ev, self.stream), "cuEventRecord")
 
+    def wait_event(self, ev) -> None:
+        check(_cu().cuEventSynchronize(ev), "cuEventSynchronize")
+
     def elapsed_ms(self, start, end) -> float:
         check(_cu().cuEventSynchronize(end), "cuEventSynchronize")
         return float(check(_cu().cuEventElapsedTime(start, end), "cuEventElapsedTime"))

@@ -3,7 +3,9 @@
 Start: one device allocation each for weights (uploaded, or filled on the device for dummy-weight plans), arena
 and KV pool; cubins (+ CUTLASS library) loaded; every bucket run once eagerly, then captured (decode buckets
 largest first, then prefill). Step: stage the batch into pinned memory, one H2D copy of the input region,
-graph replay, D2H of the sampled ids (and logits when asked), one sync. No allocation in the steady state.
+graph replay, D2H of the sampled ids (and logits when asked), one event. No allocation in the steady state.
+launch/wait split a step so the engine can stage step N+1 while step N runs (overlapped steps): two pinned
+staging/result buffers alternate, and a buffer is reused only after the event of the step that last used it.
 """
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ import numpy as np
 
 from xserv_aot.dtypes import STORAGE, decode
 from xserv_aot.plan.ops import INPUT_BUFFERS
+from xserv_aot.plan.roofline import op_name
 from xserv_aot.runtime.batch import BatchDescription, StepResult, stage_inputs
 from xserv_aot.runtime.cuda.driver import Device, Launch
 from xserv_aot.runtime.cuda.launch import Buffers, op_launches
+from xserv_aot.runtime.nvtx import ranges
 
 
 class CudaRunnerError(ValueError):
@@ -25,14 +29,18 @@ class CudaRunnerError(ValueError):
 
 class CudaRunner:
     def __init__(self, plan, capture: bool = True, log: Callable[[str], None] | None = None, device: int = 0,
-                 rank: int = 0, nccl_id: bytes | None = None):
+                 rank: int = 0, nccl_id: bytes | None = None, nvtx: bool = False):
         """rank, nccl_id: this process's rank of a tensor-parallel plan and the group's NCCL unique id
-        (runtime/tp_ranks.py; NOT RUN on a multi-GPU machine yet)."""
+        (runtime/tp_ranks.py; NOT RUN on a multi-GPU machine yet). nvtx: NVTX ranges around stage / replay / finish
+        of every step and around every op of an eager step."""
         if plan.build.dtype != "bfloat16" or not plan.kernels.get("cubins"):
             raise CudaRunnerError(f"{plan.dir}: plan has no CUDA kernels (target {plan.build.target!r}, dtype "
                                   f"{plan.build.dtype!r}); recompile with --target sm_90a --dtype bfloat16")
         self.plan, self.rank, self.nccl_id = plan, rank, nccl_id
         self.log = log or (lambda msg: None)
+        self.nvtx = ranges(nvtx)
+        self.op_names = {bk.name: [op_name(bk.name, i, op) for i, op in enumerate(bk.ops)]
+                         for bk in plan.buckets} if nvtx else {}
         self.dev = dev = Device(device)
         t0 = time.perf_counter()
         self.weights_ptr = dev.alloc(int(plan.manifest["weights"]["size"]))
@@ -107,20 +115,28 @@ class CudaRunner:
 
     def _setup_staging(self) -> None:
         arena = self.plan.arena
-        lo = min(arena[n].offset for n in INPUT_BUFFERS)
-        hi = max(arena[n].offset + arena[n].nbytes for n in INPUT_BUFFERS)
-        others = [n for n, i in arena.items() if n not in INPUT_BUFFERS and i.offset < hi and i.offset + i.nbytes > lo]
+        inputs = [n for n in INPUT_BUFFERS if n in arena]        # plans before prev_rows: no overlapped steps
+        self.overlaps = "prev_rows" in arena
+        lo = min(arena[n].offset for n in inputs)
+        hi = max(arena[n].offset + arena[n].nbytes for n in inputs)
+        others = [n for n, i in arena.items() if n not in inputs and i.offset < hi and i.offset + i.nbytes > lo]
         if others:
             raise CudaRunnerError(f"arena input buffers are not contiguous (overlap {others[0]!r})")
         self.in_lo, self.in_bytes = lo, hi - lo
-        self.pinned_in = self.dev.alloc_host(self.in_bytes)
-        self.views = {}
-        for n in INPUT_BUFFERS:
-            i = arena[n]
-            a = self.pinned_in[i.offset - lo: i.offset - lo + i.nbytes].view(STORAGE[i.dtype])
-            self.views[n] = a.reshape(i.shape)
+        self.pinned_ins, self.views_k, self.pinned_ids_k = [], [], []
         B, V = self.plan.build.max_num_seqs, self.plan.model.vocab_size
-        self.pinned_ids = self.dev.alloc_host(4 * B, np.int32)[:B]
+        for _ in range(2):
+            pinned = self.dev.alloc_host(self.in_bytes)
+            views = {}
+            for n in inputs:
+                i = arena[n]
+                views[n] = pinned[i.offset - lo: i.offset - lo + i.nbytes].view(STORAGE[i.dtype]).reshape(i.shape)
+            self.pinned_ins.append(pinned)
+            self.views_k.append(views)
+            self.pinned_ids_k.append(self.dev.alloc_host(4 * B, np.int32)[:B])
+        self.events = [self.dev.event(), self.dev.event()]
+        self._buf_used = [False, False]
+        self._next = 0
         self.pinned_logits = self.dev.alloc_host(4 * B * V, np.float32)[:B * V].reshape(B, V)
 
     # ---- staging -------------------------------------------------------------------------------------------
@@ -130,31 +146,54 @@ class CudaRunner:
         return BatchDescription(input_ids=[0], positions=[0], slot_mapping=[-1], query_start_loc=[0, 0],
                                 seq_lens=[0], block_tables=[[0]]).fill_sampling_defaults()
 
-    def stage(self, batch: BatchDescription, bk) -> None:
+    def stage(self, batch: BatchDescription, bk, k: int = 0) -> None:
+        """Fill staging buffer k and enqueue its H2D copy."""
         try:
-            stage_inputs(batch, self.views, bk.num_tokens, bk.num_seqs)
+            stage_inputs(batch, self.views_k[k], bk.num_tokens, bk.num_seqs)
         except ValueError as e:
             raise CudaRunnerError(f"bucket {bk.name}: {e}") from None
-        self.dev.htod_async(self.arena_ptr + self.in_lo, self.pinned_in.ctypes.data, self.in_bytes)
+        self.dev.htod_async(self.arena_ptr + self.in_lo, self.pinned_ins[k].ctypes.data, self.in_bytes)
 
-    def _finish(self, batch: BatchDescription) -> StepResult:
+    def _start(self, batch: BatchDescription, k: int) -> tuple:
+        """Enqueue the D2H of the results into buffer k and its event; the handle wait() takes."""
         ns = batch.num_seqs
-        self.dev.dtoh_async(self.pinned_ids.ctypes.data, self.buf("sampled_ids"), 4 * ns)
-        logits = None
+        self.dev.dtoh_async(self.pinned_ids_k[k].ctypes.data, self.buf("sampled_ids"), 4 * ns)
         if batch.need_logits:
             V = self.plan.model.vocab_size
             self.dev.dtoh_async(self.pinned_logits.ctypes.data, self.buf("logits"), 4 * ns * V)
-        self.dev.sync()
-        if batch.need_logits:
-            logits = self.pinned_logits[:ns].copy()
-        return StepResult(sampled_ids=self.pinned_ids[:ns].copy(), logits=logits)
+        self.dev.record(self.events[k])
+        self._buf_used[k] = True
+        return k, ns, batch.need_logits
+
+    def wait(self, handle: tuple) -> StepResult:
+        k, ns, need_logits = handle
+        with self.nvtx.range("finish"):
+            self.dev.wait_event(self.events[k])
+            logits = self.pinned_logits[:ns].copy() if need_logits else None
+            return StepResult(sampled_ids=self.pinned_ids_k[k][:ns].copy(), logits=logits)
+
+    def _take_buffer(self) -> int:
+        k, self._next = self._next, self._next ^ 1
+        if self._buf_used[k]:
+            self.dev.wait_event(self.events[k])          # the step that last used buffer k is done with it
+        return k
 
     # ---- execution -----------------------------------------------------------------------------------------
     def enqueue(self, name: str) -> None:
         stream = self.dev.stream
+        if self.nvtx.enabled:
+            return self._enqueue_ranged(name)
         for launches in self.launches[name]:
             for ln in launches:
                 ln(stream)
+
+    def _enqueue_ranged(self, name: str) -> None:
+        stream, nv = self.dev.stream, self.nvtx
+        for launches, label in zip(self.launches[name], self.op_names[name]):
+            if launches:
+                with nv.range(label):
+                    for ln in launches:
+                        ln(stream)
 
     def capture_all(self) -> None:
         order = sorted(self.plan.decode_buckets, key=lambda b: -b.num_tokens)
@@ -175,21 +214,30 @@ class CudaRunner:
         except ValueError as e:
             raise CudaRunnerError(str(e)) from None
 
-    def run(self, batch: BatchDescription) -> StepResult:
-        bk = self.bucket_for(batch)
-        self.stage(batch, bk)
+    def launch(self, batch: BatchDescription) -> tuple:
+        """Stage and enqueue one step without waiting for it (wait(handle) gets its result)."""
+        bk, nv = self.bucket_for(batch), self.nvtx
+        k = self._take_buffer()
+        with nv.range("stage"):
+            self.stage(batch, bk, k)
         gexec = self.graphs.get(bk.name)
-        if gexec is None:
-            self.enqueue(bk.name)
-        else:
-            self.dev.graph_launch(gexec)
-        return self._finish(batch)
+        with nv.range(f"{'eager' if gexec is None else 'replay'} {bk.name}"):
+            if gexec is None:
+                self.enqueue(bk.name)
+            else:
+                self.dev.graph_launch(gexec)
+        return self._start(batch, k)
+
+    def run(self, batch: BatchDescription) -> StepResult:
+        return self.wait(self.launch(batch))
 
     def run_eager(self, name: str, batch: BatchDescription) -> StepResult:
         bk = self.buckets[name]
-        self.stage(batch, bk)
-        self.enqueue(name)
-        return self._finish(batch)
+        k = self._take_buffer()
+        self.stage(batch, bk, k)
+        with self.nvtx.range(f"eager {name}"):
+            self.enqueue(name)
+        return self.wait(self._start(batch, k))
 
     def read_buffer(self, name: str) -> np.ndarray:
         """Copy an arena buffer back (tests, debugging); bfloat16 comes back as float32."""

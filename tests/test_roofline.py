@@ -1,0 +1,156 @@
+"""Per-op bytes/FLOPs and the floor they imply (plan/roofline.py), and `inspect --roofline`: checked against
+counts taken from the plan's own weights and the model shape by hand."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.test_cli import assert_one_line_error, cli
+from xserv_aot.plan import roofline as rl
+
+
+@pytest.fixture(scope="module")
+def gpu_plan(tmp_path_factory):
+    """A tiny Qwen3 compiled for sm_90a (NVRTC, no GPU needed): ops carry kernels and launches."""
+    pytest.importorskip("cuda.core")
+    from tests.test_kernel_build import compile_tiny
+    mp = pytest.MonkeyPatch()
+    try:
+        yield compile_tiny(tmp_path_factory.mktemp("roofline"), mp)
+    finally:
+        mp.undo()
+
+
+def linear_weight_elems(plan) -> int:
+    names = [n for n in plan.weights if n.endswith((".qkv", ".o_proj", ".gate_up", ".down"))]
+    head = "embed_tokens" if plan.model.tie_word_embeddings else "lm_head"
+    return sum(int(np.prod(plan.weights[n].shape)) for n in names + [head])
+
+
+def test_decode_costs_match_the_weights_and_shape(gpu_plan):
+    plan, m = gpu_plan, gpu_plan.model
+    bk = next(b for b in plan.buckets if b.name == "decode_1")
+    costs = rl.bucket_costs(plan, bk, 128)
+    lin = [c for c in costs if c[1].op == "linear"]
+    assert sum(c[3] for c in lin) == 2 * linear_weight_elems(plan)             # a GEMV: 2 FLOPs per weight
+    assert sum(c[2] for c in lin) >= 2 * linear_weight_elems(plan)             # bf16: each weight read once
+    attn = [c for c in costs if c[1].op == "attention"]
+    assert [c[3] for c in attn] == [4 * m.num_heads * m.head_dim * 128] * m.num_layers
+    kv_bytes = 128 * m.num_kv_heads * m.head_dim * 2 * 2                       # K and V, bf16
+    assert [c[2] - 2 * m.num_heads * m.head_dim * 2 for c in attn] == [kv_bytes] * m.num_layers
+
+
+def test_ops_that_launch_nothing_have_no_row(gpu_plan):
+    for bk in gpu_plan.buckets:
+        fused = [i for i, op in enumerate(bk.ops) if op.cuda.kernel == "fused_into_previous"]
+        rows = [c[0] for c in rl.bucket_costs(gpu_plan, bk, 128)]
+        assert not set(fused) & set(rows)
+        assert len(rows) == len(bk.ops) - len(fused)
+    assert any(op.cuda.kernel == "fused_into_previous" for op in gpu_plan.buckets[0].ops)
+
+
+def test_floor_takes_the_binding_ceiling():
+    c = rl.TARGETS["sm_90a"]
+    assert (c.read_bytes_per_s, c.flops_per_s) == (4.6e12, 790e12)
+    assert rl.floor_s(4.6e9, 1e9, c) == (pytest.approx(1e-3), "memory")
+    assert rl.floor_s(1e6, 790e9, c) == (pytest.approx(1e-3), "compute")
+    assert rl.ceilings_for("cpu") is c
+
+
+def test_prefill_attention_flops_are_causal(gpu_plan):
+    m = gpu_plan.model
+    op = next(op for op in gpu_plan.buckets[-1].ops if op.op == "attention")
+    t = op.rows
+    keys = sum(range(1, t + 1))                                                # row i sees i + 1 keys
+    assert rl.op_flops(op, gpu_plan, t, 1) == 4 * m.num_heads * m.head_dim * keys
+
+
+def test_kv_bytes_follow_the_kv_cache_dtype(gpu_plan):
+    import copy
+    m = gpu_plan.model
+    wide = copy.copy(gpu_plan)
+    wide.kv_cache = {**gpu_plan.kv_cache, "dtype": "float32"}
+    bk = next(b for b in gpu_plan.buckets if b.name == "decode_2")
+    attn = next(op for op in bk.ops if op.op == "attention")
+    rope = next(op for op in bk.ops if op.op == "qk_norm_rope_cache")
+    assert gpu_plan.kv_cache["dtype"] == "bfloat16"
+    extra = rl.op_bytes(attn, wide, 128, 2) - rl.op_bytes(attn, gpu_plan, 128, 2)
+    assert extra == 2 * 128 * m.num_kv_heads * m.head_dim * 2 * (4 - 2)          # 2 seqs x 128 keys, K and V
+    assert rl.op_bytes(rope, wide, 128, 2) - rl.op_bytes(rope, gpu_plan, 128, 2) == 2 * 2 * m.kv_size * (4 - 2)
+
+
+def test_cpu_plans_count_every_op(tmp_path, monkeypatch):
+    from tests.test_kernel_build import compile_tiny
+    plan = compile_tiny(tmp_path, monkeypatch, target="cpu", dtype="float32")
+    for bk in plan.buckets:
+        assert all(op.cuda is None for op in bk.ops)
+        assert [c[0] for c in rl.bucket_costs(plan, bk, 64)] == list(range(len(bk.ops)))
+
+
+def test_op_names_come_from_the_plan(gpu_plan):
+    bk = gpu_plan.buckets[0]
+    i = next(i for i, op in enumerate(bk.ops) if op.op == "linear")
+    assert rl.op_name(bk.name, i, bk.ops[i]) == f"decode_1/{i} L0 linear qkv {bk.ops[i].cuda.kernel}"
+
+
+def test_inspect_roofline_cli(gpu_plan):
+    r = cli("inspect", str(gpu_plan.dir), "--roofline", "--context", "256")
+    assert r.returncode == 0, r.stderr
+    lines = {ln.split()[0]: ln.split() for ln in r.stdout.splitlines()[2:]}
+    assert set(lines) == {b.name for b in gpu_plan.buckets}
+    c = rl.TARGETS["sm_90a"]
+    bk = gpu_plan.buckets[0]
+    nbytes = sum(x[2] for x in rl.bucket_costs(gpu_plan, bk, 256))
+    assert float(lines["decode_1"][2]) == pytest.approx(nbytes / 1e9, abs=1e-4)
+    assert float(lines["decode_1"][6]) == pytest.approx(nbytes / c.read_bytes_per_s * 1e3, abs=1e-3)
+    assert lines["decode_1"][7] == "memory" and "at context 256" in r.stdout
+    bad = cli("inspect", str(gpu_plan.dir), "--roofline", "--context", "0")
+    assert_one_line_error(bad, "--context must be >= 1")
+
+
+class ClockDevice:
+    """Events read a clock that each launch advances by 1 ms: an op's time is its number of launches."""
+
+    def __init__(self):
+        self.now, self.stream = 0.0, None
+
+    def event(self):
+        return [0.0]
+
+    def record(self, ev):
+        ev[0] = self.now
+
+    def elapsed_ms(self, a, b):
+        return b[0] - a[0]
+
+    def sync(self):
+        pass
+
+
+def test_profile_runner_rows_are_the_launching_ops(gpu_plan):
+    from types import SimpleNamespace
+
+    from xserv_aot.runtime import nvtx
+    from xserv_aot.runtime.cuda.profile import format_table, profile_runner
+    dev = ClockDevice()
+
+    def tick(_stream):
+        dev.now += 1.0
+
+    skipped = {}
+    for bk in (gpu_plan.buckets[0], next(b for b in gpu_plan.buckets if b.kind == "prefill")):
+        lns = [[tick] * len(op.cuda.launch) for op in bk.ops]
+        runner = SimpleNamespace(plan=gpu_plan, dev=dev, buckets={bk.name: bk}, launches={bk.name: lns}, graphs={},
+                                 nvtx=nvtx.OFF, op_names={}, stage=lambda batch, b: None,
+                                 enqueue=lambda name, lns=lns: [ln(None) for op_lns in lns for ln in op_lns])
+        prof = profile_runner(runner, bk.name, 64, reps=3)
+        launching = [i for i, op in enumerate(bk.ops) if op.cuda.launch]
+        assert [r[0] for r in prof["ops"]] == launching
+        assert [r[3] for r in prof["ops"]] == [float(len(bk.ops[i].cuda.launch)) for i in launching]
+        total = sum(len(op.cuda.launch) for op in bk.ops)
+        assert prof["eager_ms"] == prof["graph_ms"] == float(total)
+        assert f"graph step {total:.3f} ms" in format_table(prof, gpu_plan.build.target)
+        skipped[bk.kind] = len(bk.ops) - len(prof["ops"])
+    assert skipped["decode"] > 0 and skipped["prefill"] == 0                     # decode_1: silu_mul fused, no row
+    attn = next(r for r in prof["ops"] if r[1] == "attention")
+    assert attn[3] == 2.0 and attn[2] == bk.ops[attn[0]].cuda.kernel                # prefill + batched decode

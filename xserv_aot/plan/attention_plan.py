@@ -1,0 +1,51 @@
+"""Which attention kernels an op runs, with their launch records: the split-KV decode kernel for a few
+sequences, the batched flash-decoding kernels (tensor cores or CUDA cores) for larger decode buckets, and for
+prefill buckets the flash prefill kernel plus the batched decode kernel on the one-row (decode) sequences of a
+mixed step. Constants here are the H200 sweep's choices (docs/cuda-notes.md)."""
+from __future__ import annotations
+
+from xserv_aot.plan.launch_records import f32, i32, kernel, kv, launch, ptr
+from xserv_aot.plan.op_records import Attention, KernelChoice, LaunchRecord
+
+BATCHED_ATTN_MIN_SEQS = 3    # decode attention for >= 3 seqs: the batched kernels below
+BATCHED_ATTN_KERNEL = "tc"   # tc: kernels/attention_decode_tc.cu (tensor cores); cc: attention_decode_batched.cu
+BATCHED_ATTN_TILE = 64       # keys per tile of either kernel (cc instantiates 64 and 32, tc 64)
+BATCHED_ATTN_STAGES = 2      # tiles in the cp.async ring (cc: 2; tc: 2, 3, 4)
+BATCHED_ATTN_BLOCKS = 4 * 132  # splits per seq chosen so a full bucket launches about this many blocks
+
+
+def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, tail: list) -> LaunchRecord:
+    """The batched decode kernel over every seq row of the op: splits so the bucket fills the SMs."""
+    seqs, nkv, hd = op.num_seqs, m["num_kv_heads"], m["head_dim"]
+    g = m["num_heads"] // nkv
+    splits = max(1, min(-(-max_seq_len // BATCHED_ATTN_TILE), -(-BATCHED_ATTN_BLOCKS // (seqs * nkv))))
+    if BATCHED_ATTN_KERNEL == "tc":                                 # K and V tiles, rows padded to hd + 8
+        smem = BATCHED_ATTN_STAGES * 2 * BATCHED_ATTN_TILE * (hd + 8) * 2
+        name = f"attn_decode_tc_s{BATCHED_ATTN_STAGES}_hd{hd}"
+    else:
+        smem = BATCHED_ATTN_STAGES * 2 * BATCHED_ATTN_TILE * hd * 2
+        name = f"attn_decode_b_t{BATCHED_ATTN_TILE}s{BATCHED_ATTN_STAGES}_hd{hd}_g{4 if g <= 4 else 8}"
+    return launch(name, [seqs, nkv, splits], [128], smem,
+                  common + [ptr("attn_part_o"), ptr("attn_part_ml"), ptr("attn_counters"), ptr(op.out),
+                            i32(op.rows), i32(m["num_heads"]), i32(nkv), *tail])
+
+
+def plan_attention(op: Attention, kind: str, m: dict, attn: dict, block_size: int, max_blocks: int,
+                   num_slots: int) -> KernelChoice:
+    """Decode buckets: split-KV kernel (few seqs) or the batched flash-decoding kernel. Prefill buckets: the
+    flash prefill kernel, plus the batched decode kernel for the one-row (decode) seqs of a mixed step."""
+    hd, nh, nkv = m["head_dim"], m["num_heads"], m["num_kv_heads"]
+    common = [ptr(op.q), kv(op.layer), ptr(op.query_start_loc), ptr(op.seq_lens), ptr(op.block_tables)]
+    tail = [i32(block_size), i32(max_blocks), i32(num_slots), f32(op.scale)]
+    if kind == "decode" and op.num_seqs < BATCHED_ATTN_MIN_SEQS:
+        s_max = attn["splits"]
+        return kernel(launch(f"attn_decode_hd{hd}", [op.num_seqs, nkv, s_max], [128], 0,
+                             common + [ptr("attn_part_o"), ptr("attn_part_ml"), ptr("attn_counters"), ptr(op.out),
+                                       i32(op.rows), i32(nh), i32(nkv), *tail, i32(s_max)]),
+                      split=attn["split"], splits=s_max)
+    dec = batched_attn_launch(op, m, attn["max_seq_len"], common, tail)
+    if kind == "decode":
+        return KernelChoice(dec.fn, (dec,), splits=dec.grid[2])
+    pre = launch(f"attn_prefill_hd{hd}", [-(-op.rows // 64) + op.num_seqs, nh], [128], 0,
+                 common + [ptr(op.out), i32(op.rows), i32(op.num_seqs), i32(nh), i32(nkv), *tail, i32(2)])
+    return KernelChoice(pre.fn, (pre, dec), splits=dec.grid[2])

@@ -186,3 +186,17 @@ extern "C" __global__ void __launch_bounds__(SM_THREADS) sample_rows(
     Boundary s = select_token(x, mx, V, true, target, true, has_b, b, sm);
     if (tid == 0) out[row] = s.idx < 0 ? 0 : s.idx;
 }
+
+// Grammar masks before sampling: rows with bitmask_rows[row] != 0 get logits[row, i] = -inf unless bit i % 32 of
+// mask[row, i / 32] is set; other rows pass through untouched (no mask was staged for them).
+extern "C" __global__ void apply_token_bitmask(float* __restrict__ logits, const int* __restrict__ mask,
+                                               const int* __restrict__ bitmask_rows, int V) {
+    pdl_entry();
+    const int row = blockIdx.x;
+    if (!bitmask_rows[row]) return;
+    const int W = (V + 31) >> 5;
+    const int* m = mask + (size_t)row * W;
+    float* lg = logits + (size_t)row * V;
+    for (int i = threadIdx.x; i < V; i += blockDim.x)
+        if (!((((u32)m[i >> 5]) >> (i & 31)) & 1u)) lg[i] = -__int_as_float(0x7f800000);
+}

@@ -194,6 +194,50 @@ def test_outputs_across_the_process_boundary_equal_the_in_process_engine(plan):
     assert remote.proc.exitcode == 0
 
 
+def test_structured_outputs_logit_bias_and_forks_cross_the_process_boundary(plan):
+    """GuidedDecoding, logit_bias and min_tokens travel in the msgspec AddRequest; grammar matchers run in the core
+    (the last token of a finished grammar is text on the API side too); parallel samples of one prompt (forks)
+    equal the in-process engine's; a grammar the tokenizer cannot compile is refused before it is sent."""
+    import json
+    from xserv_aot.engine.api import GuidedDecoding, InvalidRequestError
+    tok = build_engine(plan, backend="cpu").tokenizer
+    ids = tok.encode("Answer:")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    cases = [SamplingParams(max_tokens=20, temperature=0.0, guided=GuidedDecoding("json", json.dumps(schema))),
+             SamplingParams(max_tokens=20, temperature=0.9, seed=4, guided=GuidedDecoding("choice", '["yes", "no"]')),
+             SamplingParams(max_tokens=20, temperature=0.0, guided=GuidedDecoding("regex", "[a-c]{3}"), logprobs=1),
+             SamplingParams(max_tokens=8, temperature=0.0, logit_bias={ids[0]: 100.0}, ignore_eos=True),
+             SamplingParams(max_tokens=8, temperature=0.0, min_tokens=8)]
+    forks = [SamplingParams(max_tokens=8, temperature=1.0, seed=20 + j, ignore_eos=True) for j in range(3)]
+    long = tok.encode("quartz meadow signal orbit lantern " * 4)
+
+    async def parallel(engine):
+        async def one(j, p):
+            return merged([o async for o in engine.generate(f"f{j}", long, p)])
+        return await asyncio.gather(*(one(j, p) for j, p in enumerate(forks)))
+
+    local = build_engine(plan, backend="cpu")
+    local.start()
+    try:
+        want = [merged(gather(local, f"l{i}", ids, p)) for i, p in enumerate(cases)]
+        want_forks = asyncio.run(parallel(local))
+    finally:
+        local.shutdown()
+    assert json.loads(want[0][1])["n"] >= 0 and want[0][2] == "stop" and want[1][1] in ("yes", "no")
+    remote = build_engine(plan, backend="cpu", engine_process=True)
+    remote.start()
+    try:
+        got = [merged(gather(remote, f"r{i}", ids, p)) for i, p in enumerate(cases)]
+        assert got == want
+        assert asyncio.run(parallel(remote)) == want_forks
+        with pytest.raises(InvalidRequestError):
+            gather(remote, "bad", ids, SamplingParams(guided=GuidedDecoding("json", '{"type": "nonsense"}')))
+        assert wait_until(lambda: set(remote.debug_state().values()) == {0}), remote.debug_state()
+    finally:
+        remote.shutdown()
+
+
 def gather_started(engine, rid, ids, params):
     engine.start()
     try:

@@ -61,14 +61,24 @@ BAD_CHAT = [
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": 5}, "stop"), ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"logprobs": "yes"}, "logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"top_logprobs": 2}, "top_logprobs"), ({"n": 2}, "n"), ({"stream": "yes"}, "stream"),
+    ({"top_logprobs": 2}, "top_logprobs"), ({"n": 17}, "n"), ({"n": 0}, "n"), ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"ignore_eos": 1}, "ignore_eos"),
     ({"messages": []}, "messages"), ({"messages": None}, "messages"), ({"messages": [{"content": "x"}]}, "messages"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"), ({"model": 3}, "model"),
     ({"chat_template_kwargs": [1]}, "chat_template_kwargs"), ({"tools": [{"type": "function"}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"), ({"logit_bias": {"5": 1}}, "logit_bias"),
+    ({"response_format": {"type": "xml"}}, "response_format"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"unknown_thing": 1}, "unknown_thing"), ({"best_of": 2}, "best_of"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+                                                                                 "function": {"name": "g"}}},
+     "tool_choice"),
+    ({"guided_choice": []}, "guided_choice"), ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"), ({"min_tokens": -1}, "min_tokens"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f",
+                                                                                       "arguments": "{no"}}]}]},
+     "messages"),
 ]
 
 
@@ -78,10 +88,11 @@ def test_bad_chat_fields(base_url, engine, patch, param):
     assert err["param"] == param and err["type"] == "invalid_request_error"
 
 
-BAD_COMP = [({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [[1, 2], [3]]}, "prompt"), ({"prompt": ""}, "prompt"),
+BAD_COMP = [({"prompt": ["a", 5]}, "prompt"), ({"prompt": [[1, 2], []]}, "prompt"), ({"prompt": ""}, "prompt"),
             ({"prompt": 5}, "prompt"), ({"prompt": [1, "x"]}, "prompt"), ({"logprobs": 21}, "logprobs"),
-            ({"logprobs": True}, "logprobs"), ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"),
-            ({"suffix": "end"}, "suffix")]
+            ({"logprobs": True}, "logprobs"), ({"echo": True, "logprobs": 1}, "echo"), ({"best_of": 1, "n": 2}, "best_of"),
+            ({"best_of": 3, "stream": True}, "best_of"), ({"suffix": "end"}, "suffix"), ({"prompt": ["a"] * 65}, "prompt"),
+            ({"messages": [{"role": "user", "content": "x"}]}, "messages"), ({"tools": []}, "tools")]
 
 
 @pytest.mark.parametrize("patch,param", BAD_COMP, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD_COMP)])

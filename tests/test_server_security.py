@@ -21,7 +21,8 @@ from xserv_aot.server import create_app, run_server, server_config
 
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 ROUTES = {("POST", CHAT), ("POST", COMP), ("GET", "/v1/models"), ("GET", "/v1/models/{name:path}"),
-          ("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("GET", "/openapi.json")}
+          ("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("GET", "/openapi.json"),
+          ("POST", "/tokenize"), ("POST", "/detokenize")}
 
 
 def test_loopback_by_default():
@@ -40,7 +41,8 @@ def test_api_key_guards_every_route_but_health():
     app = create_app(eng, model_name="m", api_key=key)
     assert _routes(app) == ROUTES                      # a new route must be added here (and so be tested)
     calls = {("POST", CHAT): {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-             ("POST", COMP): {"prompt": "hi", "max_tokens": 2}}
+             ("POST", COMP): {"prompt": "hi", "max_tokens": 2}, ("POST", "/tokenize"): {"prompt": "hi"},
+             ("POST", "/detokenize"): {"tokens": [70]}}
     paths = {"/v1/models/{name:path}": "/v1/models/m"}
     with LiveServer(app) as url, httpx.Client(base_url=url, timeout=20) as client:
         def call(method, path, headers):

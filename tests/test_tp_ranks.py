@@ -198,6 +198,38 @@ def test_overlapped_steps_on_rank_processes_match_tp1_without_overlap(cpu_plans)
         runner.close()
 
 
+def test_grammar_masks_reach_every_rank(cpu_plans):
+    """A masked batch (bitmask_rows, token_bitmask) on rank processes: each rank masks its gathered logits before
+    sampling, so the token is TP=1's best allowed one (checked on TP=1's own unmasked logits)."""
+    from xserv_aot.runtime.batch import BatchDescription
+    seed = 80
+    rng = np.random.default_rng(seed)
+    vocab, n = cpu_plans[1].model.vocab_size, 7
+    allowed = sorted(rng.choice(vocab, 5, replace=False).tolist())
+    bits = np.zeros((2, -(-vocab // 32)), np.uint32)
+    for t in allowed:
+        bits[0, t // 32] |= np.uint32(1 << (t % 32))
+    mask, ids = bits.view(np.int32), rng.integers(3, vocab, n).tolist()
+
+    def batch(masked: bool, need_logits: bool = False) -> BatchDescription:
+        b = BatchDescription(ids + ids, list(range(n)) * 2, list(range(n)) + list(range(8, 8 + n)), [0, n, 2 * n],
+                             [n, n], [[0, 1], [2, 3]], need_logits=need_logits).fill_sampling_defaults()
+        if masked:
+            b.bitmask_rows, b.token_bitmask = [1, 0], mask        # row 0 masked, row 1 not
+        return b
+    one = NumpyRunner(cpu_plans[1])
+    logits = one.run(batch(False, need_logits=True)).logits
+    want = [allowed[int(np.argmax(logits[0][allowed]))], int(np.argmax(logits[1]))]
+    assert want[0] != int(np.argmax(logits[0])), seed          # the mask changes row 0's token
+    one.reset_kv()
+    assert one.run(batch(True)).sampled_ids.tolist() == want, seed
+    runner = TensorParallelRunner(cpu_plans[2], "cpu")
+    try:
+        assert runner.run(batch(True)).sampled_ids.tolist() == want, seed
+    finally:
+        runner.close()
+
+
 def test_a_rank_that_cannot_start_fails_the_group(cpu_plans, tmp_path):
     import shutil
     broken = tmp_path / "broken"

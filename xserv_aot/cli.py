@@ -62,6 +62,8 @@ def compile(
     dummy_weights: bool = typer.Option(False, help="random weights from the config alone (benchmarks)"),
     seed: int = typer.Option(0, help="seed for --dummy-weights"),
     force: bool = typer.Option(False, help="replace an existing plan"),
+    generation_config: str = typer.Option("auto", help="sampling defaults for the API: auto (the model's "
+                                          "generation_config.json), vllm (none) or a path to one"),
 ):
     """Compile MODEL into a plan directory (no GPU needed)."""
     from rich.progress import Progress
@@ -88,7 +90,7 @@ def compile(
             bar.update(tasks[stage], completed=done, total=total)
 
         plan = compile_plan(model, out, build, dummy_weights=dummy_weights, dummy_seed=seed, force=force,
-                            progress=progress)
+                            progress=progress, generation_config=generation_config)
     typer.echo(f"wrote plan {out} ({plan.model.arch}, {len(plan.buckets)} buckets, "
                f"weights {plan.manifest['weights']['size'] / 2**20:.1f} MiB, KV pool {plan.build.num_blocks} blocks)")
 
@@ -201,6 +203,10 @@ def serve(plan_dir: Path = typer.Argument(..., metavar="PLAN"),
                                                           "aborted (504 / an error event); default: none"),
           shutdown_grace: float = typer.Option(30.0, help="on SIGTERM, seconds in-flight requests get to finish "
                                                "before they are aborted"),
+          tool_call_parser: Optional[str] = typer.Option(None, help="hermes | llama3_json | none: how tool_choice "
+                                                         "auto finds calls (default: from the chat template)"),
+          metrics_require_key: bool = typer.Option(True, help="with --api-key, /metrics needs the key too; "
+                                                   "--no-metrics-require-key opens it, as vLLM's is"),
           engine_process: bool = typer.Option(True, help="run the scheduler and runner in their own process "
                                               "(--no-engine-process: an engine thread in the server process)")):
     """Serve PLAN with an OpenAI-compatible HTTP API."""
@@ -208,7 +214,8 @@ def serve(plan_dir: Path = typer.Argument(..., metavar="PLAN"),
 
     launch(plan_dir, host=host, port=port, api_key=api_key, max_waiting=max_waiting,
            model_name=model_name or Path(plan_dir).resolve().name, max_request_bytes=max_request_bytes, backend=backend,
-           request_timeout=request_timeout, shutdown_grace=shutdown_grace, engine_process=engine_process)
+           request_timeout=request_timeout, shutdown_grace=shutdown_grace, tool_call_parser=tool_call_parser,
+           metrics_require_key=metrics_require_key, engine_process=engine_process)
 
 
 @app.command()

@@ -38,12 +38,14 @@ def build_engine(plan_dir: Path, *, backend: str = "auto", max_waiting: int = 25
     log.info("plan %s: %s on %s, %d buckets, max_seq_len %d", plan.dir, plan.model.arch, type(runner).__name__,
              len(plan.buckets), plan.build.max_seq_len)
     engine = LLMEngine(runner, tokenizer)
-    return AsyncEngine(engine, model_name=model_name, max_waiting=max_waiting)
+    return AsyncEngine(engine, model_name=model_name, max_waiting=max_waiting,
+                       generation_defaults=plan.generation_defaults)
 
 
 def launch(plan_dir: Path, *, host: str, port: int, api_key: str | None, max_waiting: int, model_name: str,
            max_request_bytes: int, backend: str, request_timeout: float | None = None,
-           shutdown_grace: float = 30.0, engine_process: bool = True) -> None:
+           shutdown_grace: float = 30.0, tool_call_parser: str | None = None,
+           metrics_require_key: bool = True, engine_process: bool = True) -> None:
     """Blocks until SIGTERM/SIGINT: then drains (shutdown_grace seconds for requests in flight) and returns.
     Raises RuntimeError when the engine core process died (the server stopped; the CLI exits 1)."""
     from xserv_aot.server.run import run_server
@@ -52,6 +54,9 @@ def launch(plan_dir: Path, *, host: str, port: int, api_key: str | None, max_wai
         raise ValueError(f"--request-timeout must be > 0 seconds, got {request_timeout}")
     if not shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {shutdown_grace}")
+    from xserv_aot.server.tools import PARSERS
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
     if max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -60,7 +65,8 @@ def launch(plan_dir: Path, *, host: str, port: int, api_key: str | None, max_wai
     engine.start()                                 # startup errors end here, as one line
     try:
         run_server(engine, host=host, port=port, api_key=api_key, model_name=model_name,
-                   max_request_bytes=max_request_bytes, request_timeout=request_timeout, shutdown_grace=shutdown_grace)
+                   max_request_bytes=max_request_bytes, request_timeout=request_timeout, shutdown_grace=shutdown_grace,
+                   tool_call_parser=tool_call_parser, metrics_require_key=metrics_require_key)
     finally:
         engine.shutdown()
     if getattr(engine, "dead", None):

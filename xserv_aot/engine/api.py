@@ -9,13 +9,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-# Bounds of SamplingParams: one home for the engine's checks (llm_engine.validate_request) and the server's schema.
+# Bounds of SamplingParams: one home for the engine's checks (request_checks.check_request) and the server's schema.
 TEMPERATURE_RANGE = (0.0, 2.0)
 GREEDY_BELOW = 1e-5                     # temperatures under this sample greedily (float32 logits / t would overflow)
 PENALTY_RANGE = (-2.0, 2.0)             # presence_penalty, frequency_penalty
 REPETITION_PENALTY_RANGE = (0.01, 2.0)
 MAX_LOGPROBS = 20
 MAX_STOP = 4
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """A constraint on the output, as plain text (compiled by engine/grammar.py, cached per (kind, spec))."""
+    kind: str                           # "json" (spec: JSON schema text) | "json_object" (spec "") | "regex" |
+    spec: str                           # "choice" (spec: JSON list of strings) | "grammar" (Lark or GBNF text)
 
 
 @dataclass
@@ -33,12 +41,20 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)          # at most MAX_STOP; the stop text is not returned
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0                 # EOS and stop_token_ids are masked until this many tokens were generated
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit (-100..100)
+    guided: GuidedDecoding | None = None                          # structured output constraint
 
     @property
     def needs_host_sampling(self) -> bool:
-        """True when the device sampler (temperature/top-k/top-p/seed) cannot do this request alone."""
+        """True when the device sampler (temperature/top-k/top-p/seed, grammar mask) cannot do this request alone."""
         return (self.min_p > 0 or self.presence_penalty != 0 or self.frequency_penalty != 0
-                or self.repetition_penalty != 1.0 or self.logprobs is not None)
+                or self.repetition_penalty != 1.0 or self.logprobs is not None or self.min_tokens > 0
+                or bool(self.logit_bias))
+
+    def sampled_on_host(self, device_masks: bool) -> bool:
+        """device_masks: the plan applies grammar masks on the device (op apply_token_bitmask)."""
+        return self.needs_host_sampling or (self.guided is not None and not device_masks)
 
 
 @dataclass
@@ -99,7 +115,8 @@ class AsyncEngineProtocol:
     def abort(request_id: str) -> None            frees the request's KV blocks within one step
     def stats() -> EngineStats
     def start() -> None / def shutdown() -> None  engine thread lifecycle
-    attributes: tokenizer (xserv_aot.tokenizer.Tokenizer), max_seq_len: int, model_name: str
+    attributes: tokenizer (xserv_aot.tokenizer.Tokenizer), max_seq_len: int, model_name: str,
+                generation_defaults: dict (request field -> default, from the plan; optional)
     """
 
 

@@ -42,8 +42,10 @@ async def until_finished(q: asyncio.Queue, closed: Callable[[bool], None]) -> As
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, *, model_name: str = "", max_waiting: int = 256):
+    def __init__(self, engine: LLMEngine, *, model_name: str = "", max_waiting: int = 256,
+                 generation_defaults: dict | None = None):
         self.engine = engine
+        self.generation_defaults = dict(generation_defaults or {})     # the plan's, for the API (server)
         self.tokenizer = engine.tokenizer
         self.max_seq_len = engine.max_seq_len
         self.model_name = model_name

@@ -7,6 +7,11 @@ reuses registered blocks for the leading full blocks of a sequence. A freed bloc
 ones in least-recently-freed order. The last partial block is never registered, and a block whose KV is still
 being computed is never registered, so a cache hit always reads finished KV and no step writes into a shared
 block. Fresh blocks come out of the free queue in FIFO order (initially 0, 1, 2, ...).
+
+Fork (parallel samples of one prompt): the child shares the parent's computed full blocks of that prompt (ref
+count + 1 each; their KV is final, nobody writes them again) and gets private fresh blocks for the rest; the last
+partial block is never shared: each child recomputes its few tokens into its own block (copy-on-write by recompute:
+no device copy), which also gives each child the last prompt token's logits for its own first sample.
 """
 from __future__ import annotations
 
@@ -94,6 +99,27 @@ class BlockManager:
             seq.block_table.append(self._take_fresh())
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
+
+    def num_forkable(self, parent: Sequence, child: Sequence) -> int:
+        """Leading blocks child can share with parent: full, computed, and inside child's prompt but its last token."""
+        n = min(parent.num_computed_tokens, child.num_tokens - 1) // self.block_size
+        return n if parent.token_ids[:n * self.block_size] == child.token_ids[:n * self.block_size] else 0
+
+    def can_fork(self, parent: Sequence, child: Sequence) -> bool:
+        return self.blocks_needed(child.num_tokens) - self.num_forkable(parent, child) <= self.num_free_blocks
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Allocate child (empty block table) sharing parent's leading blocks; sets num_computed/cached_tokens."""
+        assert not child.block_table, f"{child.request_id}: fork with a non-empty block table"
+        n = self.num_forkable(parent, child)
+        shared = parent.block_table[:n]
+        for bid in shared:
+            self.ref_counts[bid] += 1
+        child.block_table = list(shared)
+        child.block_hashes = parent.block_hashes[:n] if len(parent.block_hashes) >= n else []
+        for _ in range(self.blocks_needed(child.num_tokens) - n):
+            child.block_table.append(self._take_fresh())
+        child.num_cached_tokens = child.num_computed_tokens = n * self.block_size
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for the KV of every token of seq (a decode needs a new block when its last one is full)."""

@@ -199,7 +199,11 @@ def build_core_engine(spec: CoreSpec) -> LLMEngine:
         runner = spec.runner_wrapper(runner)
     eos = [*(plan.model.eos_token_ids or []), *spec.eos_token_ids]
     log.info("engine core %d: %s on %s", os.getpid(), plan.model.arch, type(runner).__name__)
-    return LLMEngine(runner, None, eos_token_ids=eos, **spec.engine_kwargs)
+    grammar_tokenizer = None
+    if plan.has_tokenizer:                       # structured outputs: grammar masks are made here
+        from xserv_aot.tokenizer import Tokenizer
+        grammar_tokenizer = Tokenizer.from_dir(plan.dir)
+    return LLMEngine(runner, None, eos_token_ids=eos, grammar_tokenizer=grammar_tokenizer, **spec.engine_kwargs)
 
 
 def run_engine_core(spec: CoreSpec) -> None:

@@ -28,7 +28,8 @@ from xserv_aot.engine.api import (EngineFailedError, EngineStats, InvalidRequest
                                   RequestOutput, SamplingParams)
 from xserv_aot.engine.async_engine import until_finished
 from xserv_aot.engine.core import CoreProcess, CoreSpec, make_socket
-from xserv_aot.engine.llm_engine import check_request
+from xserv_aot.engine.grammar import GrammarCompiler
+from xserv_aot.engine.request_checks import check_guided, check_request
 from xserv_aot.engine.text_output import RequestStream
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,10 @@ class EngineCoreClient:
         self.tokenizer = Tokenizer.from_dir(plan.dir)
         self.build, self.vocab_size = plan.build, plan.model.vocab_size
         self.max_seq_len, self.model_name, self.max_waiting = plan.build.max_seq_len, model_name, max_waiting
+        self.generation_defaults = dict(plan.generation_defaults)          # the plan's, for the API (server)
+        self.eos_token_ids = frozenset(int(t) for t in [*(plan.model.eos_token_ids or []),
+                                                        *self.tokenizer.eos_token_ids])   # the core's set too
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)   # 400s here
         self.start_timeout = start_timeout
         self._spec = dict(plan_dir=str(plan.dir), backend=backend, verify=verify,
                           eos_token_ids=list(self.tokenizer.eos_token_ids), runner_wrapper=runner_wrapper,
@@ -141,8 +146,11 @@ class EngineCoreClient:
                        params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
         params = params if params is not None else SamplingParams()
         check_request(prompt_ids, params, self.build, self.vocab_size, True)
+        check_guided(params, self.grammars)
         from xserv_aot.detokenizer import IncrementalDetokenizer
-        stream = RequestStream(asyncio.get_running_loop(), IncrementalDetokenizer(self.tokenizer, True), params.stop)
+        stop_ids = self.eos_token_ids | frozenset(int(t) for t in params.stop_token_ids)
+        stream = RequestStream(asyncio.get_running_loop(), IncrementalDetokenizer(self.tokenizer, True), params.stop,
+                               stop_ids)
         msg = M.AddRequest(request_id, [int(t) for t in prompt_ids], dataclasses.replace(params, stop=[]))
         with self._lock:
             if self._closed or self._dead is not None:

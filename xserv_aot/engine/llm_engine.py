@@ -21,9 +21,10 @@ from typing import Callable
 import numpy as np
 
 from xserv_aot.config import BuildConfig
-from xserv_aot.engine.api import (MAX_LOGPROBS, MAX_STOP, PENALTY_RANGE, REPETITION_PENALTY_RANGE,
-                                  TEMPERATURE_RANGE, EngineFailedError, EngineStats, InvalidRequestError,
-                                  RequestOutput, RequestTooLongError, SamplingParams, TokenLogprob)
+from xserv_aot.engine.api import (EngineFailedError, EngineStats, InvalidRequestError, RequestOutput, SamplingParams,
+                                  TokenLogprob)
+from xserv_aot.engine.grammar import GrammarCompiler, GrammarError, allowed_ids, stage_masks
+from xserv_aot.engine.request_checks import check_guided, check_request
 from xserv_aot.engine.sampler import sample_token
 from xserv_aot.engine.scheduler import Scheduler, SchedulerOutput
 from xserv_aot.engine.sequence import Sequence
@@ -44,62 +45,20 @@ def _default_detokenizer(tokenizer):
     return IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
 
 
-def check_request(prompt_ids: list[int], params: SamplingParams, build: BuildConfig, vocab_size: int | None,
-                  can_detokenize: bool = True) -> None:
-    """Raise InvalidRequestError / RequestTooLongError (one line) for a request the engine cannot serve."""
-    def bad(msg):
-        raise InvalidRequestError(msg)
-    if not prompt_ids:
-        bad("prompt is empty: at least one prompt token is required")
-    if any(not isinstance(t, (int, np.integer)) or t < 0 or (vocab_size and t >= vocab_size) for t in prompt_ids):
-        bad(f"prompt token ids must be integers in [0, {vocab_size})")
-    p = params
-    if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
-        bad(f"max_tokens must be an integer >= 1, got {p.max_tokens!r}")
-    lo, hi = TEMPERATURE_RANGE
-    if not lo <= p.temperature <= hi:
-        bad(f"temperature must be in [{lo:g}, {hi:g}], got {p.temperature}")
-    if not 0 < p.top_p <= 1:
-        bad(f"top_p must be in (0, 1], got {p.top_p}")
-    if not isinstance(p.top_k, int) or not 0 <= p.top_k < 2**31:
-        bad(f"top_k must be an integer in [0, 2**31) (0 = off), got {p.top_k!r}")
-    if not 0 <= p.min_p <= 1:
-        bad(f"min_p must be in [0, 1], got {p.min_p}")
-    lo, hi = REPETITION_PENALTY_RANGE
-    if not lo <= p.repetition_penalty <= hi:
-        bad(f"repetition_penalty must be in [{lo:g}, {hi:g}], got {p.repetition_penalty}")
-    lo, hi = PENALTY_RANGE
-    for name in ("presence_penalty", "frequency_penalty"):
-        if not lo <= getattr(p, name) <= hi:
-            bad(f"{name} must be in [{lo:g}, {hi:g}], got {getattr(p, name)}")
-    if p.logprobs is not None and not (isinstance(p.logprobs, int) and 0 <= p.logprobs <= MAX_LOGPROBS):
-        bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {p.logprobs!r}")
-    if p.seed is not None and not isinstance(p.seed, (int, np.integer)):
-        bad(f"seed must be an integer, got {p.seed!r}")
-    if len(p.stop) > MAX_STOP or any(not isinstance(s, str) or not s for s in p.stop):
-        bad(f"stop must be at most {MAX_STOP} non-empty strings")
-    if p.stop and not can_detokenize:
-        bad("stop strings need a tokenizer, and this engine has none")
-    n = len(prompt_ids)
-    if n + p.max_tokens > build.max_seq_len:
-        raise RequestTooLongError(f"prompt has {n} tokens and max_tokens is {p.max_tokens}: {n + p.max_tokens} "
-                                  f"exceeds the model's max_seq_len {build.max_seq_len}")
-    capacity = build.num_blocks * build.block_size
-    if n > capacity:
-        raise RequestTooLongError(f"prompt has {n} tokens but the KV cache holds at most {capacity} tokens")
-
-
 class LLMEngine:
     def __init__(self, runner, tokenizer=None, *, build: BuildConfig | None = None,
                  eos_token_ids: list[int] | None = None, vocab_size: int | None = None,
                  enable_prefix_caching: bool = True, detokenizer_factory: Callable | None = None,
-                 seed: int | None = None, max_consecutive_failures: int = 3, overlap: bool | None = None):
+                 seed: int | None = None, max_consecutive_failures: int = 3, overlap: bool | None = None,
+                 grammar_tokenizer=None):
         """build and vocab_size default to runner.plan's; eos_token_ids to the model's plus the tokenizer's.
         tokenizer None: ids only, no text. detokenizer_factory(tokenizer) -> object with add(id) -> str, flush() -> str
         (default: xserv_aot.detokenizer.IncrementalDetokenizer).
         max_consecutive_failures: failed steps in a row after which the engine gives up for good (>= 1).
         overlap: launch step N+1 before step N's tokens are seen (runner.launch/wait, plans with resolve_input_ids);
-        None: when the runner says it overlaps (runner.overlaps). Outputs are the same either way."""
+        None: when the runner says it overlaps (runner.overlaps). Outputs are the same either way; a step in which a
+        row with a grammar samples completes at once (its matcher must see the token before the next mask).
+        grammar_tokenizer: compiles structured-output grammars when tokenizer is None (the ids-only engine core)."""
         if not (isinstance(max_consecutive_failures, int) and max_consecutive_failures >= 1):
             raise ValueError(f"max_consecutive_failures must be an integer >= 1, got {max_consecutive_failures!r}")
         plan = getattr(runner, "plan", None)
@@ -113,7 +72,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size = vocab_size if vocab_size is not None else getattr(model, "vocab_size", None)
         self.max_seq_len = self.build.max_seq_len
-        self.scheduler = Scheduler(self.build, enable_prefix_caching)
+        self.grammars = GrammarCompiler(grammar_tokenizer or tokenizer, self.vocab_size or 0, self.eos_token_ids)
+        arena = getattr(plan, "arena", None) or {}
+        self.bitmask_words = arena["token_bitmask"].shape[1] if "token_bitmask" in arena else 0
+        self.scheduler = Scheduler(self.build, enable_prefix_caching, device_masks=bool(self.bitmask_words))
         self.input_batch = InputBatch(self.build)
         self.max_consecutive_failures = max_consecutive_failures
         self.failed: str | None = None                 # set when the engine has failed permanently
@@ -136,6 +98,7 @@ class LLMEngine:
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         check_request(prompt_ids, params, self.build, self.vocab_size, self.tokenizer is not None)
+        check_guided(params, self.grammars)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
         params = params if params is not None else SamplingParams()
@@ -146,7 +109,9 @@ class LLMEngine:
         self.check_request(prompt_ids, params)
         seed = self._rng.getrandbits(63) if params.seed is None else int(params.seed) % 2 ** 63
         detok = self._detokenizer_factory(self.tokenizer) if self.tokenizer is not None else None
-        seq = Sequence(request_id, prompt_ids, params, seed, detok)
+        seq = Sequence(request_id, prompt_ids, params, seed, detok, self.stop_ids(params))
+        if params.guided is not None:
+            seq.matcher = self.grammars.matcher(params.guided)
         self._num_added += 1
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -186,7 +151,7 @@ class LLMEngine:
             if self._running is not None:
                 running, self._running = self._running, None
                 outputs += self._complete(*running, latest=out)
-            if launched is not None and (not self.overlap or out.update.need_logits):
+            if launched is not None and (not self.overlap or out.update.need_logits or len(out.batch.bitmask_rows)):
                 outputs += self._complete(out, *launched, latest=out)
             elif launched is not None:
                 self._running = (out, *launched)
@@ -199,6 +164,7 @@ class LLMEngine:
             self.input_batch.apply(out.update)
             return None
         out.batch = self.input_batch.prepare(out.update)
+        stage_masks(out, self.bitmask_words)
         handle = self.runner.launch(out.batch) if self.overlap else self.runner.run(out.batch)
         record = self.input_batch.launched()
         self.scheduler.advance(out)
@@ -224,25 +190,41 @@ class LLMEngine:
     def postprocess(self, out: SchedulerOutput, result: StepResult, latest: SchedulerOutput) -> list[RequestOutput]:
         """Resolve the step's placeholders with its tokens; register the blocks out and latest (the step launched
         last) computed, whose tokens are all known now; then check stop conditions, in row order."""
-        new = []
+        new, failed = [], []
         sampled = np.asarray(result.sampled_ids).reshape(-1)
         for i, seq in enumerate(out.seqs):
             if not out.samples[i] or seq.is_finished:
                 continue                                   # mid-prefill chunk, or ended while this step ran
+            if seq.matcher is not None and seq.error is not None:
+                failed.append(seq)                         # its grammar failed (stage_masks): only it ends
+                continue
             if seq.needs_host_sampling:
                 if result.logits is None:
                     raise RuntimeError("runner returned no logits for a batch with need_logits set")
+                try:
+                    allowed = allowed_ids(seq, self.vocab_size, self.eos_token_ids)
+                except GrammarError as e:
+                    seq.error = str(e)
+                    failed.append(seq)
+                    continue
                 token, lp = sample_token(np.asarray(result.logits[i]), seq.params, seq.prompt_ids,
-                                         seq.known_output_ids, seq.seed, seq.num_known_output_tokens)
+                                         seq.known_output_ids, seq.seed, seq.num_known_output_tokens, allowed)
                 self.scheduler.host_token(seq, token)
             else:
                 token, lp = int(sampled[i]), None
             seq.resolve_placeholder(token)
             new.append((seq, token, lp))
         self.scheduler.cache(out.seqs if latest is out else out.seqs + latest.seqs)
-        return [self._append(seq, token, lp) for seq, token, lp in new]
+        ended = [self._finish(seq, [], seq.text.flush(), "error", None) for seq in failed]
+        return ended + [self._append(seq, token, lp) for seq, token, lp in new]
+
+    def stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """Tokens that are not detokenized when they end a request: EOS and stop_token_ids."""
+        return self.eos_token_ids | frozenset(int(t) for t in params.stop_token_ids)
 
     def _append(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> RequestOutput:
+        if seq.matcher is not None:
+            seq.matcher.consume(token)                 # allowed by its mask: cannot fail
         text, reason = seq.text.step(token, self.id_finish(seq, token))
         lps = [lp] if lp is not None else None
         if reason is not None:
@@ -250,11 +232,13 @@ class LLMEngine:
         return self._output(seq, [token], text, lps)
 
     def id_finish(self, seq: Sequence, token: int) -> str | None:
-        """The finish decided by ids alone, after token was appended: "stop" (EOS unless ignore_eos, or a stop
-        token id), "length" (max_tokens or max_seq_len), or None."""
+        """The finish decided by ids alone, after token was appended: "stop" (EOS unless ignore_eos, a stop
+        token id, or the end of its grammar), "length" (max_tokens or max_seq_len), or None."""
         p = seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
+        if seq.matcher is not None and seq.matcher.is_stopped:
+            return "stop"                              # the grammar is complete (its last token is text)
         if seq.num_known_output_tokens >= p.max_tokens or seq.num_tokens - seq.num_pending >= self.max_seq_len:
             return "length"
         return None

@@ -1,11 +1,13 @@
-"""Host-side sampling for rows the device sampler cannot handle (penalties, min_p, logprobs).
+"""Host-side sampling for rows the device sampler cannot handle (penalties, logit_bias, min_p, logprobs, masks).
 
-Per row, in float64: penalties (vLLM/OpenAI semantics) -> logprobs -> temperature -> top_k -> top_p -> min_p ->
-seeded draw.
+Per row, in float64: penalties (vLLM/OpenAI semantics) -> logit_bias -> logprobs -> mask -> temperature -> top_k
+-> top_p -> min_p -> seeded draw.
 - repetition_penalty r: every token id seen in prompt or output has its logit divided by r when > 0, else
   multiplied by r. Then frequency_penalty * count(id in output) and presence_penalty * (id in output) are
   subtracted.
-- logprobs are log_softmax of the penalized logits, before temperature and truncation (so they do not depend on
+- logit_bias adds its value to each listed id's logit (ids beyond the vocabulary are ignored).
+- the mask (grammar, min_tokens) sets disallowed ids to -inf; at least one id must stay allowed.
+- logprobs are log_softmax of the penalized, biased logits, before the mask, before temperature and truncation (so they do not depend on
   the sampling knobs, like OpenAI's), for the chosen token and the `params.logprobs` most likely ids.
 - the draw follows the plan's `sample` op exactly (docs/plan-format.md): most-likely-first order with ties to the
   lower id; top_k then top_p on the renormalized top-k mass; min_p keeps ids with p >= min_p * max p;
@@ -65,12 +67,29 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - (m + np.log(np.sum(np.exp(x - m))))
 
 
+def apply_logit_bias(x: np.ndarray, bias: dict[int, float]) -> np.ndarray:
+    ids = np.fromiter((int(t) for t in bias), dtype=np.int64, count=len(bias))
+    vals = np.fromiter((float(v) for v in bias.values()), dtype=np.float64, count=len(bias))
+    keep = ids < x.shape[0]
+    np.add.at(x, ids[keep], vals[keep])
+    return x
+
+
 def sample_token(logits: np.ndarray, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-                 seed: int, offset: int) -> tuple[int, TokenLogprob | None]:
-    """Sample one token from a float32 [vocab] logits row; also its logprobs when params.logprobs is set."""
+                 seed: int, offset: int, allowed: np.ndarray | None = None) -> tuple[int, TokenLogprob | None]:
+    """Sample one token from a float32 [vocab] logits row; also its logprobs when params.logprobs is set.
+    allowed: bool [vocab] mask of the ids that may be sampled (None: all)."""
     x = apply_penalties(logits, prompt_ids, output_ids, params.presence_penalty, params.frequency_penalty,
                         params.repetition_penalty)
-    token = draw(x, effective_temperature(params.temperature), params.top_k, params.top_p, params.min_p, seed, offset)
+    if params.logit_bias:
+        x = apply_logit_bias(x, params.logit_bias)
+    xs = x
+    if allowed is not None:
+        if not allowed.any():
+            raise RuntimeError("the token mask allows no token")
+        xs = np.where(allowed[:x.shape[0]], x, -np.inf)
+    token = draw(xs, effective_temperature(params.temperature), params.top_k, params.top_p, params.min_p, seed,
+                 offset)
     if params.logprobs is None:
         return token, None
     lp = log_softmax(x)

@@ -12,6 +12,11 @@ instead of deadlocking.
 The step goes to the runner side as a BatchUpdate (runtime/batch.py): each running sequence holds a persistent
 row id from first schedule until it finishes or is preempted; only new rows carry tokens and block tables, and a
 running row sends only the block ids allocated since the last step.
+
+Forks: a sequence added while an unfinished one has the same prompt (parallel samples, n > 1) gets that one as
+fork_parent. At admission it waits (admission stops there) until the parent has computed the prompt's full blocks,
+then shares them (BlockManager.fork; its new row carries the shared block ids); once the parent is finished it is
+allocated like any other.
 """
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, build: BuildConfig, enable_prefix_caching: bool = True):
+    def __init__(self, build: BuildConfig, enable_prefix_caching: bool = True, device_masks: bool = False):
         self.max_num_seqs = build.max_num_seqs
         self.max_seq_len = build.max_seq_len
         self.token_budget = build.prefill_chunk
@@ -53,10 +58,25 @@ class Scheduler:
         self.num_preemptions = 0
         self._free_rows = deque(range(build.max_num_seqs))
         self._pending = BatchUpdate()              # changes since the last schedule (removed rows, host tokens)
+        self.device_masks = device_masks           # grammar masks go to the device (else: host sampling)
+        self._by_prompt: dict[int, Sequence] = {}  # hash(prompt) -> the first unfinished sequence with it
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        seq.needs_host_sampling = seq.params.sampled_on_host(self.device_masks)
+        key = hash(tuple(seq.prompt_ids))
+        first = self._by_prompt.get(key)
+        if first is not None and not first.is_finished and first.prompt_ids == seq.prompt_ids and \
+                seq.num_prompt_tokens > self.block_size:
+            seq.fork_parent = first
+        else:
+            self._by_prompt[key] = seq
         self.waiting.append(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        key = hash(tuple(seq.prompt_ids))
+        if self._by_prompt.get(key) is seq:
+            del self._by_prompt[key]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -73,6 +93,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.error = reason, error
+        self._forget(seq)
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -120,13 +141,20 @@ class Scheduler:
         while (self.waiting and not preempted and min(budget, prompt_budget) > 0
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            if not bm.can_allocate(seq):
+            parent = seq.fork_parent
+            if parent is not None and parent.is_finished:
+                parent = seq.fork_parent = None
+            if parent is not None:
+                if parent.status is not SequenceStatus.RUNNING or not bm.can_fork(parent, seq) or \
+                        bm.num_forkable(parent, seq) < (seq.num_tokens - 1) // self.block_size:
+                    break                                  # the parent's prompt KV is not computed yet
+            elif not bm.can_allocate(seq):
                 if self.running:
                     break
                 self._fail_too_big(seq, failed)
                 continue
             self.waiting.popleft()
-            bm.allocate(seq)
+            bm.fork(parent, seq) if parent is not None else bm.allocate(seq)
             if seq.num_prompt_cached_tokens is None:
                 seq.num_prompt_cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
             seq.status = SequenceStatus.RUNNING
@@ -204,6 +232,7 @@ class Scheduler:
         dead = {id(s) for s in failed}
         for seq in failed:
             seq.status = SequenceStatus.FINISHED
+            self._forget(seq)
         survivors = [s for s in self.running + list(self.waiting) if id(s) not in dead and not s.is_finished]
         for seq in survivors + failed:
             seq.row = None

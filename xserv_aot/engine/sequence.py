@@ -21,7 +21,7 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
-                 detokenizer=None):
+                 detokenizer=None, stop_ids: frozenset[int] | None = None):
         self.request_id = request_id
         self.token_ids: list[int] = [int(t) for t in prompt_ids]
         self.num_prompt_tokens = len(self.token_ids)
@@ -35,11 +35,13 @@ class Sequence:
         self.num_prompt_cached_tokens: int | None = None   # same, at first admission (reported to the client)
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.text = TextOutput(detokenizer, params.stop)
-        self.needs_host_sampling = params.needs_host_sampling
+        self.text = TextOutput(detokenizer, params.stop, stop_ids)
+        self.needs_host_sampling = params.needs_host_sampling    # with grammar masks: set by Scheduler.add
         self.row: int | None = None                # persistent batch row while running (scheduler-assigned)
         self.num_blocks_sent = 0                   # block ids the runner side knows for this row
         self.num_pending = 0                       # trailing placeholder tokens (sampled on the device, not yet seen)
+        self.matcher = None                        # engine.grammar.Matcher when params.guided is set
+        self.fork_parent: Sequence | None = None   # an earlier sequence with the same prompt (scheduler.add)
 
     @property
     def num_tokens(self) -> int:

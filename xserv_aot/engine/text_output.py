@@ -12,15 +12,18 @@ from xserv_aot.engine.api import RequestOutput
 
 
 class TextOutput:
-    def __init__(self, detokenizer, stops: list[str]):
+    def __init__(self, detokenizer, stops: list[str], stop_ids: frozenset[int] | None = None):
+        """stop_ids: the tokens (EOS, stop_token_ids) not detokenized when they end the request with "stop"; another
+        token ending it so (a grammar's last) is text. None: every token ending it with "stop" is a stop token."""
         self.detokenizer = detokenizer
         self.stops = [s for s in stops if s]
+        self.stop_ids = stop_ids
         self._held = ""                              # text that may be the start of a stop string
 
     def step(self, token: int, id_finish: str | None) -> tuple[str, str | None]:
         """(text delta, finish reason) for a new token. A stop token is not detokenized; a stop string ends the
         request at once and its text (and anything after it) is never returned."""
-        if id_finish == "stop":
+        if id_finish == "stop" and (self.stop_ids is None or token in self.stop_ids):
             return self.flush(), "stop"
         text, hit = self.feed(self.detokenizer.add(token) if self.detokenizer is not None else "")
         if hit:
@@ -60,9 +63,10 @@ class TextOutput:
 class RequestStream:
     """The API process's side of one request of the engine core process: its asyncio queue and its text."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, detokenizer, stops: list[str]):
+    def __init__(self, loop: asyncio.AbstractEventLoop, detokenizer, stops: list[str],
+                 stop_ids: frozenset[int] | None = None):
         self.loop, self.queue = loop, asyncio.Queue()
-        self.text = TextOutput(detokenizer, stops)
+        self.text = TextOutput(detokenizer, stops, stop_ids)
         self.done = False
 
     def process(self, w) -> tuple[RequestOutput, bool]:

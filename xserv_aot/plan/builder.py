@@ -13,6 +13,7 @@ from typing import Callable
 from xserv_aot import __version__
 from xserv_aot.config import BuildConfig, ConfigError, ModelConfig, read_hf_config
 from xserv_aot.dtypes import ITEMSIZE
+from xserv_aot.plan.generation_config import read_generation_defaults
 from xserv_aot.plan.manifest import SCHEMA_VERSION, Plan, layout, quick_fingerprint
 from xserv_aot.plan.ops import arena_buffers, bucket_ops, bucket_shapes
 from xserv_aot.plan.tensor_parallel import (check_divisible, local_model, local_shapes, manifest_section,
@@ -70,9 +71,11 @@ def dummy_table(m: ModelConfig, b: BuildConfig) -> tuple[dict, int]:
 
 
 def compile_plan(source: Path, out: Path, build: BuildConfig, *, dummy_weights: bool = False, dummy_seed: int = 0,
-                 force: bool = False, progress: Progress | None = None) -> Plan:
+                 force: bool = False, progress: Progress | None = None, generation_config: str = "auto") -> Plan:
+    """generation_config: auto | vllm | PATH (plan/generation_config.py)."""
     source, out = Path(source), Path(out)
     build.validate()
+    defaults = read_generation_defaults(source, generation_config)
     model, tensors, fmt = read_source(source, dummy_weights)
     if build.tensor_parallel > 1:
         check_divisible(model, build.tensor_parallel)
@@ -85,6 +88,7 @@ def compile_plan(source: Path, out: Path, build: BuildConfig, *, dummy_weights: 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         manifest = _build(source, tmp, model, tensors, fmt, build, dummy_weights, dummy_seed, progress)
+        manifest["generation_defaults"] = defaults
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         _replace_dir(tmp, out)
     except BaseException:

@@ -18,8 +18,9 @@ from xserv_aot.plan.manifest import place
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
 from xserv_aot.plan import nccl_records
-from xserv_aot.plan.op_records import (COLLECTIVES, AddRmsNorm, Attention, Embedding, GatherRows, KernelChoice, Linear,
-                                       Op, QkNormRopeCache, ResolveInputIds, RmsNorm, Sample, SiluMul, op_from_dict)
+from xserv_aot.plan.op_records import (COLLECTIVES, AddRmsNorm, ApplyTokenBitmask, Attention, Embedding, GatherRows,
+                                       KernelChoice, Linear, Op, QkNormRopeCache, ResolveInputIds, RmsNorm, Sample,
+                                       SiluMul, op_from_dict)
 from xserv_aot.plan.signatures import check_sizes, cubin_param_sizes, host_signature, kernel_signatures
 from xserv_aot.plan.tensor_parallel import rank_model
 
@@ -193,6 +194,9 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             c = plan_attention(op, kind, m, attn, block_size, arena[op.block_tables]["shape"][1], num_slots)
         elif isinstance(op, COLLECTIVES):
             c = nccl_records.plan_collective(op, arena)
+        elif isinstance(op, ApplyTokenBitmask):
+            c = kernel(launch("apply_token_bitmask", [rows], [ELEMWISE_THREADS], 0,
+                              [ptr(op.logits), ptr(op.bitmask), ptr(op.bitmask_rows), i32(op.n)]))
         elif isinstance(op, Sample):
             c = kernel(launch("sample_rows", [rows], [1024], 0,
                               [ptr(op.logits), ptr(op.temperature), ptr(op.top_k), ptr(op.top_p), ptr(op.seeds),

@@ -109,6 +109,7 @@ class Plan:
         known = self.arena.keys() | self.weights.keys()
         self.buckets = [Bucket.from_dict(b, known) for b in manifest["buckets"]]
         self.kernels = manifest.get("kernels") or {}
+        self.generation_defaults: dict = manifest.get("generation_defaults") or {}   # request field -> default
 
     @classmethod
     def load(cls, plan_dir: Path | str, verify: str = "quick") -> "Plan":

@@ -181,6 +181,17 @@ class GatherRows(Op):
 
 
 @dataclass(frozen=True)
+class ApplyTokenBitmask(Op):
+    """Grammar masks: rows with bitmask_rows[r] != 0 get logits[r, i] = -inf unless bit i % 32 of
+    bitmask[r, i // 32] is set; the others pass through (no mask was staged for them)."""
+    OP = "apply_token_bitmask"
+    logits: str
+    bitmask: str
+    bitmask_rows: str
+    n: int
+
+
+@dataclass(frozen=True)
 class Sample(Op):
     OP = "sample"
     logits: str
@@ -211,8 +222,8 @@ class AllGather(Op):
 
 
 OP_TYPES: dict[str, type[Op]] = {c.OP: c for c in (ResolveInputIds, Embedding, RmsNorm, AddRmsNorm, Linear,
-                                                   QkNormRopeCache, Attention, SiluMul, GatherRows, Sample, AllReduce,
-                                                   AllGather)}
+                                                   QkNormRopeCache, Attention, SiluMul, GatherRows, ApplyTokenBitmask,
+                                                   Sample, AllReduce, AllGather)}
 COLLECTIVES = (AllReduce, AllGather)
 _CHECKS = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
            float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),

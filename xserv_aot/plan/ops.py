@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from xserv_aot.config import BuildConfig, ModelConfig
-from xserv_aot.plan.op_records import (AddRmsNorm, AllGather, AllReduce, Attention, Embedding, GatherRows, Linear, Op,
-                                       QkNormRopeCache, ResolveInputIds, RmsNorm, Sample, SiluMul)
+from xserv_aot.plan.op_records import (AddRmsNorm, AllGather, AllReduce, ApplyTokenBitmask, Attention, Embedding,
+                                       GatherRows, Linear, Op, QkNormRopeCache, ResolveInputIds, RmsNorm, Sample, SiluMul)
 from xserv_aot.plan.tensor_parallel import local_model
 
 
@@ -28,6 +28,7 @@ def arena_buffers(m: ModelConfig, b: BuildConfig) -> dict[str, tuple[list[int], 
         "top_p": ([s], "float32"),
         "seeds": ([s], "int64"),
         "sample_offsets": ([s], "int32"),
+        "bitmask_rows": ([s], "int32"),
         "prev_rows": ([t], "int32"),
         "x": ([t, m.hidden_size], act),
         "h": ([t, m.hidden_size], act),
@@ -41,11 +42,17 @@ def arena_buffers(m: ModelConfig, b: BuildConfig) -> dict[str, tuple[list[int], 
         **shard,
         "logits": ([s, full_vocab], "float32"),
         "sampled_ids": ([s], "int32"),
+        "token_bitmask": ([s, bitmask_words(m.vocab_size)], "int32"),   # staged only when a row has a grammar
     }
 
 
+def bitmask_words(vocab_size: int) -> int:
+    return -(-vocab_size // 32)
+
+
 INPUT_BUFFERS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
-                 "logits_indices", "temperature", "top_k", "top_p", "seeds", "sample_offsets", "prev_rows")
+                 "logits_indices", "temperature", "top_k", "top_p", "seeds", "sample_offsets", "prev_rows",
+                 "bitmask_rows")
 
 
 def bucket_ops(m: ModelConfig, t: int, s: int, tp: int = 1) -> list[Op]:
@@ -88,6 +95,8 @@ def bucket_ops(m: ModelConfig, t: int, s: int, tp: int = 1) -> list[Op]:
     else:
         ops.append(Linear(inp="hl", weight="embed_tokens" if tied else "lm_head", bias=None, out="logits", rows=s,
                           n=vocab, k=h))
+    ops.append(ApplyTokenBitmask(logits="logits", bitmask="token_bitmask", bitmask_rows="bitmask_rows", rows=s,
+                                 n=vocab))
     ops.append(Sample(logits="logits", temperature="temperature", top_k="top_k", top_p="top_p", seeds="seeds",
                       sample_offsets="sample_offsets", out="sampled_ids", rows=s))
     return ops

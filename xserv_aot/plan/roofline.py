@@ -87,6 +87,8 @@ def op_bytes(op: Op, plan, context: int, num_seqs: int) -> int:
         return 3 * rows * op.inter * dt
     if kind == "sample":
         return rows * m.vocab_size * 4
+    if kind == "apply_token_bitmask":                          # the row flags; masks only in steps with a grammar
+        return rows * 4
     return 0
 
 

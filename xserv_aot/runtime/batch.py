@@ -38,6 +38,9 @@ class BatchDescription:
     # overlapped steps: prev_rows[i] >= 0 means token i is the previous step's sampled_ids[prev_rows[i]], still on
     # the device (input_ids[i] is a placeholder); empty or -1: input_ids[i] as given
     prev_rows: list[int] = field(default_factory=list)       # [num_tokens]
+    # grammar masks applied before sampling (plan op apply_token_bitmask); empty: no row has one, nothing staged
+    bitmask_rows: list[int] = field(default_factory=list)    # [num_seqs] 1 = apply token_bitmask[i]
+    token_bitmask: "np.ndarray | None" = None                # int32 [num_seqs, ceil(V / 32)] when bitmask_rows
 
     def block_table_array(self, num_rows: int, width: int) -> np.ndarray:
         """Block tables as int32 [num_rows, width], zero-padded (rows past num_seqs are padding sequences)."""
@@ -81,7 +84,8 @@ def stage_inputs(batch: BatchDescription, dst: dict[str, np.ndarray], num_tokens
     """Write the batch padded to a bucket of num_tokens rows / num_seqs sequences into the input buffers dst (arrays
     with at least that many rows; docs/plan-format.md "Arena buffers"). Padding token rows get slot -1 (no KV write),
     padding sequences an empty query range at the end, seq_len 0 and greedy sampling; a sequence whose block table
-    is shorter than the buffer's row has the rest zeroed. ValueError when the batch does not fit."""
+    is shorter than the buffer's row has the rest zeroed. Grammar masks (token_bitmask) are written only when a row
+    has one (batch.bitmask_rows non-empty); bitmask_rows is always written (0 = no mask). ValueError when the batch does not fit."""
     nt, ns = batch.num_tokens, batch.num_seqs
     if nt > num_tokens or ns > num_seqs:
         raise ValueError(f"batch of {nt} tokens / {ns} seqs does not fit a bucket of {num_tokens} / {num_seqs}")
@@ -117,6 +121,14 @@ def stage_inputs(batch: BatchDescription, dst: dict[str, np.ndarray], num_tokens
     for name, pad in SEQ_PADDING.items():
         dst[name][:ns] = values[name]
         dst[name][ns:num_seqs] = pad
+    masks = len(batch.bitmask_rows) > 0
+    if "bitmask_rows" in dst:                            # plans compiled before grammar masks have none
+        dst["bitmask_rows"][:ns] = batch.bitmask_rows if masks else 0
+        dst["bitmask_rows"][ns:num_seqs] = 0
+        if masks and "token_bitmask" in dst:             # host arrays (NumPy backend); CudaRunner copies its own
+            dst["token_bitmask"][:ns] = batch.token_bitmask
+    elif masks:
+        raise ValueError("this plan has no apply_token_bitmask op (compiled before grammar masks); recompile it")
 
 
 @dataclass

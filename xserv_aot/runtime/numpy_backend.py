@@ -172,6 +172,10 @@ class NumpyRank:
     def op_gather_rows(self, op):
         self._set(op.out, op.rows, ops.gather_rows(self.buf[op.inp], self.buf[op.indices][:op.rows]))
 
+    def op_apply_token_bitmask(self, op):
+        r, b = op.rows, self.buf
+        b[op.logits][:r] = ops.apply_token_bitmask(b[op.logits][:r], b[op.bitmask][:r], b[op.bitmask_rows][:r])
+
     def op_sample(self, op):
         r, b = op.rows, self.buf
         b[op.out][:r] = ops.sample(b[op.logits][:r], b[op.temperature][:r], b[op.top_k][:r], b[op.top_p][:r],

@@ -129,6 +129,16 @@ def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
     return truncated_draw(p[:keep] / p[:keep].sum(), order, top_p, 0.0, seed, offset)
 
 
+def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray, bitmask_rows) -> np.ndarray:
+    """Rows with bitmask_rows[r] != 0: logits[r, i] = -inf unless bit i % 32 of bitmask[r, i // 32] is set."""
+    out = np.array(logits, dtype=np.float32)
+    v = out.shape[1]
+    for r in np.flatnonzero(np.asarray(bitmask_rows)):
+        bits = np.unpackbits(np.ascontiguousarray(bitmask[r], dtype="<i4").view(np.uint8), bitorder="little")[:v]
+        out[r, bits == 0] = -np.inf
+    return out
+
+
 def sample(logits, temperature, top_k, top_p, seeds, offsets) -> np.ndarray:
     return np.array([sample_row(logits[i], float(temperature[i]), int(top_k[i]), float(top_p[i]),
                                 int(seeds[i]), int(offsets[i])) for i in range(logits.shape[0])], dtype=np.int32)

@@ -12,8 +12,9 @@ OPEN_PATHS = ("/health",)                            # reachable without the API
 
 
 class Gate:
-    def __init__(self, app, metrics: ServerMetrics, api_key: str | None, endpoints: tuple[str, ...]):
-        self.app, self.metrics, self.endpoints = app, metrics, endpoints
+    def __init__(self, app, metrics: ServerMetrics, api_key: str | None, endpoints: tuple[str, ...],
+                 open_paths: tuple[str, ...] = OPEN_PATHS):
+        self.app, self.metrics, self.endpoints, self.open_paths = app, metrics, endpoints, open_paths
         self.key = None if api_key is None else api_key.encode()
 
     def _authorized(self, scope) -> bool:
@@ -42,7 +43,7 @@ class Gate:
             if sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADER_BYTES:
                 await error_response(431, f"request headers exceed {MAX_HEADER_BYTES} bytes")(
                     scope, receive, send_status)
-            elif self.key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            elif self.key is not None and scope["path"] not in self.open_paths and not self._authorized(scope):
                 await error_response(401, "invalid or missing API key (Authorization: Bearer <key>)",
                                      code="invalid_api_key")(scope, receive, send_status)
             else:

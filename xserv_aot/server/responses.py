@@ -44,31 +44,24 @@ def completion_logprobs(lps: list[TokenLogprob], text_of: Callable[[int], str], 
             "top_logprobs": [{text_of(t): _lp(l) for t, l in x.top} for x in lps], "text_offset": offsets}
 
 
-def chat_response(rid: str, created: int, model: str, message: dict, logprobs: dict | None,
-                  finish_reason: str | None, usage_: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", **message}, "logprobs": logprobs,
-                         "finish_reason": finish_reason}], "usage": usage_}
+def response(rid: str, created: int, model: str, kind: str, choices: list[dict], usage_: dict) -> dict:
+    obj = "chat.completion" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, "usage": usage_}
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict, logprobs: dict | None = None,
-               finish_reason: str | None = None, with_usage: bool = False) -> dict:
+               finish_reason: str | None = None, with_usage: bool = False, index: int = 0) -> dict:
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if with_usage:
         chunk["usage"] = None
     return chunk
 
 
-def completion_response(rid: str, created: int, model: str, text: str, logprobs: dict | None,
-                        finish_reason: str | None, usage_: dict) -> dict:
-    return {**completion_chunk(rid, created, model, text, logprobs, finish_reason), "usage": usage_}
-
-
 def completion_chunk(rid: str, created: int, model: str, text: str, logprobs: dict | None = None,
-                     finish_reason: str | None = None, with_usage: bool = False) -> dict:
+                     finish_reason: str | None = None, with_usage: bool = False, index: int = 0) -> dict:
     chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if with_usage:
         chunk["usage"] = None
     return chunk

@@ -80,14 +80,16 @@ class DrainingServer(uvicorn.Server):
 def run_server(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                model_name: str | None = None, *, max_request_bytes: int = 1_000_000, reasoning: bool | None = None,
                limit_concurrency: int = 512, log_level: str = "info", request_timeout: float | None = None,
-               shutdown_grace: float = 30.0) -> None:
+               shutdown_grace: float = 30.0, tool_call_parser: str | None = None,
+               metrics_require_key: bool = True) -> None:
     """Blocks until the server stops (SIGTERM/SIGINT drain it first). Starts the engine inside the server's event
     loop, shuts it down at exit. model_name defaults to engine.model_name."""
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("serving on %s without an API key: anyone who can reach this address can use the model", host)
     app = create_app(engine, model_name=model_name or engine.model_name, api_key=api_key,
                      max_request_bytes=max_request_bytes, reasoning=reasoning, manage_engine=True,
-                     request_timeout=request_timeout)
+                     request_timeout=request_timeout, tool_call_parser=tool_call_parser,
+                     metrics_require_key=metrics_require_key)
     config = server_config(app, host, port, limit_concurrency=limit_concurrency, log_level=log_level)
     server = DrainingServer(config, shutdown_grace=shutdown_grace)
     if hasattr(engine, "on_death"):                  # an engine core process that dies stops the server

@@ -1,23 +1,16 @@
-"""One generation request from first output to last: the engine stream (deadline, metrics, abort on close), client
-disconnect detection, and the two ways out: a full response body (collect) or server-sent events (events).
-
-Every stream that started ends with a final chunk or an error event, then `data: [DONE]`.
-"""
+"""One engine request from first output to last: the engine stream (deadline, metrics, abort on close), client
+disconnect detection, and the server-sent-events response. server/choices.py turns outputs into bodies."""
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 from xserv_aot.engine.api import RequestOutput
-from xserv_aot.server import responses as R
-from xserv_aot.server.errors import GENERATION_FAILED, REFUSALS, RequestTimeout, timeout_body
+from xserv_aot.server.errors import REFUSALS, RequestTimeout
 from xserv_aot.server.metrics import ServerMetrics
-from xserv_aot.server.protocol import GenerateRequest
-from xserv_aot.server.reasoning import ReasoningParser, split_reasoning
 
 log = logging.getLogger(__name__)
 GONE = object()                                      # the client disconnected before the result was ready
@@ -53,7 +46,7 @@ class Generation:
     def __init__(self, engine, metrics: ServerMetrics, rid: str, prompt_ids: list[int], params,
                  timeout: float | None, live: set):
         self.engine, self.metrics, self.rid, self.timeout, self.live = engine, metrics, rid, timeout, live
-        self.t0, self.t_first = time.monotonic(), None
+        self.t0, self.t_first, self.t_last = time.monotonic(), None, None
         self.final: RequestOutput | None = None
         self.refused = self.failed = False
         self.n_prompt = len(prompt_ids)
@@ -88,6 +81,10 @@ class Generation:
             if self.t_first is None:
                 self.t_first = now
                 m.ttft.observe(now - self.t0)
+            else:
+                for _ in out.new_token_ids:
+                    m.itl.observe((now - self.t_last) / len(out.new_token_ids))
+            self.t_last = now
         if out.finish_reason is not None:
             self.final = out
             m.e2e.observe(now - self.t0)
@@ -138,96 +135,3 @@ class SSEResponse:
         finally:
             await self.events.aclose()
             await self.on_close()
-
-
-@dataclass
-class Reply:
-    """How one request's outputs become OpenAI bodies."""
-    req: GenerateRequest
-    rid: str
-    created: int
-    model: str
-    n_prompt: int
-    reasoning: bool                                  # split <think> blocks into reasoning_content (chat)
-    opens: bool                                      # the prompt already opened a <think> block
-    token_text: Callable[[int], str]
-
-    @property
-    def ids(self) -> dict:
-        return dict(rid=self.rid, created=self.created, model=self.model)
-
-    def usage(self, final: RequestOutput) -> dict:
-        return R.usage(final.num_prompt_tokens or self.n_prompt, final.num_generated_tokens,
-                       final.num_cached_tokens)
-
-
-async def collect(gen: Generation, rp: Reply, out: RequestOutput) -> dict:
-    """The whole non-streaming response body; raises on an engine error."""
-    req, text, lps = rp.req, [], []
-    while True:
-        text.append(out.text)
-        lps.extend(out.logprobs or [])
-        if out.finish_reason is not None:
-            break
-        out = await gen.next()
-    if out.finish_reason == "error":
-        raise RuntimeError(f"engine error for {gen.rid}: {out.error}")
-    want_lps = req.params.logprobs is not None
-    if req.kind == "completion":
-        lp = R.completion_logprobs(lps, rp.token_text, 0) if want_lps else None
-        return R.completion_response(**rp.ids, text="".join(text), logprobs=lp, finish_reason=out.finish_reason,
-                                     usage_=rp.usage(out))
-    message = {"content": "".join(text)}
-    if rp.reasoning:
-        reasoning, content = split_reasoning(message["content"], rp.opens)
-        message = {"content": content if content or reasoning is None else None, "reasoning_content": reasoning}
-    lp = R.chat_logprobs(lps, rp.token_text) if want_lps else None
-    return R.chat_response(**rp.ids, message=message, logprobs=lp, finish_reason=out.finish_reason,
-                           usage_=rp.usage(out))
-
-
-async def events(gen: Generation, rp: Reply, out: RequestOutput) -> AsyncIterator[bytes]:
-    """SSE chunks from the first output on; engine errors and timeouts become an error event before [DONE]."""
-    req = rp.req
-    chat, with_usage, want = req.kind == "chat", req.include_usage, req.params.logprobs is not None
-    parser = ReasoningParser(rp.opens) if chat and rp.reasoning else None
-    pending, offset = [], 0
-    if chat:
-        yield sse(R.chat_chunk(**rp.ids, delta={"role": "assistant", "content": ""}, with_usage=with_usage))
-    try:
-        while True:
-            done = out.finish_reason is not None
-            if out.finish_reason == "error":
-                log.error("engine error for %s: %s", gen.rid, out.error)
-                yield sse(R.error_body(GENERATION_FAILED, 500))
-                break
-            pending.extend(out.logprobs or [])
-            r, c = parser.feed(out.text) if parser else ("", out.text)
-            if parser and done:
-                r2, c2 = parser.flush()
-                r, c = r + r2, c + c2
-            if r or c or done:
-                if chat:
-                    delta = {k: v for k, v in (("reasoning_content", r), ("content", c)) if v}
-                    lp = R.chat_logprobs(pending, rp.token_text) if want else None
-                    chunk = R.chat_chunk(**rp.ids, delta=delta, logprobs=lp, finish_reason=out.finish_reason,
-                                         with_usage=with_usage)
-                else:
-                    lp = R.completion_logprobs(pending, rp.token_text, offset) if want else None
-                    chunk = R.completion_chunk(**rp.ids, text=c, logprobs=lp, finish_reason=out.finish_reason,
-                                               with_usage=with_usage)
-                    offset += len(c)
-                pending = []
-                yield sse(chunk)
-            if done:
-                if with_usage:
-                    yield sse(R.usage_chunk(**rp.ids, kind=req.kind, usage_=rp.usage(out)))
-                break
-            out = await gen.next()
-    except RequestTimeout as e:
-        log.warning("request %s timed out mid-stream", gen.rid)
-        yield sse(timeout_body(e))
-    except Exception:
-        log.exception("generation %s failed mid-stream", gen.rid)
-        yield sse(R.error_body(GENERATION_FAILED, 500))
-    yield sse("[DONE]")

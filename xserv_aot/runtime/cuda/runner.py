@@ -115,7 +115,7 @@ class CudaRunner:
 
     def _setup_staging(self) -> None:
         arena = self.plan.arena
-        inputs = [n for n in INPUT_BUFFERS if n in arena]        # plans before prev_rows: no overlapped steps
+        inputs = [n for n in INPUT_BUFFERS if n in arena]        # plans before prev_rows / bitmask_rows lack them
         self.overlaps = "prev_rows" in arena
         lo = min(arena[n].offset for n in inputs)
         hi = max(arena[n].offset + arena[n].nbytes for n in inputs)
@@ -123,8 +123,9 @@ class CudaRunner:
         if others:
             raise CudaRunnerError(f"arena input buffers are not contiguous (overlap {others[0]!r})")
         self.in_lo, self.in_bytes = lo, hi - lo
-        self.pinned_ins, self.views_k, self.pinned_ids_k = [], [], []
+        self.pinned_ins, self.views_k, self.pinned_ids_k, self.pinned_bitmask_k = [], [], [], []
         B, V = self.plan.build.max_num_seqs, self.plan.model.vocab_size
+        W = arena["token_bitmask"].shape[1] if "token_bitmask" in arena else 1
         for _ in range(2):
             pinned = self.dev.alloc_host(self.in_bytes)
             views = {}
@@ -134,10 +135,13 @@ class CudaRunner:
             self.pinned_ins.append(pinned)
             self.views_k.append(views)
             self.pinned_ids_k.append(self.dev.alloc_host(4 * B, np.int32)[:B])
+            self.pinned_bitmask_k.append(self.dev.alloc_host(4 * B * W, np.int32)[:B * W].reshape(B, W))
         self.events = [self.dev.event(), self.dev.event()]
         self._buf_used = [False, False]
         self._next = 0
         self.pinned_logits = self.dev.alloc_host(4 * B * V, np.float32)[:B * V].reshape(B, V)
+        W = self.plan.arena["token_bitmask"].shape[1] if "token_bitmask" in self.plan.arena else 1
+        self.pinned_bitmask = self.dev.alloc_host(4 * B * W, np.int32)[:B * W].reshape(B, W)
 
     # ---- staging -------------------------------------------------------------------------------------------
     @staticmethod
@@ -147,11 +151,15 @@ class CudaRunner:
                                 seq_lens=[0], block_tables=[[0]]).fill_sampling_defaults()
 
     def stage(self, batch: BatchDescription, bk, k: int = 0) -> None:
-        """Fill staging buffer k and enqueue its H2D copy."""
+        """Fill staging buffer k and enqueue its H2D copy (grammar masks: only when a row has one, ns rows)."""
         try:
             stage_inputs(batch, self.views_k[k], bk.num_tokens, bk.num_seqs)
         except ValueError as e:
             raise CudaRunnerError(f"bucket {bk.name}: {e}") from None
+        if len(batch.bitmask_rows):
+            ns, pinned = batch.num_seqs, self.pinned_bitmask_k[k]
+            pinned[:ns] = batch.token_bitmask
+            self.dev.htod_async(self.buf("token_bitmask"), pinned.ctypes.data, pinned[:ns].nbytes)
         self.dev.htod_async(self.arena_ptr + self.in_lo, self.pinned_ins[k].ctypes.data, self.in_bytes)
 
     def _start(self, batch: BatchDescription, k: int) -> tuple:

@@ -82,6 +82,7 @@ def compile(
     target: Optional[str] = typer.Option(None, help="GPU arch for kernels (sm_90a) or cpu"),
     gemm_library: Optional[bool] = typer.Option(None, help="CUTLASS GEMMs for linears of >= 128 rows (default on)"),
     pdl: Optional[bool] = typer.Option(None, help="programmatic dependent launch of every kernel (default off)"),
+    tensor_parallel: Optional[int] = typer.Option(None, help="ranks (GPUs) to shard the model over: 1, 2, 4 or 8"),
     dummy_weights: bool = typer.Option(False, help="random weights from the config alone (benchmarks)"),
     seed: int = typer.Option(0, help="seed for --dummy-weights"),
     force: bool = typer.Option(False, help="replace an existing plan"),
@@ -97,7 +98,7 @@ def compile(
     base = read_json_file(build_config, "build config") if build_config else {}
     given = dict(max_num_seqs=max_num_seqs, decode_buckets=_ints(decode_buckets), prefill_buckets=_ints(prefill_buckets),
                  max_seq_len=max_seq_len, block_size=block_size, num_blocks=num_blocks, dtype=dtype, target=target,
-                 gemm_library=gemm_library, pdl=pdl)
+                 gemm_library=gemm_library, pdl=pdl, tensor_parallel=tensor_parallel)
     base.update({k: v for k, v in given.items() if v is not None})
     if "target" not in base:
         from xserv_aot.runtime.select import CUDA_EXTRA_HINT, cuda_python_available

@@ -15,6 +15,7 @@ class ConfigError(XservError, ValueError):
 
 
 SUPPORTED_ARCHS = ("qwen3", "qwen2", "llama")
+TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 HF_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 
 
@@ -171,6 +172,7 @@ class BuildConfig:
     target: str = "sm_90a"                # GPU arch for cubins, or "cpu" (no kernels built)
     gemm_library: bool = True             # CUDA: CUTLASS GEMMs for linears of >= 128 rows, when nvcc can build them
     pdl: bool = False                     # CUDA: programmatic dependent launch of every kernel (docs/cuda-notes.md)
+    tensor_parallel: int = 1              # ranks (GPUs) the weights, heads and KV pool are split over (1, 2, 4, 8)
 
     @property
     def prefill_chunk(self) -> int:
@@ -217,6 +219,9 @@ class BuildConfig:
             raise ConfigError("num_blocks must be >= 0")
         if not 0 <= self.mixed_prefill_tokens <= max(self.prefill_buckets):
             raise ConfigError(f"mixed_prefill_tokens {self.mixed_prefill_tokens} must be in 0..largest prefill bucket")
+        if self.tensor_parallel not in TENSOR_PARALLEL_SIZES or isinstance(self.tensor_parallel, bool):
+            raise ConfigError(f"tensor_parallel {self.tensor_parallel!r} is not one of "
+                              f"{', '.join(map(str, TENSOR_PARALLEL_SIZES))}")
         for name in ("gemm_library", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -19,7 +19,9 @@ from xserv_aot.plan.generation_config import read_generation_defaults
 from xserv_aot.plan.integrity import CHUNK_BYTES, fingerprint
 from xserv_aot.plan.manifest import SCHEMA_VERSION, Plan, layout
 from xserv_aot.plan.ops import arena_buffers, bucket_ops, bucket_shapes
-from xserv_aot.plan.weights import weight_specs, write_weights, plan_tensors
+from xserv_aot.plan.tensor_parallel import (check_divisible, local_model, local_shapes, manifest_section,
+                                            rank_shards, tensor_sharding)
+from xserv_aot.plan.weights import plan_tensors, weight_specs, write_rank_weights, write_weights
 
 Progress = Callable[[str, int, int], None]   # (stage, done, total)
 
@@ -51,11 +53,24 @@ def save_tokenizer(source: Path, fmt: str, out: Path) -> bool:
     return False
 
 
-def dummy_table(m: ModelConfig, b: BuildConfig) -> tuple[dict, int]:
+def full_tensor_shapes(m: ModelConfig, b: BuildConfig) -> dict[str, tuple[list[int], str]]:
+    """(shape, dtype) of every plan tensor of the unsharded model, in plan order."""
     bufs = {name: (shape, b.dtype) for name, (shape, _) in weight_specs(m).items()}
     half = [b.max_seq_len, m.head_dim // 2]
     bufs["rope_cos"], bufs["rope_sin"] = (half, "float32"), (half, "float32")
-    return layout(bufs)
+    return bufs
+
+
+def sharding_of(m: ModelConfig, b: BuildConfig) -> dict | None:
+    """tensor name -> ShardSpec under tensor parallelism; None for a one-rank plan."""
+    if b.tensor_parallel == 1:
+        return None
+    return tensor_sharding(m, b.tensor_parallel, list(full_tensor_shapes(m, b)))
+
+
+def dummy_table(m: ModelConfig, b: BuildConfig) -> tuple[dict, int]:
+    shapes, sharding = full_tensor_shapes(m, b), sharding_of(m, b)
+    return layout(local_shapes(shapes, sharding) if sharding else shapes)
 
 
 def compile_plan(source: Path, out: Path, build: BuildConfig, *, dummy_weights: bool = False, dummy_seed: int = 0,
@@ -65,6 +80,8 @@ def compile_plan(source: Path, out: Path, build: BuildConfig, *, dummy_weights: 
     build.validate()
     defaults = read_generation_defaults(source, generation_config)
     model, tensors, fmt = read_source(source, dummy_weights)
+    if build.tensor_parallel > 1:
+        check_divisible(model, build.tensor_parallel)
     if build.max_seq_len > model.max_position_embeddings:
         raise ConfigError(f"max_seq_len {build.max_seq_len} exceeds the model's max_position_embeddings "
                           f"{model.max_position_embeddings}")
@@ -120,8 +137,14 @@ def check_target(source: Path, out: Path, force: bool) -> None:
         raise ConfigError(f"{out}: holds the source model {source}; refusing to replace it")
 
 
+def weights_file(name: str, size: int, chunks: list[str]) -> dict:
+    """A weights file's manifest entry: its sha256 per CHUNK_BYTES chunk, fingerprint of those (plan-format.md)."""
+    return {"file": name, "size": size, "fingerprint": fingerprint(chunks),
+            "chunks": {"size": CHUNK_BYTES, "sha256": chunks}}
+
+
 def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress) -> dict:
-    specs = weight_specs(model)
+    specs, tp, sharding = weight_specs(model), build.tensor_parallel, sharding_of(model, build)
     if dummy:
         table, size = dummy_table(model, build)
         weights = {"file": None, "dummy_seed": seed, "size": size, "fingerprint": f"dummy:{seed}",
@@ -134,17 +157,28 @@ def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress) -> di
             if progress:
                 progress("weights", done[0], total)
 
-        table, size, chunks = write_weights(tmp / "weights.bin", plan_tensors(model, tensors, build.max_seq_len),
-                                            build.dtype, tick, CHUNK_BYTES)
-        weights = {"file": "weights.bin", "size": size, "fingerprint": fingerprint(chunks),
-                   "chunks": {"size": CHUNK_BYTES, "sha256": chunks},
-                   "tensors": {k: v.to_dict() for k, v in table.items()}}
+        full = plan_tensors(model, tensors, build.max_seq_len)
+        if sharding:
+            names = [f"weights.rank{r}.bin" for r in range(tp)]
+            written = write_rank_weights([tmp / n for n in names], rank_shards(full, sharding, tp), build.dtype,
+                                         tick, CHUNK_BYTES)
+            table, size = written[0][0], written[0][1]         # every rank's table (and size) is the same
+            files = [weights_file(n, sz, chunks) for n, (_, sz, chunks) in zip(names, written)]
+            joint = fingerprint([f["fingerprint"] for f in files])
+            weights = {"size": size, "fingerprint": f"sha256-ranks:{joint}", "files": files}
+        else:
+            table, size, chunks = write_weights(tmp / "weights.bin", full, build.dtype, tick, CHUNK_BYTES)
+            weights = weights_file("weights.bin", size, chunks)
+        weights["tensors"] = {k: v.to_dict() for k, v in table.items()}
+    if sharding:
+        weights["sharding"] = {k: v.to_dict() for k, v in sharding.items()}
     has_tok = save_tokenizer(source, fmt, tmp) if fmt != "config" else False
     arena, arena_size = layout(arena_buffers(model, build))
-    kv_shape = [model.num_layers, 2, build.num_blocks, build.block_size, model.num_kv_heads, model.head_dim]
+    kv_heads = local_model(model, tp).num_kv_heads
+    kv_shape = [model.num_layers, 2, build.num_blocks, build.block_size, kv_heads, model.head_dim]
     kv_bytes = math.prod(kv_shape) * ITEMSIZE[build.dtype]
     buckets = [{"name": n, "kind": k, "num_tokens": t, "num_seqs": s,
-                "ops": [op.to_dict() for op in bucket_ops(model, t, s)]}
+                "ops": [op.to_dict() for op in bucket_ops(model, t, s, tp)]}
                for n, k, t, s in bucket_shapes(build)]
     manifest = {
         "schema_version": SCHEMA_VERSION,
@@ -158,6 +192,8 @@ def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress) -> di
         "buckets": buckets,
         "kernels": {"target": build.target},
     }
+    if tp > 1:
+        manifest["tensor_parallel"] = manifest_section(model, tp)
     if build.target != "cpu":
         from xserv_aot.plan.kernel_build import build_kernels
         manifest["kernels"] = build_kernels(manifest, tmp, build.target, progress=progress)

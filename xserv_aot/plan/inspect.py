@@ -15,10 +15,11 @@ from xserv_aot.plan.roofline import ceilings_for, format_roofline
 def decode_step_bytes(plan: Plan, batch: int = 1, context: int = 128) -> dict:
     m, w = plan.model, plan.weights
     weight_bytes = sum(t.nbytes for n, t in w.items() if n not in ("embed_tokens", "rope_cos", "rope_sin"))
-    if m.tie_word_embeddings:
+    if m.tie_word_embeddings and "lm_head" not in w:       # a sharded plan has its own lm_head slice
         weight_bytes += w["embed_tokens"].nbytes
     elem = ITEMSIZE[plan.kv_cache["dtype"]]
-    kv_bytes = batch * context * m.num_layers * 2 * m.num_kv_heads * m.head_dim * elem
+    kv_heads = plan.kv_cache["shape"][4]                     # one rank's under tensor parallelism
+    kv_bytes = batch * context * m.num_layers * 2 * kv_heads * m.head_dim * elem
     total = weight_bytes + kv_bytes
     return {"weights": weight_bytes, "kv": kv_bytes, "total": total,
             "roofline_tok_per_s": batch * ceilings_for(plan.build.target).read_bytes_per_s / total}
@@ -30,16 +31,18 @@ def describe(plan_dir: Path, ops_bucket: str | None = None, roofline: bool = Fal
         return format_roofline(plan, context)
     m, b = plan.model, plan.build
     mib = lambda n: f"{n / 2**20:10.1f} MiB"
+    tp = plan.tensor_parallel
+    per_rank = f" per rank, {tp} ranks" if tp > 1 else ""
     lines = [f"plan {plan.dir}  schema {plan.manifest['schema_version']}  source {plan.manifest['source']['path']}",
              f"model {m.arch}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_heads}/{m.num_kv_heads}"
              f" x {m.head_dim}, ffn {m.intermediate_size}, vocab {m.vocab_size}, tied {m.tie_word_embeddings}",
              f"build: dtype {b.dtype}, target {b.target}, max_seq_len {b.max_seq_len}, block {b.block_size},"
              f" {b.num_blocks} KV blocks, prefill chunk {b.prefill_chunk}",
              "", "memory map:",
-             f"  weights   {mib(plan.manifest['weights']['size'])}  ({len(plan.weights)} tensors,"
+             f"  weights   {mib(plan.manifest['weights']['size'])}  ({len(plan.weights)} tensors{per_rank},"
              f" {plan.manifest['weights']['fingerprint'][:23]}...)",
              f"  arena     {mib(plan.arena_size)}  ({len(plan.arena)} buffers)",
-             f"  kv cache  {mib(plan.kv_cache['size'])}  shape {plan.kv_cache['shape']} {plan.kv_cache['dtype']}",
+             f"  kv cache  {mib(plan.kv_cache['size'])}{' per rank' if tp > 1 else ''}  shape {plan.kv_cache['shape']} {plan.kv_cache['dtype']}",
              "", "arena buffers:"]
     for name, t in plan.arena.items():
         lines.append(f"  {t.offset:>12}  {name:<16} {str(t.shape):<20} {t.dtype}")
@@ -48,7 +51,7 @@ def describe(plan_dir: Path, ops_bucket: str | None = None, roofline: bool = Fal
         kinds = Counter(op.op for op in bk.ops)
         lines.append(f"  {bk.name:<14} {bk.kind:<8} tokens {bk.num_tokens:>5} seqs {bk.num_seqs:>4}  {len(bk.ops)} ops"
                      f"  ({', '.join(f'{k} x{v}' for k, v in kinds.items())})")
-    lines += ["", "bytes read per decode step (batch 1):"]
+    lines += ["", f"bytes read per decode step (batch 1{', one rank' if tp > 1 else ''}):"]
     bw = ceilings_for(b.target).read_bytes_per_s
     for ctx in sorted({min(128, b.max_seq_len), min(4096, b.max_seq_len)}):
         d = decode_step_bytes(plan, 1, ctx)

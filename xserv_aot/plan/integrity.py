@@ -124,6 +124,7 @@ def check_file(plan_dir: Path, entry: dict, what: str) -> Path:
 
 
 def check_kv_cache(kv: dict, model, build, itemsize: dict) -> None:
+    """model: one rank's (its num_kv_heads)."""
     expected = [model.num_layers, 2, build.num_blocks, build.block_size, model.num_kv_heads, model.head_dim]
     shape = kv.get("shape")
     if shape != expected or kv.get("dtype") != build.dtype:

@@ -17,10 +17,12 @@ from xserv_aot.plan.launch_records import check_launches, f32, i32, kernel, kv, 
 from xserv_aot.plan.manifest import place
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
-from xserv_aot.plan.op_records import (AddRmsNorm, ApplyTokenBitmask, Attention, Embedding, GatherRows, KernelChoice,
-                                       Linear, Op, QkNormRopeCache, ResolveInputIds, RmsNorm, Sample, SiluMul,
-                                       op_from_dict)
+from xserv_aot.plan import nccl_records
+from xserv_aot.plan.op_records import (COLLECTIVES, AddRmsNorm, ApplyTokenBitmask, Attention, Embedding, GatherRows,
+                                       KernelChoice, Linear, Op, QkNormRopeCache, ResolveInputIds, RmsNorm, Sample,
+                                       SiluMul, op_from_dict)
 from xserv_aot.plan.signatures import check_sizes, cubin_param_sizes, host_signature, kernel_signatures
+from xserv_aot.plan.tensor_parallel import rank_model
 
 GEMV_MAX_ROWS = 2            # above this the x re-reads make the GEMV L1/ALU-bound: tensor cores instead
 CUTLASS_MIN_ROWS = 128
@@ -147,7 +149,7 @@ def norm_threads(hidden: int) -> int:
 def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: dict | None,
                 attn: dict) -> list[KernelChoice]:
     """The kernel choice (with its launch records) of every op of one bucket, in order."""
-    m, kvc = manifest["model"], manifest["kv_cache"]
+    m, kvc = rank_model(manifest), manifest["kv_cache"]
     hidden, hd, vocab = m["hidden_size"], m["head_dim"], m["vocab_size"]
     nh, nkv = m["num_heads"], m["num_kv_heads"]
     num_slots, block_size = kv_slots(kvc), kvc["shape"][3]
@@ -190,6 +192,8 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
                                i32(num_slots)]))
         elif isinstance(op, Attention):
             c = plan_attention(op, kind, m, attn, block_size, arena[op.block_tables]["shape"][1], num_slots)
+        elif isinstance(op, COLLECTIVES):
+            c = nccl_records.plan_collective(op, arena)
         elif isinstance(op, ApplyTokenBitmask):
             c = kernel(launch("apply_token_bitmask", [rows], [ELEMWISE_THREADS], 0,
                               [ptr(op.logits), ptr(op.bitmask), ptr(op.bitmask_rows), i32(op.n)]))
@@ -209,7 +213,7 @@ def kv_slots(kv: dict) -> int:
 
 
 def check_model(manifest: dict) -> None:
-    m, b = manifest["model"], manifest["build"]
+    m, b = rank_model(manifest), manifest["build"]
     if b["dtype"] != "bfloat16":
         raise KernelBuildError(f"CUDA kernels need build dtype bfloat16, got {b['dtype']!r} (use --dtype bfloat16)")
     if m["head_dim"] not in (64, 128):
@@ -254,7 +258,7 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
                                f"or compile with --target cpu")
     check_model(manifest)
     out_dir = Path(out_dir)
-    m, b = manifest["model"], manifest["build"]
+    m, b = rank_model(manifest), manifest["build"]
     cubins = compile_all(out_dir, target, progress)
     cutlass, why_not = try_cutlass(manifest, out_dir, target, progress)
     attn = {"split": P_KEYS, "splits": -(-b["max_seq_len"] // P_KEYS), "max_seq_len": b["max_seq_len"]}
@@ -287,6 +291,7 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
         add_arena_buffer(manifest, "gemm_splitk_ws", [ws], "float32")
     if cutlass is not None and cutlass.get("workspace"):
         add_arena_buffer(manifest, "gemm_ws", [-(-cutlass["workspace"] // 4)], "int32")
+    collectives = nccl_records.add_collectives(manifest, m, signatures, add_arena_buffer)
     launches = [(name, rec) for name, cs in choices.items() for c in cs for rec in c.launch]
     check_launches(manifest, launches, signatures)
     used = sorted({rec.fn for _, rec in launches})
@@ -296,6 +301,7 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
                "functions": {fn: name for name, c in cubins.items() for fn in c["functions"]},
                "signatures": {fn: signatures[fn] for fn in used},
                "attention": attn, "gemm_library": None, "gemm_library_skipped": why_not or None, "gemm_configs": {}}
+    section.update({"collectives": collectives} if collectives else {})
     if cutlass is not None:
         section["gemm_library"] = {k: cutlass[k] for k in ("file", "hash", "configs", "build_key") if k in cutlass}
         section["gemm_configs"] = cutlass.get("used", {})

@@ -7,6 +7,7 @@ from xserv_aot.plan.op_records import KernelChoice, LaunchRecord
 from xserv_aot.plan.signatures import SCALAR_TYPES
 
 ARG_KINDS = ("ptr", "kv", *sorted(set(SCALAR_TYPES.values())))
+APPENDED_PARAMS = {"gemm_library": ("stream",), "nccl": ("comm", "stream")}   # passed by the launcher, per library
 
 
 def launch(fn: str, grid, block, smem: int = 0, args: list | None = None) -> LaunchRecord:
@@ -80,5 +81,8 @@ def check_launches(manifest: dict, records, signatures: dict) -> None:
         if params is None:
             raise KernelBuildError(f"bucket {bucket}: launch of {rec.fn!r}, which no kernel defines")
         if rec.library:
-            params = params[:-1]         # the stream, appended by the launcher
+            appended = APPENDED_PARAMS.get(rec.library)
+            if appended is None:
+                raise KernelBuildError(f"bucket {bucket}: launch of {rec.fn!r} from unknown library {rec.library!r}")
+            params = params[:-len(appended)]
         check_launch(rec, params, dtype_of, manifest["kv_cache"]["dtype"])

@@ -12,6 +12,7 @@ from xserv_aot.config import BuildConfig, ConfigError, ModelConfig
 from xserv_aot.dtypes import ITEMSIZE
 from xserv_aot.plan.integrity import (PlanError, check_file, check_kv_cache, check_layout, inside,
                                       verify_chunks)
+from xserv_aot.plan.tensor_parallel import local_model
 from xserv_aot.plan.op_records import Op, OpRecordError, buffer_names, op_from_dict
 
 SCHEMA_VERSION = 2            # 2: launch records carry their arguments (docs/plan-format.md)
@@ -80,7 +81,13 @@ class Plan:
         self.model = ModelConfig.from_dict(manifest["model"])
         self.build = BuildConfig.from_dict(manifest["build"])
         w = manifest["weights"]
-        self.weights_file = w.get("file")
+        self.tensor_parallel = self.build.tensor_parallel
+        # one entry per rank: {file, size, fingerprint, chunks}; empty for dummy weights
+        self.weight_files = w["files"] if "files" in w else [w] if w.get("file") else []
+        if self.weight_files and len(self.weight_files) != self.tensor_parallel:
+            raise ConfigError(f"{len(self.weight_files)} weights files for tensor_parallel {self.tensor_parallel}")
+        self.weights_file = self.weight_files[0]["file"] if self.weight_files else None
+        self.sharding = w.get("sharding")
         self.dummy_seed = w.get("dummy_seed")
         self.weights = {k: TensorInfo(**v) for k, v in w["tensors"].items()}
         self.arena = {k: TensorInfo(**v) for k, v in manifest["arena"]["buffers"].items()}
@@ -90,10 +97,10 @@ class Plan:
         self.buckets = [Bucket.from_dict(b, known) for b in manifest["buckets"]]
         self.kernels = manifest.get("kernels") or {}
         self.generation_defaults: dict = manifest.get("generation_defaults") or {}   # request field -> default
-        if self.weights_file is not None:
-            self.weights_path = inside(self.dir, self.weights_file, "weights")
+        for f in self.weight_files:
+            inside(self.dir, f["file"], "weights")
         check_layout(self.weights, int(w["size"]), layout)
-        check_kv_cache(self.kv_cache, self.model, self.build, ITEMSIZE)
+        check_kv_cache(self.kv_cache, local_model(self.model, self.tensor_parallel), self.build, ITEMSIZE)
 
     @classmethod
     def load(cls, plan_dir: Path | str, verify: str = "full") -> "Plan":
@@ -127,18 +134,18 @@ class Plan:
         return plan
 
     def verify_weights(self) -> None:
-        """Every byte of weights.bin against the manifest's chunk hashes, chunks hashed in parallel."""
-        if self.weights_file is None:
-            return
-        w, path = self.manifest["weights"], self.weights_path
-        if not path.is_file():
-            raise PlanError(f"{self.dir / self.weights_file}: weights file is missing")
-        if path.stat().st_size != w["size"]:
-            raise PlanError(f"{path}: weights file is {path.stat().st_size} bytes, the plan expects {w['size']}")
-        chunks = w.get("chunks")
-        if not chunks:
-            raise PlanError(f"{self.dir}: plan has no weight chunk hashes (compiled by an older xserv-aot); recompile")
-        verify_chunks(path, chunks["sha256"], int(chunks["size"]), self.weights)
+        """Every byte of every weights file against its chunk hashes, chunks hashed in parallel."""
+        for w in self.weight_files:
+            path = inside(self.dir, w["file"], "weights")
+            if not path.is_file():
+                raise PlanError(f"{self.dir / w['file']}: weights file is missing")
+            if path.stat().st_size != w["size"]:
+                raise PlanError(f"{path}: weights file is {path.stat().st_size} bytes, the plan expects {w['size']}")
+            chunks = w.get("chunks")
+            if not chunks:
+                raise PlanError(f"{self.dir}: plan has no weight chunk hashes (compiled by an older xserv-aot); "
+                                f"recompile")
+            verify_chunks(path, chunks["sha256"], int(chunks["size"]), self.weights)
 
     def kernel_files(self) -> dict[str, Path]:
         """kernel file name -> path, each checked inside the plan and against its hash (before any dlopen)."""
@@ -148,10 +155,11 @@ class Plan:
             files["gemm_library"] = check_file(self.dir, lib, "GEMM library")
         return files
 
-    def weights_bytes(self) -> np.memmap | None:
-        if self.weights_file is None:
+    def weights_bytes(self, rank: int = 0) -> np.memmap | None:
+        """Rank `rank`'s weights file (every rank's has the same table); None for dummy weights."""
+        if not self.weight_files:
             return None
-        return np.memmap(self.weights_path, dtype=np.uint8, mode="r")
+        return np.memmap(inside(self.dir, self.weight_files[rank]["file"], "weights"), dtype=np.uint8, mode="r")
 
     @property
     def has_tokenizer(self) -> bool:

@@ -203,8 +203,28 @@ class Sample(Op):
     out: str               # int32 token ids; NONFINITE_ID (-1, runtime.batch) for a row of NaN/Inf logits
 
 
-OP_TYPES: dict[str, type[Op]] = {c.OP: c for c in (ResolveInputIds, Embedding, RmsNorm, AddRmsNorm, Linear, QkNormRopeCache, Attention,
-                                                   SiluMul, GatherRows, ApplyTokenBitmask, Sample)}
+@dataclass(frozen=True)
+class AllReduce(Op):
+    """Collective over the plan's `ranks` (tensor parallel): every rank's buf[:rows] becomes the sum of all ranks'."""
+    OP = "all_reduce"
+    buf: str
+    ranks: int
+
+
+@dataclass(frozen=True)
+class AllGather(Op):
+    """Collective: out[i, r*n:(r+1)*n] = inp[i, :n] of rank r, for i < rows, on every rank."""
+    OP = "all_gather"
+    inp: str
+    out: str
+    n: int
+    ranks: int
+
+
+OP_TYPES: dict[str, type[Op]] = {c.OP: c for c in (ResolveInputIds, Embedding, RmsNorm, AddRmsNorm, Linear,
+                                                   QkNormRopeCache, Attention, SiluMul, GatherRows, ApplyTokenBitmask,
+                                                   Sample, AllReduce, AllGather)}
+COLLECTIVES = (AllReduce, AllGather)
 _CHECKS = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
            float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
            str: lambda v: isinstance(v, str), str | None: lambda v: v is None or isinstance(v, str)}

@@ -2,14 +2,19 @@
 from __future__ import annotations
 
 from xserv_aot.config import BuildConfig, ModelConfig
-from xserv_aot.plan.op_records import (AddRmsNorm, ApplyTokenBitmask, Attention, Embedding, GatherRows, Linear, Op,
-                                       QkNormRopeCache, ResolveInputIds, RmsNorm, Sample, SiluMul)
+from xserv_aot.plan.op_records import (AddRmsNorm, AllGather, AllReduce, ApplyTokenBitmask, Attention, Embedding,
+                                       GatherRows, Linear, Op, QkNormRopeCache, ResolveInputIds, RmsNorm, Sample, SiluMul)
+from xserv_aot.plan.tensor_parallel import local_model
 
 
 def arena_buffers(m: ModelConfig, b: BuildConfig) -> dict[str, tuple[list[int], str]]:
+    """One rank's arena (every rank's is the same): per-rank head / intermediate widths under tensor parallelism."""
     t = max(b.prefill_chunk, b.max_num_seqs)     # token rows
     s = b.max_num_seqs                            # sequence rows
-    act = b.dtype
+    act, tp = b.dtype, b.tensor_parallel
+    full_vocab = m.vocab_size
+    m = local_model(m, tp)
+    shard = {"logits_shard": ([s, full_vocab // tp], "float32")} if tp > 1 else {}
     return {
         "input_ids": ([t], "int32"),
         "positions": ([t], "int32"),
@@ -34,7 +39,8 @@ def arena_buffers(m: ModelConfig, b: BuildConfig) -> dict[str, tuple[list[int], 
         "gate_up": ([t, 2 * m.intermediate_size], act),
         "act": ([t, m.intermediate_size], act),
         "hl": ([s, m.hidden_size], act),
-        "logits": ([s, m.vocab_size], "float32"),
+        **shard,
+        "logits": ([s, full_vocab], "float32"),
         "sampled_ids": ([s], "int32"),
         "token_bitmask": ([s, bitmask_words(m.vocab_size)], "int32"),   # staged only when a row has a grammar
     }
@@ -49,8 +55,11 @@ INPUT_BUFFERS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "s
                  "bitmask_rows")
 
 
-def bucket_ops(m: ModelConfig, t: int, s: int) -> list[Op]:
-    """Ops for a bucket of t token rows and s sequences."""
+def bucket_ops(m: ModelConfig, t: int, s: int, tp: int = 1) -> list[Op]:
+    """Ops for a bucket of t token rows and s sequences, as each of tp ranks runs them: with tp > 1 the shapes are
+    a rank's, o_proj and down are followed by an all_reduce, and the vocab-parallel lm_head by an all_gather."""
+    vocab, tied = m.vocab_size, m.tie_word_embeddings
+    m = local_model(m, tp)
     eps, hd = m.rms_norm_eps, m.head_dim
     h, inter, nqkv = m.hidden_size, m.intermediate_size, m.q_size + 2 * m.kv_size
     heads = dict(num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=hd)
@@ -72,16 +81,22 @@ def bucket_ops(m: ModelConfig, t: int, s: int) -> list[Op]:
                              seq_lens="seq_lens", block_tables="block_tables", out="attn", rows=t, num_seqs=s,
                              scale=hd ** -0.5, **heads))
         ops.append(Linear(inp="attn", weight=p + "o_proj", bias=None, out="o", rows=t, n=h, k=m.q_size))
+        ops += [AllReduce(buf="o", rows=t, ranks=tp)] if tp > 1 else []
         ops.append(AddRmsNorm(residual="x", delta="o", weight=p + "post_attn_norm", out="h", rows=t, eps=eps))
         ops.append(Linear(inp="h", weight=p + "gate_up", bias=None, out="gate_up", rows=t, n=2 * inter, k=h))
         ops.append(SiluMul(inp="gate_up", out="act", rows=t, inter=inter))
         ops.append(Linear(inp="act", weight=p + "down", bias=None, out="o", rows=t, n=h, k=inter))
+        ops += [AllReduce(buf="o", rows=t, ranks=tp)] if tp > 1 else []
     ops.append(AddRmsNorm(residual="x", delta="o", weight="final_norm", out="h", rows=t, eps=eps))
     ops.append(GatherRows(inp="h", indices="logits_indices", out="hl", rows=s))
-    ops.append(Linear(inp="hl", weight="embed_tokens" if m.tie_word_embeddings else "lm_head", bias=None,
-                      out="logits", rows=s, n=m.vocab_size, k=h))
+    if tp > 1:
+        ops.append(Linear(inp="hl", weight="lm_head", bias=None, out="logits_shard", rows=s, n=vocab // tp, k=h))
+        ops.append(AllGather(inp="logits_shard", out="logits", rows=s, n=vocab // tp, ranks=tp))
+    else:
+        ops.append(Linear(inp="hl", weight="embed_tokens" if tied else "lm_head", bias=None, out="logits", rows=s,
+                          n=vocab, k=h))
     ops.append(ApplyTokenBitmask(logits="logits", bitmask="token_bitmask", bitmask_rows="bitmask_rows", rows=s,
-                                 n=m.vocab_size))
+                                 n=vocab))
     ops.append(Sample(logits="logits", temperature="temperature", top_k="top_k", top_p="top_p", seeds="seeds",
                       sample_offsets="sample_offsets", out="sampled_ids", rows=s))
     return ops

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from xserv_aot.dtypes import ITEMSIZE
 from xserv_aot.plan.op_records import Op
+from xserv_aot.plan.tensor_parallel import local_model
 
 
 @dataclass(frozen=True)
@@ -57,10 +58,16 @@ def op_name(bucket: str, i: int, op: Op) -> str:
     return " ".join(p for p in parts if p)
 
 
+def rank_config(plan):
+    """The model as one rank holds it (heads, kv heads, intermediate size): a tensor-parallel plan's ops are one rank's
+    (their collectives cost nothing here: the floor counts device memory and FLOPs only)."""
+    return local_model(plan.model, plan.tensor_parallel)
+
+
 def op_bytes(op: Op, plan, context: int, num_seqs: int) -> int:
     """Fewest bytes the op must move through device memory (inputs once, outputs once); the KV cache in the plan's
     kv_cache dtype, activations and weights in the build dtype."""
-    m, dt, kv_dt = plan.model, ITEMSIZE[plan.build.dtype], ITEMSIZE[plan.kv_cache["dtype"]]
+    m, dt, kv_dt = rank_config(plan), ITEMSIZE[plan.build.dtype], ITEMSIZE[plan.kv_cache["dtype"]]
     rows, H = op.rows, m.hidden_size
     kind = op.op
     if kind == "linear":
@@ -86,7 +93,7 @@ def op_bytes(op: Op, plan, context: int, num_seqs: int) -> int:
 
 
 def op_flops(op: Op, plan, context: int, num_seqs: int) -> int:
-    m = plan.model
+    m = rank_config(plan)
     rows, H = op.rows, m.hidden_size
     kind = op.op
     if kind == "linear":
@@ -121,7 +128,8 @@ def bucket_costs(plan, bucket, context: int) -> list[tuple[int, Op, int, int]]:
 def format_roofline(plan, context: int = 128) -> str:
     c = ceilings_for(plan.build.target)
     lines = [f"floor per bucket at context {context} on {c.device} ({c.read_bytes_per_s / 1e12:.2f} TB/s read, "
-             f"{c.flops_per_s / 1e12:.0f} TFLOP/s; plan target {plan.build.target})",
+             f"{c.flops_per_s / 1e12:.0f} TFLOP/s; plan target {plan.build.target}"
+             f"{f'; one rank of {plan.tensor_parallel}, collectives not counted' if plan.tensor_parallel > 1 else ''})",
              f"{'bucket':<14} {'ops':>4} {'GB':>9} {'GFLOP':>10} {'mem ms':>8} {'flop ms':>8} {'floor ms':>9} "
              f"{'bound':>8} {'tok/s ceiling':>14}"]
     for bk in plan.buckets:

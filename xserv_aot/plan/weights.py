@@ -108,21 +108,52 @@ def plan_tensors(m: ModelConfig, source, max_seq_len: int) -> Iterator[tuple[str
     yield "rope_sin", sin, True
 
 
+class WeightsFile:
+    """A weights file being written: tensors streamed at aligned offsets, with its table and chunk hashes."""
+
+    def __init__(self, path: Path, chunk: int = CHUNK_BYTES):
+        self.f, self.table, self.off, self.h = open(path, "wb"), {}, 0, ChunkHasher(chunk)
+
+    def add(self, name: str, arr: np.ndarray, dtype: str) -> None:
+        raw = encode(arr, dtype).tobytes()
+        pad = b"\0" * (-(-len(raw) // ALIGN) * ALIGN - len(raw))
+        for data in (raw, pad):
+            self.f.write(data)
+            self.h.update(data)
+        self.table[name] = TensorInfo(self.off, list(arr.shape), dtype)
+        self.off += len(raw) + len(pad)
+
+    def close(self) -> tuple[dict[str, TensorInfo], int, list[str]]:
+        self.f.close()
+        return self.table, self.off, self.h.finish()
+
+
 def write_weights(path: Path, tensors: Iterator[tuple[str, np.ndarray, bool]], dtype: str,
                   on_tensor: Callable[[str], None] | None = None, chunk: int = CHUNK_BYTES
                   ) -> tuple[dict[str, TensorInfo], int, list[str]]:
     """Stream tensors into weights.bin at aligned offsets. Returns (table, size, sha256 of each `chunk` bytes)."""
-    table, off, chunks = {}, 0, ChunkHasher(chunk)
-    with open(path, "wb") as f:
+    out = WeightsFile(path, chunk)
+    try:
         for name, arr, is_rope in tensors:
-            dt = "float32" if is_rope else dtype
-            raw = encode(arr, dt).tobytes()
-            pad = b"\0" * (-(-len(raw) // ALIGN) * ALIGN - len(raw))
-            for data in (raw, pad):
-                f.write(data)
-                chunks.update(data)
-            table[name] = TensorInfo(off, list(arr.shape), dt)
-            off += len(raw) + len(pad)
+            out.add(name, arr, "float32" if is_rope else dtype)
             if on_tensor:
                 on_tensor(name)
-    return table, off, chunks.finish()
+    finally:
+        result = out.close()
+    return result
+
+
+def write_rank_weights(paths: list[Path], shards: Iterator[tuple[str, list[np.ndarray], bool]], dtype: str,
+                       on_tensor: Callable[[str], None] | None = None, chunk: int = CHUNK_BYTES
+                       ) -> list[tuple[dict[str, TensorInfo], int, list[str]]]:
+    """One weights file per rank from (name, [part of each rank], is_rope); every rank's table is the same."""
+    files = [WeightsFile(p, chunk) for p in paths]
+    try:
+        for name, parts, is_rope in shards:
+            for f, arr in zip(files, parts):
+                f.add(name, arr, "float32" if is_rope else dtype)
+            if on_tensor:
+                on_tensor(name)
+    finally:
+        results = [f.close() for f in files]
+    return results

@@ -1,21 +1,45 @@
-"""NumPy backend: executes a plan's op list on the CPU over a paged KV cache. The oracle for the CUDA backend."""
+"""NumPy backend: executes a plan's op list on the CPU over a paged KV cache. The oracle for the CUDA backend.
+
+A tensor-parallel plan runs as `tensor_parallel` simulated ranks in one process: each rank has its own weights,
+arena and KV pool and runs every op on its shard; collectives (all_reduce, all_gather) combine the ranks' buffers
+on the host in rank order 0, 1, ... once every rank has reached them (the ranks run in lockstep, op by op).
+With `rank` and `comm` it is one rank of a multi-process group (runtime/tp_ranks.py): comm.allgather(part) returns
+every rank's part in rank order, and each process combines them the same way.
+"""
 from __future__ import annotations
 
 import numpy as np
 
 from xserv_aot.dtypes import decode, round_to, storage_dtype
-from xserv_aot.plan.manifest import Bucket, Plan
 from xserv_aot.plan.dummy_weights import dummy_tensors
+from xserv_aot.plan.manifest import Bucket, Plan
+from xserv_aot.plan.op_records import COLLECTIVES, AllGather, AllReduce
+from xserv_aot.plan.tensor_parallel import ShardSpec, rank_shards
 from xserv_aot.runtime import numpy_ops as ops
 from xserv_aot.runtime.batch import BatchDescription, StepResult, stage_inputs
 
 
-def load_weights(plan: Plan) -> dict[str, np.ndarray]:
-    """plan weight name -> float32 array (bf16 words widened once, at load)."""
-    if plan.weights_file is None:      # the plan's dtype, as the GPU generator writes them
-        return {name: arr if rope else round_to(arr, plan.build.dtype)
-                for name, arr, rope in dummy_tensors(plan.model, plan.build.max_seq_len, int(plan.dummy_seed or 0))}
-    raw = plan.weights_bytes()
+def load_rank_weights(plan: Plan, ranks: list[int] | None = None) -> list[dict[str, np.ndarray]]:
+    """Per rank in `ranks` (default all): plan weight name -> float32 array (bf16 words widened once, at load)."""
+    tp = plan.tensor_parallel
+    ranks = list(range(tp)) if ranks is None else ranks
+    if plan.weights_file is None:      # the plan's dtype, as the GPU generator writes them; shards cut from full
+        full = dummy_tensors(plan.model, plan.build.max_seq_len, int(plan.dummy_seed or 0))
+        if plan.sharding:
+            specs = {k: ShardSpec.from_dict(v) for k, v in plan.sharding.items()}
+            shards = rank_shards(full, specs, tp)
+        else:
+            shards = ((name, [arr], rope) for name, arr, rope in full)
+        out = [{} for _ in ranks]
+        for name, parts, rope in shards:
+            for i, rank in enumerate(ranks):
+                out[i][name] = parts[rank] if rope else round_to(parts[rank], plan.build.dtype)
+        return out
+    return [_read_weights(plan, rank) for rank in ranks]
+
+
+def _read_weights(plan: Plan, rank: int) -> dict[str, np.ndarray]:
+    raw = plan.weights_bytes(rank)
     out = {}
     for name, info in plan.weights.items():
         dt = storage_dtype(info.dtype)
@@ -24,25 +48,30 @@ def load_weights(plan: Plan) -> dict[str, np.ndarray]:
     return out
 
 
+def load_weights(plan: Plan, rank: int = 0) -> dict[str, np.ndarray]:
+    return load_rank_weights(plan, [rank])[0]
+
+
 class NumpyRunner:
-    def __init__(self, plan: Plan):
-        self.plan = plan
-        self.w = load_weights(plan)
-        self.dtypes = {name: info.dtype for name, info in plan.arena.items()}
-        self.buf = {name: np.zeros(info.shape, dtype=np.float32 if info.dtype == "bfloat16" else storage_dtype(info.dtype))
-                    for name, info in plan.arena.items()}
-        L, _, nb, bs, nkv, hd = plan.kv_cache["shape"]
-        self.kv = np.zeros((L, 2, nb * bs, nkv, hd), dtype=np.float32)   # slot-flattened paged pool
-        self.kv_dtype = plan.kv_cache["dtype"]
+    def __init__(self, plan: Plan, rank: int | None = None, comm=None):
+        """rank None: every rank of the plan in this process; else only `rank`, its collectives through comm."""
+        if (rank is None) != (comm is None):
+            raise ValueError("NumpyRunner: pass both rank and comm (one rank of a group) or neither")
+        self.plan, self.comm = plan, comm
+        ranks = None if rank is None else [rank]
+        self.ranks = [NumpyRank(plan, w) for w in load_rank_weights(plan, ranks)]
+        self.w, self.buf, self.kv = self.ranks[0].w, self.ranks[0].buf, self.ranks[0].kv   # the first rank's
 
     def reset_kv(self) -> None:
-        self.kv[:] = 0
+        for rank in self.ranks:
+            rank.kv[:] = 0
 
     overlaps = False                     # launch runs the step at once: overlapping gains nothing on the CPU
 
     def run(self, batch: BatchDescription) -> StepResult:
         bucket = self.plan.bucket_for(batch.num_tokens, batch.num_seqs)
-        stage_inputs(batch, self.buf, bucket.num_tokens, bucket.num_seqs)
+        for rank in self.ranks:
+            stage_inputs(batch, rank.buf, bucket.num_tokens, bucket.num_seqs)
         self.execute(bucket)
         n = batch.num_seqs
         logits = self.buf["logits"][:n].copy() if batch.need_logits else None
@@ -57,7 +86,42 @@ class NumpyRunner:
 
     def execute(self, bucket: Bucket) -> None:
         for op in bucket.ops:
-            getattr(self, "op_" + op.op)(op)
+            if isinstance(op, COLLECTIVES):
+                self.collective(op)
+            else:
+                for rank in self.ranks:
+                    getattr(rank, "op_" + op.op)(op)
+
+    def parts(self, local: list[np.ndarray], ranks: int) -> list[np.ndarray]:
+        """Every rank's part of a collective, in rank order."""
+        parts = local if self.comm is None else self.comm.allgather(local[0])
+        if len(parts) != ranks:
+            raise ValueError(f"collective over {ranks} ranks got {len(parts)} parts")
+        return parts
+
+    def collective(self, op) -> None:
+        if isinstance(op, AllReduce):
+            total = ops.all_reduce(self.parts([rank.buf[op.buf][:op.rows] for rank in self.ranks], op.ranks))
+            for rank in self.ranks:
+                rank._set(op.buf, op.rows, total)
+        elif isinstance(op, AllGather):
+            full = ops.all_gather_columns(self.parts([rank.buf[op.inp][:op.rows, :op.n] for rank in self.ranks],
+                                                     op.ranks))
+            for rank in self.ranks:
+                rank._set(op.out, op.rows, full)
+
+
+class NumpyRank:
+    """One rank's weights, arena and KV pool, and the ops that touch only them."""
+
+    def __init__(self, plan: Plan, weights: dict[str, np.ndarray]):
+        self.plan, self.w = plan, weights
+        self.dtypes = {name: info.dtype for name, info in plan.arena.items()}
+        self.buf = {name: np.zeros(info.shape, dtype=np.float32 if info.dtype == "bfloat16" else storage_dtype(info.dtype))
+                    for name, info in plan.arena.items()}
+        L, _, nb, bs, nkv, hd = plan.kv_cache["shape"]
+        self.kv = np.zeros((L, 2, nb * bs, nkv, hd), dtype=np.float32)   # slot-flattened paged pool
+        self.kv_dtype = plan.kv_cache["dtype"]
 
     # each op reads arena buffers / weights and writes its output rounded to the buffer's dtype
     def _set(self, name: str, rows: int, val: np.ndarray) -> None:

@@ -154,3 +154,16 @@ def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray, bitmask_rows) -
 def sample(logits, temperature, top_k, top_p, seeds, offsets) -> np.ndarray:
     return np.array([sample_row(logits[i], float(temperature[i]), int(top_k[i]), float(top_p[i]),
                                 int(seeds[i]), int(offsets[i])) for i in range(logits.shape[0])], dtype=np.int32)
+
+
+def all_reduce(parts: list[np.ndarray]) -> np.ndarray:
+    """Sum of every rank's buffer, float32, added in rank order 0, 1, ... (the caller rounds to the dtype)."""
+    total = parts[0].astype(np.float32, copy=True)
+    for p in parts[1:]:
+        total += p.astype(np.float32, copy=False)
+    return total
+
+
+def all_gather_columns(parts: list[np.ndarray]) -> np.ndarray:
+    """[rows, n] per rank -> [rows, ranks * n]: rank r's columns at r*n .. (r+1)*n."""
+    return np.concatenate(parts, axis=1)

@@ -73,7 +73,7 @@ def make_runner(plan: Plan, backend: str = "auto"):
     has_kernels = plan.build.target != "cpu" and bool(plan.kernels.get("cubins"))
     if backend == "auto":
         backend = "cuda" if has_kernels and gpu_available() else "cpu"
-    if backend == "cpu":
+    if backend == "cpu":                 # a tensor-parallel plan: its ranks simulated in this process
         from xserv_aot.runtime.numpy_backend import NumpyRunner
         return NumpyRunner(plan)
     if not has_kernels:
@@ -81,5 +81,12 @@ def make_runner(plan: Plan, backend: str = "auto"):
                         "recompile with --target sm_90a")
     require_gpu("--backend cuda")
     check_arch(plan, gpu_arch())
+    if plan.tensor_parallel > 1:         # one process per GPU (NOT RUN on a multi-GPU machine yet)
+        from xserv_aot.runtime.cuda.driver import Device
+        if Device.count() < plan.tensor_parallel:
+            raise PlanError(f"{plan.dir}: plan has tensor_parallel {plan.tensor_parallel} but "
+                            f"{Device.count()} GPUs are visible")
+        from xserv_aot.runtime.tp_ranks import TensorParallelRunner
+        return TensorParallelRunner(plan, "cuda")
     from xserv_aot.runtime.cuda.runner import CudaRunner
     return CudaRunner(plan)

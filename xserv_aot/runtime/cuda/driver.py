@@ -104,6 +104,12 @@ class Device:
         self._allocs: list[int] = []
         self._host: list[int] = []
 
+    @staticmethod
+    def count() -> int:
+        cu = _cu()
+        check(cu.cuInit(0), "cuInit")
+        return int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+
     def make_current(self) -> None:
         check(_cu().cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
 
@@ -137,6 +143,15 @@ class Device:
 
     def dtoh_async(self, dst_ptr: int, src: int, nbytes: int) -> None:
         check(_cu().cuMemcpyDtoHAsync(dst_ptr, src, nbytes, self.stream), "cuMemcpyDtoHAsync")
+
+    def dtod_2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int) -> None:
+        """Copy `height` rows of `width` bytes between device buffers with the given row pitches (async)."""
+        cu = _cu()
+        c = cu.CUDA_MEMCPY2D()
+        c.srcMemoryType = c.dstMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        c.srcDevice, c.srcPitch, c.dstDevice, c.dstPitch = src, src_pitch, dst, dst_pitch
+        c.WidthInBytes, c.Height = width, height
+        check(cu.cuMemcpy2DAsync(c, self.stream), "cuMemcpy2DAsync")
 
     def dtoh(self, src: int, shape, dtype) -> np.ndarray:
         out = np.empty(shape, dtype=dtype)

@@ -30,12 +30,14 @@ class CudaRunnerError(XservError, ValueError):
 
 class CudaRunner:
     def __init__(self, plan, capture: bool = True, log: Callable[[str], None] | None = None, device: int = 0,
-                 nvtx: bool = False):
-        """nvtx: NVTX ranges around stage / replay / finish of every step and around every op of an eager step."""
+                 rank: int = 0, nccl_id: bytes | None = None, nvtx: bool = False):
+        """rank, nccl_id: this process's rank of a tensor-parallel plan and the group's NCCL unique id
+        (runtime/tp_ranks.py; NOT RUN on a multi-GPU machine yet). nvtx: NVTX ranges around stage / replay / finish
+        of every step and around every op of an eager step."""
         if plan.build.dtype != "bfloat16" or not plan.kernels.get("cubins"):
             raise CudaRunnerError(f"{plan.dir}: plan has no CUDA kernels (target {plan.build.target!r}, dtype "
                                   f"{plan.build.dtype!r}); recompile with --target sm_90a --dtype bfloat16")
-        self.plan = plan
+        self.plan, self.rank, self.nccl_id = plan, rank, nccl_id
         self.log = log or (lambda msg: None)
         self.nvtx = ranges(nvtx)
         self.op_names = {bk.name: [op_name(bk.name, i, op) for i, op in enumerate(bk.ops)]
@@ -81,6 +83,13 @@ class CudaRunner:
         if lib:
             from xserv_aot.runtime.cuda.cutlass_gemm import CutlassGemm
             self.libraries["gemm_library"] = CutlassGemm(files["gemm_library"])
+        if self.plan.tensor_parallel > 1:
+            from xserv_aot.runtime.cuda.nccl import Nccl
+            if self.nccl_id is None:
+                raise CudaRunnerError(f"{self.plan.dir}: a tensor-parallel plan runs one rank per process "
+                                      "(runtime/tp_ranks.TensorParallelRunner)")
+            self.libraries["nccl"] = nccl = Nccl()
+            nccl.init_rank(self.plan.tensor_parallel, self.nccl_id, self.rank)
 
     def func(self, name: str):
         if name not in self._funcs:
@@ -91,7 +100,7 @@ class CudaRunner:
         return self._funcs[name]
 
     def _load_weights(self) -> None:
-        raw = self.plan.weights_bytes()
+        raw = self.plan.weights_bytes(self.rank)
         if raw is not None:
             chunk = 1 << 28
             host = self.dev.alloc_host(chunk)
@@ -101,19 +110,8 @@ class CudaRunner:
                 self.dev.htod_async(self.weights_ptr + off, host.ctypes.data, n)
                 self.dev.sync()
             return
-        from xserv_aot.plan.dummy_weights import tensor_params
-        from xserv_aot.plan.weights import rope_tables, weight_specs
-        fill = self.func("fill_normal_bf16")
-        for index, name in enumerate(weight_specs(self.plan.model)):
-            info = self.plan.weights[name]
-            n = int(np.prod(info.shape))
-            tseed, mean, std = tensor_params(int(self.plan.dummy_seed or 0), index, info.shape)
-            Launch("fill_normal_bf16", fill, (min(-(-n // 256), 65536), 1, 1), (256, 1, 1), 0,
-                   [("ptr", self.weights_ptr + info.offset), ("u64", n), ("u64", tseed), ("f32", mean),
-                    ("f32", std)])(self.dev.stream)
-        cos, sin = rope_tables(self.plan.model, self.plan.build.max_seq_len)
-        self.dev.htod(self.weights_ptr + self.plan.weights["rope_cos"].offset, cos)
-        self.dev.htod(self.weights_ptr + self.plan.weights["rope_sin"].offset, sin)
+        from xserv_aot.runtime.cuda.dummy_upload import upload_dummy_weights
+        upload_dummy_weights(self.dev, self.plan, self.func("fill_normal_bf16"), self.weights_ptr, self.rank)
 
     def _setup_staging(self) -> None:
         arena = self.plan.arena
@@ -260,4 +258,6 @@ class CudaRunner:
 
     def close(self) -> None:
         self.dev.sync()
+        if "nccl" in self.libraries:
+            self.libraries["nccl"].close()
         self.dev.close()

@@ -34,6 +34,13 @@ def ensure_assets() -> Path:
     return ASSETS
 
 
+def ensure_qwen3_tokenizer() -> Path:
+    """The Qwen3 tokenizer asset alone (the GPU machine carries it without the SmolLM2 GGUF)."""
+    if (ASSETS / "qwen3-tokenizer" / "tokenizer.json").is_file():
+        return ASSETS / "qwen3-tokenizer"
+    return ensure_assets() / "qwen3-tokenizer"
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     ensure_assets()

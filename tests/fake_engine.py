@@ -261,7 +261,7 @@ class LiveServer:
 def tiny_plan(tmp_path_factory, num_blocks: int = 256):
     """The e2e tiny Qwen3 plan (real Qwen3 tokenizer, max_seq_len 256), compiled once per test session and pool
     size (the same directory tests/test_storm.py uses)."""
-    from tests.test_serve_e2e import make_plan
+    from tests.tiny_models import make_plan
     root = tmp_path_factory.getbasetemp() / "tiny-qwen3"
     out = root / f"plan{num_blocks}"
     if not (out / "manifest.json").is_file():

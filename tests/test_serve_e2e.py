@@ -4,7 +4,6 @@ A tiny random Qwen3 with the real Qwen3 tokenizer (vocab 151936) keeps every ste
 """
 from __future__ import annotations
 
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,31 +12,11 @@ import numpy as np
 import openai
 import pytest
 
-from tests.conftest import ASSETS, ensure_assets
 from tests.fake_engine import LiveServer, scrape
-from tests.tiny_models import make_tiny_model
-from xserv_aot.config import BuildConfig
+from tests.tiny_models import make_plan
 from xserv_aot.engine.api import SamplingParams
-from xserv_aot.plan.builder import compile_plan
 from xserv_aot.serve import build_engine
 from xserv_aot.server import create_app
-
-BUILD = dict(max_num_seqs=4, decode_buckets=[1, 2, 4], prefill_buckets=[16, 64], max_seq_len=256, block_size=4,
-             dtype="float32", target="cpu")
-
-
-def make_plan(root, num_blocks: int):
-    ensure_assets()
-    hf = root / "hf"
-    if not hf.exists():
-        make_tiny_model(hf, "qwen3", seed=7, vocab_size=151936, num_hidden_layers=2, bos_token_id=151643,
-                        eos_token_id=151645)
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(ASSETS / "qwen3-tokenizer" / f, hf / f)
-    out = root / f"plan{num_blocks}"
-    compile_plan(hf, out, BuildConfig(**BUILD, num_blocks=num_blocks))
-    return out
-
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):

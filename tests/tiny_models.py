@@ -62,3 +62,27 @@ def load_hf_model(path: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(Path(path), dtype=torch.float32).eval()
+
+
+E2E_BUILD = dict(max_num_seqs=4, decode_buckets=[1, 2, 4], prefill_buckets=[16, 64], max_seq_len=256, block_size=4,
+                 dtype="float32", target="cpu")
+
+
+def make_plan(root, num_blocks: int):
+    """The e2e tiny Qwen3 (2 layers, vocab 151936) with the real Qwen3 tokenizer, compiled for the CPU into
+    root/plan{num_blocks}; the model and tokenizer stay in root/hf. Skips when the tokenizer asset is missing."""
+    import shutil
+
+    from tests.conftest import ASSETS, ensure_qwen3_tokenizer
+    from xserv_aot.config import BuildConfig
+    from xserv_aot.plan.builder import compile_plan
+    ensure_qwen3_tokenizer()
+    hf = root / "hf"
+    if not hf.exists():
+        make_tiny_model(hf, "qwen3", seed=7, vocab_size=151936, num_hidden_layers=2, bos_token_id=151643,
+                        eos_token_id=151645)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(ASSETS / "qwen3-tokenizer" / f, hf / f)
+    out = root / f"plan{num_blocks}"
+    compile_plan(hf, out, BuildConfig(**E2E_BUILD, num_blocks=num_blocks))
+    return out

@@ -77,13 +77,12 @@ def test_a_masked_step_waits_like_an_unmasked_one(runner):  # noqa: F811
 
 
 def test_engine_grammar_rows_with_overlap_on_equal_off(tmp_path_factory):
-    """The tiny Qwen3 (real tokenizer) on the GPU: grammar rows (regex, choice, JSON schema) next to plain rows, with
+    """A tiny Qwen3 with GPU head sizes and the real Qwen3 tokenizer: grammar rows (regex, choice, JSON schema) next to plain rows, with
     overlap on and off: a step where a grammar row samples is not overlapped, so the same steps run and every token
     is the same; each grammar output matches its grammar and no logits come back for it."""
     import json
     import re
 
-    from tests.fake_engine import tiny_plan
     from tests.test_cuda_e2e import BUILD
     from xserv_aot.config import BuildConfig
     from xserv_aot.engine.api import GuidedDecoding, SamplingParams
@@ -94,7 +93,15 @@ def test_engine_grammar_rows_with_overlap_on_equal_off(tmp_path_factory):
     from xserv_aot.tokenizer import Tokenizer
     if not gpu_available():
         pytest.skip("no CUDA GPU")
-    hf = tiny_plan(tmp_path_factory).parent / "hf"                # the CPU tests' tiny Qwen3 and its tokenizer
+    import shutil
+
+    from tests.conftest import ensure_qwen3_tokenizer
+    from tests.tiny_models import make_tiny_model
+    hf = make_tiny_model(tmp_path_factory.mktemp("bitmask_hf"), "qwen3", seed=7, vocab_size=151936,
+                         num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, bos_token_id=151643, eos_token_id=151645)
+    for f in ("tokenizer.json", "tokenizer_config.json"):           # the real Qwen3 tokenizer: real grammars
+        shutil.copy(ensure_qwen3_tokenizer() / f, hf / f)
     gplan = compile_plan(hf, tmp_path_factory.mktemp("bitmask_gpu") / "plan", BuildConfig(**BUILD, num_blocks=64))
     tok = Tokenizer.from_dir(gplan.dir)
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},

@@ -43,7 +43,7 @@ def test_read_auto_vllm_path(tmp_path):
 
 
 def test_plan_carries_defaults_to_the_server(tmp_path_factory, tmp_path):
-    from tests.test_serve_e2e import BUILD
+    from tests.tiny_models import E2E_BUILD as BUILD
     hf = tmp_path / "hf"
     shutil.copytree(tiny_plan(tmp_path_factory).parent / "hf", hf)
     (hf / "generation_config.json").write_text(json.dumps(QWEN3))

@@ -82,4 +82,5 @@ def test_bf16_plan_close_to_hf(tmp_path, seed):
     prompt = rng.integers(3, 256, size=12).tolist()
     _, logits = Session(NumpyRunner(plan)).greedy(prompt, 1)
     ref = hf_logits(load_hf_model(model_dir), prompt)[-1]
-    assert rel_err(logits[0], ref) <= 3e-2
+    assert rel_err(logits[0], ref) <= 5e-2       # bf16 rounding alone reaches 3% on some random tiny models; a wrong
+                                                  # op (e.g. a RoPE sign) gives ~0.7

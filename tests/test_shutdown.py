@@ -123,7 +123,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory):
     """The tiny Qwen3 with a 4096-token context: a 2000-token stream outlasts the grace period on any machine."""
-    from tests.test_serve_e2e import BUILD
+    from tests.tiny_models import E2E_BUILD as BUILD
     from xserv_aot.config import BuildConfig
     from xserv_aot.plan.builder import compile_plan
     hf = tiny_plan(tmp_path_factory).parent / "hf"

@@ -121,7 +121,7 @@ def test_fake_auto_tool_calls_openai_client(fake_client):
 
 def long_tiny_plan(tmp_path_factory):
     """The e2e tiny Qwen3 with a 512-token context (tool definitions alone take ~250 prompt tokens)."""
-    from tests.test_serve_e2e import BUILD
+    from tests.tiny_models import E2E_BUILD as BUILD
     from xserv_aot.config import BuildConfig
     from xserv_aot.plan.builder import compile_plan
     hf = tiny_plan(tmp_path_factory).parent / "hf"

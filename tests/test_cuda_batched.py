@@ -24,11 +24,12 @@ def variants(hd: int, g: int):
     return out + [(f"attn_decode_tc_s{st}_hd{hd}", st * 2 * 64 * (hd + 8) * 2) for st in TC_STAGES[hd]]
 
 
-def batched_args(lib, q, kv, qsl, lens, tables, out, po, pml, counters, T, nh, nkv, hd, block_size, max_blocks):
-    return [("ptr", lib.to_device(q, "bfloat16")), ("ptr", lib.to_device(kv, "bfloat16")), ("ptr", lib.to_device(qsl)),
-            ("ptr", lib.to_device(lens)), ("ptr", lib.to_device(tables)), ("ptr", po), ("ptr", pml),
+def batched_args(q, kv, qsl, lens, tables, out, po, pml, counters, T, nh, nkv, hd, block_size, max_blocks,
+                 num_slots):
+    """Arguments of the batched decode kernels (attn_decode_b_*, attn_decode_tc_*), every array on the device."""
+    return [("ptr", q), ("ptr", kv), ("ptr", qsl), ("ptr", lens), ("ptr", tables), ("ptr", po), ("ptr", pml),
             ("ptr", counters), ("ptr", out), ("i32", T), ("i32", nh), ("i32", nkv), ("i32", block_size),
-            ("i32", max_blocks), ("i32", kv.shape[1]), ("f32", hd ** -0.5)]
+            ("i32", max_blocks), ("i32", num_slots), ("f32", hd ** -0.5)]
 
 
 @pytest.mark.parametrize("hd,nh,nkv", [(128, 32, 8), (64, 9, 3), (128, 64, 8)])
@@ -41,12 +42,13 @@ def test_attention_decode_batched(lib, rng, hd, nh, nkv, splits):
     T = int(qsl[-1]) + 2                                           # padding rows past the tokens
     q = bf(rng.standard_normal((T, nh, hd)))
     want = ref.attention(q, kv, qsl, lens, tables, block_size, hd ** -0.5)
+    dev = (lib.to_device(q, "bfloat16"), lib.to_device(kv, "bfloat16"), lib.to_device(qsl), lib.to_device(lens),
+           lib.to_device(tables))
     for fn, smem in variants(hd, g):
         out = lib.empty((T, nh * hd), "bfloat16")
         po, pml = lib.empty((len(seqs), nh, splits, hd), "float32"), lib.empty((len(seqs), nh, splits, 2), "float32")
         counters = lib.to_device(np.zeros((len(seqs), nkv), np.int32))
-        args = batched_args(lib, q, kv, qsl, lens, tables, out, po, pml, counters, T, nh, nkv, hd, block_size,
-                            max_blocks)
+        args = batched_args(*dev, out, po, pml, counters, T, nh, nkv, hd, block_size, max_blocks, kv.shape[1])
         lib.launch(fn, [len(seqs), nkv, splits], [128], args, smem=smem)
         first = out.numpy()
         check(first, want)
@@ -84,10 +86,8 @@ def test_mixed_step_attention(lib, rng, hd, nh, nkv):
     got = out.numpy()
     decode_rows = [int(qsl[i]) for i, (n, _) in enumerate(seqs) if n == 1]
     assert np.isnan(got[decode_rows]).all(), "the prefill kernel must leave one-row seqs to the decode kernel"
-    lib.launch(dec.fn, dec.grid, dec.block,
-               [("ptr", dq), ("ptr", dkv), ("ptr", dqsl), ("ptr", dlens), ("ptr", dtab), ("ptr", po), ("ptr", pml),
-                ("ptr", counters), ("ptr", out), ("i32", T), ("i32", nh), ("i32", nkv), ("i32", block_size),
-                ("i32", max_blocks), ("i32", kv.shape[1]), ("f32", hd ** -0.5)], smem=dec.smem)
+    lib.launch(dec.fn, dec.grid, dec.block, batched_args(dq, dkv, dqsl, dlens, dtab, out, po, pml, counters, T, nh,
+                                                         nkv, hd, block_size, max_blocks, kv.shape[1]), smem=dec.smem)
     want = ref.attention(q, kv, qsl, lens, tables, block_size, hd ** -0.5)
     got = out.numpy()
     check(got, want)

@@ -227,6 +227,16 @@ def test_attention_prefill(lib, rng, hd, nh, nkv):
     assert not out.numpy()[qsl[-1]:].any()
 
 
+def sample_rows(lib, logits, temp, top_k, top_p, seeds, offs) -> np.ndarray:
+    """The device sampler on [B, V] float32 logits; the sampled ids (int32 [B], output poisoned first)."""
+    B, V = logits.shape
+    out = lib.empty((B,), "int32")
+    lib.launch("sample_rows", [B], [1024],
+               [("ptr", lib.to_device(logits)), ("ptr", lib.to_device(temp)), ("ptr", lib.to_device(top_k)),
+                ("ptr", lib.to_device(top_p)), ("ptr", lib.to_device(seeds)), ("ptr", lib.to_device(offs)),
+                ("ptr", out), ("ptr", lib.empty((B, V), "float32", poison=False)), ("i32", V)])
+    return out.numpy()
+
 def test_sample(lib, rng):
     B, V = 64, 50000
     logits = (rng.standard_normal((B, V)) * 3).astype(np.float32)
@@ -236,12 +246,7 @@ def test_sample(lib, rng):
     top_p = rng.choice([1.0, 0.9, 0.5], B).astype(np.float32)
     seeds = rng.integers(0, 2**62, B).astype(np.int64)
     offs = rng.integers(0, 1000, B).astype(np.int32)
-    out = lib.empty((B,), "int32")
-    lib.launch("sample_rows", [B], [1024],
-               [("ptr", lib.to_device(logits)), ("ptr", lib.to_device(temp)), ("ptr", lib.to_device(top_k)),
-                ("ptr", lib.to_device(top_p)), ("ptr", lib.to_device(seeds)), ("ptr", lib.to_device(offs)),
-                ("ptr", out), ("ptr", lib.empty((B, V), "float32", poison=False)), ("i32", V)])
-    got = out.numpy()
+    got = sample_rows(lib, logits, temp, top_k, top_p, seeds, offs)
     want = ref.sample(logits, temp, top_k, top_p, seeds, offs)
     greedy = (temp <= 0) | (top_k == 1)
     np.testing.assert_array_equal(got[greedy], want[greedy])
@@ -265,12 +270,7 @@ def test_sample_nonfinite_rows_give_minus_one(lib, rng):
     top_p = np.ones(B, np.float32)
     seeds = rng.integers(0, 2**62, B).astype(np.int64)
     offs = np.zeros(B, np.int32)
-    out = lib.empty((B,), "int32")
-    lib.launch("sample_rows", [B], [1024],
-               [("ptr", lib.to_device(logits)), ("ptr", lib.to_device(temp)), ("ptr", lib.to_device(top_k)),
-                ("ptr", lib.to_device(top_p)), ("ptr", lib.to_device(seeds)), ("ptr", lib.to_device(offs)),
-                ("ptr", out), ("ptr", lib.empty((B, V), "float32", poison=False)), ("i32", V)])
-    got = out.numpy()
+    got = sample_rows(lib, logits, temp, top_k, top_p, seeds, offs)
     assert got[[1, 2, 6, 7]].tolist() == [-1, -1, -1, -1]
     want = ref.sample(logits, temp, top_k, top_p, seeds, offs)
     assert want[[1, 2, 6, 7]].tolist() == [-1, -1, -1, -1]

@@ -34,8 +34,29 @@ def test_ranges_named_from_the_plan_and_outputs_unchanged(plan):  # noqa: F811
         r.close()
 
 
-def test_run_one_step(plan):  # noqa: F811
+def test_run_one_step(plan, tmp_path):  # noqa: F811
+    import json
+
     from xserv_aot.runtime.cuda.profile import run_one_step
-    assert "decode_1" in run_one_step(plan.dir, "decode_1", 64)
+    from xserv_aot.runtime.nsight import profiled_ops
+    bk = next(b for b in plan.buckets if b.name == "decode_1")
+    msg = run_one_step(plan.dir, "decode_1", 64, layers=1, events_out=tmp_path / "ev.json")
+    assert f"profiler on for {len(profiled_ops(bk, 1))} of" in msg
+    ev = json.loads((tmp_path / "ev.json").read_text())
+    assert ev["timing"] == "graph"                      # event nodes inside the captured step work on this driver
+    assert sorted(int(i) for i in ev["ops"]) == [i for i, op in enumerate(bk.ops) if op.cuda.launch]
+    assert all(ms > 0 for ms in ev["ops"].values())
     with pytest.raises(ValueError, match="no bucket"):
         run_one_step(plan.dir, "decode_3", 64)
+
+
+def test_op_times_in_graph_follow_the_step(plan):  # noqa: F811
+    from xserv_aot.runtime.cuda.profile import format_table, profile_runner
+    from xserv_aot.runtime.cuda.runner import CudaRunner
+    r = CudaRunner(plan)
+    try:
+        prof = profile_runner(r, "decode_2", 40, reps=5)
+    finally:
+        r.close()
+    assert prof["timing"] == "graph" and all(row[3] > 0 for row in prof["ops"])
+    assert "events inside one graph replay" in format_table(prof, plan.build.target)

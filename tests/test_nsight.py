@@ -39,20 +39,42 @@ def test_nsys_command():
 
 
 def test_ncu_command():
-    cmd = nsight.ncu_command(Path("p"), "decode_1", 128, Path("/tmp/x.csv"), kernel="gemv")
-    assert cmd[:2] == ["ncu", "--clock-control"] and cmd[2] == "none"
+    cmd = nsight.ncu_command(Path("p"), "decode_64", 1024, Path("r/d64.ncu-rep"), Path("/tmp/ev.json"), layers=3,
+                             kernel="gemv")
+    assert cmd[0] == "ncu"
     metrics = cmd[cmd.index("--metrics") + 1].split(",")
     assert set(metrics) == {"gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum",
                             "dram__throughput.avg.pct_of_peak_sustained_elapsed",
                             "sm__throughput.avg.pct_of_peak_sustained_elapsed",
                             "sm__warps_active.avg.pct_of_peak_sustained_active"}
-    for flag, value in (("--profile-from-start", "off"), ("--page", "details"), ("--print-units", "base"),
-                        ("--log-file", "/tmp/x.csv"), ("--kernel-name", "regex:gemv")):
-        assert cmd[cmd.index(flag) + 1] == value
-    assert "--csv" in cmd and "--nvtx" in cmd
-    assert cmd[-10:] == [sys.executable, "-m", "xserv_aot.cli", "profile", "p", "--bucket", "decode_1",
-                         "--context", "128", "--nvtx", "--one-step"][-10:]
-    assert "--kernel-name" not in nsight.ncu_command(Path("p"), "decode_1", 128, Path("x"))
+    child = cmd.index(sys.executable)
+    for flag, value in (("--clock-control", "none"), ("--cache-control", "all"), ("--profile-from-start", "off"),
+                        ("--export", "r/d64.ncu-rep"), ("--kernel-name", "regex:gemv")):
+        assert cmd[cmd.index(flag) + 1] == value and cmd.index(flag) < child
+    assert "--nvtx" in cmd[:child] and "--force-overwrite" in cmd[:child]
+    assert cmd[child:] == [sys.executable, "-m", "xserv_aot.cli", "profile", "p", "--bucket", "decode_64",
+                           "--context", "1024", "--nvtx", "--one-step", "--layers", "3", "--events-out", "/tmp/ev.json"]
+    plain = nsight.ncu_command(Path("p"), "decode_1", 128, Path("x.ncu-rep"), Path("e"))
+    assert "--kernel-name" not in plain and plain[plain.index("--layers") + 1] == str(nsight.DEFAULT_LAYERS)
+
+
+def test_ncu_import_commands():
+    assert nsight.ncu_import_command(Path("r/a.ncu-rep")) == [
+        "ncu", "--import", "r/a.ncu-rep", "--csv", "--page", "details", "--print-units", "base"]
+    assert nsight.ncu_import_command(Path("a.ncu-rep"), nvtx_names=True)[-2:] == ["--print-nvtx-rename", "kernel"]
+    assert nsight.report_path(Path("o/d1")) == Path("o/d1.ncu-rep")
+    assert nsight.report_path(Path("o/d1.ncu-rep")) == Path("o/d1.ncu-rep")
+
+
+def test_profiled_ops_are_the_first_layers_and_the_ops_outside(gpu_plan):  # noqa: F811
+    bk = gpu_plan.buckets[0]
+    weights = [str(getattr(op, "weight", "")) for op in bk.ops]
+    layer1, head = weights.index("layers.1.input_norm"), weights.index("final_norm")    # first ops of L1, head
+    launching = {i for i, op in enumerate(bk.ops) if op.cuda.launch}
+    assert layer1 > 3 and head > layer1 and gpu_plan.model.num_layers == 2
+    assert nsight.profiled_ops(bk, 1) == {i for i in launching if i < layer1 or i >= head}
+    assert nsight.profiled_ops(bk, 0) == nsight.profiled_ops(bk, 2) == launching
+    assert not any(bk.ops[i].op == "silu_mul" for i in launching)                # fused: launches nothing
 
 
 @pytest.mark.parametrize("flag, tool", [("--nsys", "nsys"), ("--ncu", "ncu")])
@@ -136,22 +158,147 @@ def test_profile_nsys_with_a_fake_nsys(gpu_plan, tmp_path):  # noqa: F811
                                   path=f"{bin_dir}:{os.environ['PATH']}"), "no bucket 'decode_9'")
 
 
+EVENT_MS = [0.0030, 0.0025, 0.0040, 0.0020]          # event times of the four gemv ops of the sample
+
+
+def gemv_ops(plan) -> list[int]:
+    return [i for i, op in enumerate(plan.buckets[0].ops) if op.cuda.launch and op.cuda.kernel.startswith("gemv")][:4]
+
+
+def renamed_sample(plan) -> str:
+    """SAMPLE as `--print-nvtx-rename kernel` prints it: each kernel named by its op's NVTX range."""
+    import csv
+    import io
+    from xserv_aot.plan.roofline import op_name
+    lines = SAMPLE.read_text().splitlines()
+    rows = list(csv.DictReader(io.StringIO("\n".join(ln for ln in lines if ln.startswith('"')))))
+    names = {str(n): op_name("decode_1", i, plan.buckets[0].ops[i]) for n, i in enumerate(gemv_ops(plan))}
+    out = io.StringIO()
+    w = csv.DictWriter(out, rows[0].keys(), quoting=csv.QUOTE_ALL)
+    w.writeheader()
+    w.writerows([{**r, "Kernel Name": names[r["ID"]]} for r in rows])
+    return out.getvalue()
+
+
+def fake_ncu(bin_dir: Path, plan, events: dict | None) -> None:
+    """Collection: an empty report at --export and `events` at --events-out (what the child writes); --import:
+    SAMPLE, or the renamed sample with --print-nvtx-rename; every call's arguments appended to ncu.args."""
+    import json
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "renamed.csv").write_text(renamed_sample(plan))
+    (bin_dir / "events.json").write_text(json.dumps(events))
+    copy_events = f'cp {bin_dir}/events.json "$ev"' if events else ":"
+    p = bin_dir / "ncu"
+    p.write_text(f"""#!/bin/sh
+printf '%s\\n' "$@" -- >> {bin_dir}/ncu.args
+case " $* " in
+  *" --version "*) echo "Version 2099.1 (fake)" ;;
+  *" --print-nvtx-rename kernel "*) cat {bin_dir}/renamed.csv ;;
+  *" --import "*) cat {SAMPLE} ;;
+  *) while [ $# -gt 0 ]; do case "$1" in --export) rep=$2;; --events-out) ev=$2;; esac; shift; done
+     : > "$rep"; {copy_events} ;;
+esac
+""")
+    p.chmod(p.stat().st_mode | stat.S_IEXEC)
+
+
+def ncu_calls(bin_dir: Path) -> list[list[str]]:
+    text = (bin_dir / "ncu.args").read_text().split("\n")[:-1]
+    calls, cur = [], []
+    for a in text:
+        if a == "--":
+            calls.append(cur)
+            cur = []
+        else:
+            cur.append(a)
+    return calls
+
+
 def test_profile_ncu_with_a_fake_ncu(gpu_plan, tmp_path):  # noqa: F811
-    bin_dir = tmp_path / "bin"
-    # the fake writes the sample where --log-file points, as ncu does
-    fake_tool(bin_dir, "ncu", f'while [ "$1" != "--log-file" ]; do shift; done; cp {SAMPLE} "$2"')
-    r = run_cli("profile", gpu_plan.dir, "--ncu", "--kernel", "gemv", path=f"{bin_dir}:{os.environ['PATH']}")
+    from xserv_aot.plan.roofline import op_bytes, op_name
+    bin_dir, ops = tmp_path / "bin", gemv_ops(gpu_plan)
+    fake_ncu(bin_dir, gpu_plan, {"timing": "graph", "ops": {str(i): ms for i, ms in zip(ops, EVENT_MS)}})
+    r = run_cli("profile", gpu_plan.dir, "--ncu", "--kernel", "gemv", "--out", tmp_path / "rep" / "d1",
+                path=f"{bin_dir}:{os.environ['PATH']}")
     assert r.returncode == 0, r.stderr
-    rows = [ln.split() for ln in r.stdout.splitlines()[2:]]
-    assert [int(x[0]) for x in rows] == [i for i, op in enumerate(gpu_plan.buckets[0].ops)
-                                         if op.cuda.launch and op.cuda.kernel.startswith("gemv")][:4]
-    from xserv_aot.plan.roofline import op_bytes
-    op = gpu_plan.buckets[0].ops[int(rows[2][0])]
-    assert float(rows[2][7]) == pytest.approx(op_bytes(op, gpu_plan, 128, 1) / 1e6, abs=0.01)
-    assert float(rows[2][3]) == pytest.approx((786432 + 1536) / 3744e-9 / 1e9, abs=1)      # DRAM GB/s
+    out = r.stdout.splitlines()
+    rows = [ln.split() for ln in out[2:6]]
+    assert [int(x[0]) for x in rows] == ops
+    op = gpu_plan.buckets[0].ops[ops[2]]
+    nbytes = op_bytes(op, gpu_plan, 128, 1)
+    assert float(rows[2][7]) == pytest.approx(nbytes / 1e6, abs=0.01)
+    dram_gbs = (786432 + 1536) / 3744e-9 / 1e9
+    assert float(rows[2][3]) == pytest.approx(dram_gbs, abs=1)                         # DRAM GB/s
     assert [float(x) for x in rows[2][4:7]] == pytest.approx([21.07, 14.56, 55.90], abs=0.051)
-    args = (bin_dir / "ncu.args").read_text().split("\n")[:-1]
-    assert args[args.index("--kernel-name") + 1] == "regex:gemv" and args[-1] == "--one-step"
+    ev_gbs = nbytes / (EVENT_MS[2] * 1e-3) / 1e9
+    assert float(rows[2][9]) == pytest.approx(EVENT_MS[2] * 1e3, abs=0.01)              # event us
+    assert float(rows[2][10]) == pytest.approx(ev_gbs, abs=1)
+    assert float(rows[2][11]) == pytest.approx(dram_gbs / ev_gbs, abs=0.006)            # ncu / event
+    assert " ".join(rows[2][12:]) == op_name("decode_1", ops[2], op)                     # the op's NVTX range
+    assert "nvtx: 4 of 4 profiled kernels carry their op's NVTX range" in out
+    assert any(ln.startswith("agreement: 0 of 0 ops of >= 4 MB") for ln in out)         # a tiny model's ops
+    assert out[-1] == f"ncu report: {tmp_path / 'rep' / 'd1.ncu-rep'}"
+    collect, plain, renamed = ncu_calls(bin_dir)
+    assert collect == nsight.ncu_command(gpu_plan.dir, "decode_1", 128, tmp_path / "rep" / "d1.ncu-rep",
+                                         Path(collect[-1]), 2, "gemv")[1:]
+    assert plain == nsight.ncu_import_command(tmp_path / "rep" / "d1.ncu-rep")[1:]
+    assert renamed == nsight.ncu_import_command(tmp_path / "rep" / "d1.ncu-rep", nvtx_names=True)[1:]
+
+
+def test_profile_ncu_without_events_or_ranges(gpu_plan, tmp_path):  # noqa: F811
+    bin_dir = tmp_path / "bin"
+    fake_ncu(bin_dir, gpu_plan, None)
+    (bin_dir / "renamed.csv").write_text("==PROF== no NVTX\n")
+    r = run_cli("profile", gpu_plan.dir, "--ncu", "--layers", "1", path=f"{bin_dir}:{os.environ['PATH']}")
+    assert r.returncode == 0, r.stderr
+    assert "no event times (the profiled child wrote none)" in r.stdout
+    assert "nvtx: ncu gave no NVTX range names" in r.stdout and "ncu report" not in r.stdout
+    assert ncu_calls(bin_dir)[0][-4:-2] == ["--layers", "1"]
+    assert_one_line_error(run_cli("profile", gpu_plan.dir, "--ncu", "--layers", "-1",
+                                  path=f"{bin_dir}:{os.environ['PATH']}"), "--layers must be >= 0")
+    fake_tool(bin_dir, "ncu", "exit 3")
+    assert_one_line_error(run_cli("profile", gpu_plan.dir, "--ncu", path=f"{bin_dir}:{os.environ['PATH']}"),
+                          "ncu exited with status 3")
+
+
+def test_ncu_check_script(gpu_plan, tmp_path):  # noqa: F811
+    import subprocess
+    bin_dir, ops = tmp_path / "bin", gemv_ops(gpu_plan)
+    fake_ncu(bin_dir, gpu_plan, {"timing": "graph", "ops": {str(i): ms for i, ms in zip(ops, EVENT_MS)}})
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    script = Path(__file__).parents[1] / "scripts" / "ncu_check.sh"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    r = subprocess.run(["bash", str(script), str(gpu_plan.dir), str(tmp_path / "out"), "--kernel", "gemv"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 1                                   # the tiny plan has no decode_64
+    lines = r.stdout.splitlines()
+    assert lines[0] == "Version 2099.1 (fake)" and lines[1].startswith("decode_1 context 128: exit 0 in ")
+    assert lines[2].startswith("  agreement: 0 of 0 ops") and lines[3].startswith("  nvtx: 4 of 4 profiled")
+    assert lines[4].startswith("decode_64 context 1024: exit 1 in ") and "no bucket 'decode_64'" in lines[5]
+    assert (tmp_path / "out" / "decode_1.ncu-rep").is_file()
+    assert (tmp_path / "out" / "summary.txt").read_text() == r.stdout
+    collect = ncu_calls(bin_dir)[1]
+    assert collect[collect.index("--kernel-name") + 1] == "regex:gemv"
+
+
+def test_agreement_counts_ops_within_the_tolerance(gpu_plan, monkeypatch):  # noqa: F811
+    assert nsight.agreement([0.95, 1.09, 1.2, 0.85, 1.0]).startswith(
+        "agreement: 3 of 5 ops of >= 4 MB of plan bytes have ncu DRAM GB/s within 10% of the event-timed GB/s")
+    assert "(ncu/event 0.85 - 1.20)" in nsight.agreement([0.95, 1.2, 0.85])
+    # the table counts the ops above AGREE_MIN_BYTES only: lowered below the tiny model's weights, all four count
+    from xserv_aot.plan.roofline import op_bytes
+    ops, bk = gemv_ops(gpu_plan), gpu_plan.buckets[0]
+    kernels = nsight.parse_ncu_csv(SAMPLE.read_text())
+    dram = [k.dram_bytes / k.metrics[nsight.TIME] for k in kernels]
+    # event times giving ratios 1.0, 1.09, 0.8 and 1.3
+    want = [1.0, 1.09, 0.8, 1.3]
+    ms = [op_bytes(bk.ops[i], gpu_plan, 128, 1) * w / d * 1e3 for i, d, w in zip(ops, dram, want)]
+    events = {"timing": "eager", "ops": {str(i): m for i, m in zip(ops, ms)}}
+    monkeypatch.setattr(nsight, "AGREE_MIN_BYTES", 1e5)
+    table = nsight.format_ncu(gpu_plan, bk, 128, kernels, "gemv", 0, events, {})
+    assert "agreement: 2 of 4 ops" in table and "(ncu/event 0.80 - 1.30)" in table
+    assert "events: events between eager launches" in table
 
 
 def test_nvtx_off_is_a_shared_no_op():

@@ -109,16 +109,29 @@ def test_inspect_roofline_cli(gpu_plan):
 
 
 class ClockDevice:
-    """Events read a clock that each launch advances by 1 ms: an op's time is its number of launches."""
+    """Events read a clock that each launch advances by 1 ms: an op's time is its number of launches. A captured
+    graph is its body, run again at each replay (events recorded in it read the clock then); can_capture=False
+    fails capture as a driver without event nodes would."""
 
-    def __init__(self):
-        self.now, self.stream = 0.0, None
+    def __init__(self, can_capture: bool = True):
+        self.now, self.stream, self.can_capture = 0.0, None, can_capture
 
     def event(self):
         return [0.0]
 
     def record(self, ev):
         ev[0] = self.now
+
+    record_in_graph = record
+
+    def capture(self, body):
+        from xserv_aot.runtime.cuda.driver import CudaError
+        if not self.can_capture:
+            raise CudaError("cuEventRecordWithFlags failed: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED")
+        return body
+
+    def graph_launch(self, graph):
+        graph(self.stream)
 
     def elapsed_ms(self, a, b):
         return b[0] - a[0]
@@ -127,30 +140,57 @@ class ClockDevice:
         pass
 
 
-def test_profile_runner_rows_are_the_launching_ops(gpu_plan):
+def fake_runner(plan, bk, dev):
     from types import SimpleNamespace
 
     from xserv_aot.runtime import nvtx
-    from xserv_aot.runtime.cuda.profile import format_table, profile_runner
-    dev = ClockDevice()
 
     def tick(_stream):
         dev.now += 1.0
 
+    lns = [[tick] * len(op.cuda.launch) for op in bk.ops]
+    return SimpleNamespace(plan=plan, dev=dev, buckets={bk.name: bk}, launches={bk.name: lns}, graphs={},
+                           nvtx=nvtx.OFF, op_names={}, stage=lambda batch, b: None,
+                           enqueue=lambda name, lns=lns: [ln(None) for op_lns in lns for ln in op_lns])
+
+
+@pytest.mark.parametrize("can_capture, timing", [(True, "graph"), (False, "eager")])
+def test_profile_runner_rows_are_the_launching_ops(gpu_plan, can_capture, timing):
+    from xserv_aot.runtime.cuda.profile import format_table, profile_runner
+    dev = ClockDevice(can_capture)
     skipped = {}
     for bk in (gpu_plan.buckets[0], next(b for b in gpu_plan.buckets if b.kind == "prefill")):
-        lns = [[tick] * len(op.cuda.launch) for op in bk.ops]
-        runner = SimpleNamespace(plan=gpu_plan, dev=dev, buckets={bk.name: bk}, launches={bk.name: lns}, graphs={},
-                                 nvtx=nvtx.OFF, op_names={}, stage=lambda batch, b: None,
-                                 enqueue=lambda name, lns=lns: [ln(None) for op_lns in lns for ln in op_lns])
-        prof = profile_runner(runner, bk.name, 64, reps=3)
+        prof = profile_runner(fake_runner(gpu_plan, bk, dev), bk.name, 64, reps=3)
         launching = [i for i, op in enumerate(bk.ops) if op.cuda.launch]
         assert [r[0] for r in prof["ops"]] == launching
         assert [r[3] for r in prof["ops"]] == [float(len(bk.ops[i].cuda.launch)) for i in launching]
         total = sum(len(op.cuda.launch) for op in bk.ops)
-        assert prof["eager_ms"] == prof["graph_ms"] == float(total)
-        assert f"graph step {total:.3f} ms" in format_table(prof, gpu_plan.build.target)
+        assert prof["ops_ms"] == prof["graph_ms"] == float(total) and prof["timing"] == timing
+        table = format_table(prof, gpu_plan.build.target)
+        assert f"graph step {total:.3f} ms, sum of ops {total:.3f} ms" in table
+        assert ("events inside one graph replay" if can_capture else "events between eager launches") in table
         skipped[bk.kind] = len(bk.ops) - len(prof["ops"])
     assert skipped["decode"] > 0 and skipped["prefill"] == 0                     # decode_1: silu_mul fused, no row
     attn = next(r for r in prof["ops"] if r[1] == "attention")
     assert attn[3] == 2.0 and attn[2] == bk.ops[attn[0]].cuda.kernel                # prefill + batched decode
+
+
+def test_profiled_step_brackets_the_chosen_ops(gpu_plan):
+    from xserv_aot.runtime.cuda.profile import profiled_step
+    from xserv_aot.runtime.nsight import profiled_ops
+    bk = gpu_plan.buckets[0]
+    runner, log = fake_runner(gpu_plan, bk, ClockDevice()), []
+    for i, lns in enumerate(runner.launches[bk.name]):
+        lns[:] = [lambda _s, i=i: log.append(i)] * len(lns)
+    chosen = profiled_ops(bk, 1)
+    profiled_step(runner, bk.name, chosen, lambda: log.append("start"), lambda: log.append("stop"))
+    on, seen = False, []
+    for e in log:
+        if e in ("start", "stop"):
+            assert on == (e == "stop")                                            # alternating, starts off
+            on = e == "start"
+        else:
+            assert on == (e in chosen)
+            seen.append(e)
+    assert not on and log.count("start") == 2                                    # layer 0, then the head
+    assert seen == [i for i, op in enumerate(bk.ops) if op.cuda.launch]          # every launch, in order

@@ -297,26 +297,34 @@ def profile(plan_dir: Path = typer.Argument(..., metavar="PLAN"), bucket: str = 
             context: int = typer.Option(128), trace: Optional[Path] = typer.Option(None, help="Chrome-trace JSON out"),
             nsys: bool = typer.Option(False, help="run this profile under Nsight Systems (--trace cuda,nvtx)"),
             ncu: bool = typer.Option(False, help="run one eager step under Nsight Compute; per-kernel DRAM/SM "
-                                     "throughput and occupancy beside the plan's bytes and FLOPs"),
+                                     "throughput and occupancy beside the plan's bytes and FLOPs and the "
+                                     "event-timed GB/s of the same op"),
             kernel: Optional[str] = typer.Option(None, help="--ncu: only kernels whose name matches this regex"),
-            out: Optional[Path] = typer.Option(None, help="--nsys: report path (default xserv-BUCKET)"),
+            layers: Optional[int] = typer.Option(None, help="--ncu: profile decoder layers 0..N-1 and the ops "
+                                                 "outside the layers (embedding, head); 0: every layer; default 2"),
+            out: Optional[Path] = typer.Option(None, help="--nsys / --ncu: report path (default xserv-BUCKET for "
+                                               "--nsys; --ncu keeps no report without it)"),
             nvtx: bool = typer.Option(False, help="NVTX ranges around every op and graph replay"),
-            one_step: bool = typer.Option(False, hidden=True, help="one eager step between cuProfilerStart/Stop")):
+            one_step: bool = typer.Option(False, hidden=True, help="one eager step between cuProfilerStart/Stop"),
+            events_out: Optional[Path] = typer.Option(None, hidden=True, help="--one-step: event times JSON out")):
     """Per-op timing of one bucket on the GPU (CUDA events) plus whole-graph step time; or --nsys / --ncu."""
     if nsys and ncu:
         fail("--nsys and --ncu are exclusive")
     if context < 1:
         fail(f"--context must be >= 1, got {context}")
+    if layers is not None and layers < 0:
+        fail(f"--layers must be >= 0, got {layers}")
     if nsys or ncu:
         from xserv_aot.runtime.nsight import run_ncu, run_nsys
-        typer.echo(run_nsys(plan_dir, bucket, context, out) if nsys else run_ncu(plan_dir, bucket, context, kernel))
+        typer.echo(run_nsys(plan_dir, bucket, context, out) if nsys
+                   else run_ncu(plan_dir, bucket, context, kernel, layers, out))
         return
     from xserv_aot.runtime.select import require_gpu
 
     require_gpu("profile")
     from xserv_aot.runtime.cuda.profile import profile_plan, run_one_step
     if one_step:
-        typer.echo(run_one_step(plan_dir, bucket, context, nvtx=True))
+        typer.echo(run_one_step(plan_dir, bucket, context, nvtx=True, layers=layers or 0, events_out=events_out))
         return
     typer.echo(profile_plan(plan_dir, bucket=bucket, context=context, trace=trace, nvtx=nvtx))
 

@@ -47,12 +47,19 @@ def costs_something(op: Op) -> bool:
     return op.cuda is None or launches(op)
 
 
-def op_name(bucket: str, i: int, op: Op) -> str:
-    """e.g. "decode_1/12 L1 linear gate_up gemv_gate_m4" (bucket, index, layer, op, weight, kernel)."""
-    weight = str(getattr(op, "weight", None) or "")
+def op_layer(op: Op) -> int | None:
+    """The decoder layer of an op (its `layer`, or N of its weight "layers.N.*"); None for the ops outside the
+    layers (embedding, final norm, head, sampling)."""
     layer = getattr(op, "layer", None)
+    weight = str(getattr(op, "weight", None) or "")
     if layer is None and weight.startswith("layers."):
         layer = int(weight.split(".")[1])
+    return layer
+
+
+def op_name(bucket: str, i: int, op: Op) -> str:
+    """e.g. "decode_1/12 L1 linear gate_up gemv_gate_m4" (bucket, index, layer, op, weight, kernel)."""
+    weight, layer = str(getattr(op, "weight", None) or ""), op_layer(op)
     parts = [f"{bucket}/{i}", f"L{layer}" if layer is not None else "", op.op, weight.rsplit(".", 1)[-1],
              op.cuda.kernel if op.cuda else ""]
     return " ".join(p for p in parts if p)

@@ -197,6 +197,13 @@ class Device:
     def record(self, ev) -> None:
         check(_cu().cuEventRecord(ev, self.stream), "cuEventRecord")
 
+    def record_in_graph(self, ev) -> None:
+        """Under stream capture: ev becomes an event node of the graph (CU_EVENT_RECORD_EXTERNAL), recorded at each
+        replay, so elapsed_ms between two such events times the nodes between them."""
+        cu = _cu()
+        check(cu.cuEventRecordWithFlags(ev, self.stream, int(cu.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL)),
+              "cuEventRecordWithFlags")
+
     def wait_event(self, ev) -> None:
         check(_cu().cuEventSynchronize(ev), "cuEventSynchronize")
 

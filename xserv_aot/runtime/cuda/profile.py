@@ -1,16 +1,18 @@
-"""Per-op GPU timing of one bucket (CUDA events around each op, run eagerly) and the whole-graph step time, with
-each op's bytes and FLOPs, achieved GB/s and TFLOP/s and the share of the binding ceiling (plan/roofline.py);
-optional Chrome-trace JSON."""
+"""Per-op GPU timing of one bucket (CUDA events between the ops, recorded inside one captured graph of the step:
+op_times) and the whole-graph step time, with each op's bytes and FLOPs, achieved GB/s and TFLOP/s and the share of
+the binding ceiling (plan/roofline.py); optional Chrome-trace JSON; the one step `profile --ncu` runs under ncu."""
 from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from xserv_aot.plan.roofline import bucket_costs, ceilings_for, floor_s, launches
 from xserv_aot.runtime.batch import BatchDescription
+from xserv_aot.runtime.nsight import TIMING, profiled_ops
 
 NULL = contextlib.nullcontext()
 
@@ -40,30 +42,58 @@ def prefill_batch(plan, num_tokens: int, context: int) -> BatchDescription:
                             query_start_loc=[0, num_tokens], seq_lens=[context], block_tables=[table])
 
 
+def op_times(runner, bucket: str, reps: int = 20) -> tuple[dict[int, float], str]:
+    """({op index: median ms} for the ops of `bucket` that launch something, how they were timed). "graph": CUDA
+    events recorded as nodes of one captured graph of the step between the ops (no host launch gaps; each op finds
+    L2 as the ops before it left it, as in a serving replay; what remains is the node-to-node launch latency, about
+    a microsecond). "eager": events between eager launches (the host's launch gaps count when the GPU catches up
+    with it), the fallback where the step cannot be captured with event nodes. The bucket's inputs must be staged."""
+    from xserv_aot.runtime.cuda.driver import CudaError
+
+    dev = runner.dev
+    ops = [(i, lns) for i, lns in enumerate(runner.launches[bucket]) if lns]
+    ev = [dev.event() for _ in range(len(ops) + 1)]
+
+    def body(stream):
+        dev.record_in_graph(ev[0])
+        for n, (_, lns) in enumerate(ops):
+            for ln in lns:
+                ln(stream)
+            dev.record_in_graph(ev[n + 1])
+    try:
+        graph, timing = dev.capture(body), "graph"
+    except CudaError:
+        graph, timing = None, "eager"
+    nv, names = runner.nvtx, runner.op_names.get(bucket)
+    per_op = np.zeros((reps, len(ops)))
+    for r in range(reps):
+        if graph is not None:
+            dev.graph_launch(graph)
+        else:
+            dev.record(ev[0])
+            for n, (i, lns) in enumerate(ops):
+                with nv.range(names[i]) if names else NULL:
+                    for ln in lns:
+                        ln(dev.stream)
+                dev.record(ev[n + 1])
+        dev.sync()
+        per_op[r] = [dev.elapsed_ms(ev[n], ev[n + 1]) for n in range(len(ops))]
+    med = np.median(per_op, axis=0)
+    return {i: float(med[n]) for n, (i, _) in enumerate(ops)}, timing
+
+
 def profile_runner(runner, bucket: str = "decode_1", context: int = 128, reps: int = 20) -> dict:
-    """{ops: [(index, op, kernel, ms, bytes, flops)] (ops that launch something), graph_ms, eager_ms} for one bucket
-    at the given context."""
+    """{ops: [(index, op, kernel, ms, bytes, flops)] (ops that launch something), ops_ms (their sum), timing
+    (op_times), graph_ms (the step's own graph)} for one bucket at the given context."""
     plan, dev = runner.plan, runner.dev
     bk = runner.buckets[bucket]
-    batch = step_batch(plan, bk, context)
-    runner.stage(batch, bk)
-    runner.enqueue(bucket)
+    runner.stage(step_batch(plan, bk, context), bk)
+    runner.enqueue(bucket)                               # one eager step (with NVTX ranges per op when on)
     dev.sync()
-    ev = [dev.event() for _ in range(len(bk.ops) + 1)]
-    per_op = np.zeros((reps, len(bk.ops)))
-    nv, names = runner.nvtx, runner.op_names.get(bucket)
-    for r in range(reps):
-        dev.record(ev[0])
-        for i, op_lns in enumerate(runner.launches[bucket]):
-            with nv.range(names[i]) if names and op_lns else NULL:
-                for ln in op_lns:
-                    ln(dev.stream)
-            dev.record(ev[i + 1])
-        dev.sync()
-        per_op[r] = [dev.elapsed_ms(ev[i], ev[i + 1]) for i in range(len(bk.ops))]
-    graph = runner.graphs.get(bucket)
+    times, timing = op_times(runner, bucket, reps)
+    graph, nv = runner.graphs.get(bucket), runner.nvtx
     g0, g1 = dev.event(), dev.event()
-    times = []
+    steps = []
     for _ in range(reps):
         dev.record(g0)
         with nv.range(f"replay {bucket}"):
@@ -72,12 +102,11 @@ def profile_runner(runner, bucket: str = "decode_1", context: int = 128, reps: i
             else:
                 runner.enqueue(bucket)
         dev.record(g1)
-        times.append(dev.elapsed_ms(g0, g1))
-    med = np.median(per_op, axis=0)
-    ops = [(i, op.op, op.cuda.kernel, float(med[i]), nbytes, flops)
+        steps.append(dev.elapsed_ms(g0, g1))
+    ops = [(i, op.op, op.cuda.kernel, times[i], nbytes, flops)
            for i, op, nbytes, flops in bucket_costs(plan, bk, context) if launches(op)]
-    return {"bucket": bucket, "context": context, "ops": ops, "graph_ms": float(np.median(times)),
-            "eager_ms": float(med.sum())}
+    return {"bucket": bucket, "context": context, "ops": ops, "graph_ms": float(np.median(steps)),
+            "ops_ms": sum(t for _, _, _, t, _, _ in ops), "timing": timing}
 
 
 def format_table(prof: dict, target: str = "sm_90a") -> str:
@@ -94,7 +123,8 @@ def format_table(prof: dict, target: str = "sm_90a") -> str:
     total_bytes, total_flops = sum(a[2] for a in agg.values()), sum(a[3] for a in agg.values())
     floor, bound = floor_s(total_bytes, total_flops, c)
     lines = [f"bucket {prof['bucket']} context {prof['context']}: graph step {prof['graph_ms']:.3f} ms, "
-             f"eager sum of ops {prof['eager_ms']:.3f} ms, {total_bytes / 1e9:.3f} GB, {total_flops / 1e9:.1f} GFLOP, "
+             f"sum of ops {prof['ops_ms']:.3f} ms ({TIMING[prof['timing']]}), {total_bytes / 1e9:.3f} GB, "
+             f"{total_flops / 1e9:.1f} GFLOP, "
              f"floor {floor * 1e3:.3f} ms ({bound}-bound at {c.read_bytes_per_s / 1e12:.1f} TB/s, "
              f"{c.flops_per_s / 1e12:.0f} TFLOP/s; the graph reaches {floor * 1e3 / prof['graph_ms']:.0%} of it)",
              f"{'op:kernel':44s} {'n':>4s} {'ms':>8s} {'share':>6s} {'MB':>9s} {'GFLOP':>8s} {'GB/s':>7s} "
@@ -104,7 +134,7 @@ def format_table(prof: dict, target: str = "sm_90a") -> str:
         gbs, tfs = (nbytes / s / 1e9, flops / s / 1e12) if s > 0 else (0.0, 0.0)
         _, op_bound = floor_s(nbytes, flops, c)
         frac = gbs * 1e9 / c.read_bytes_per_s if op_bound == "memory" else tfs * 1e12 / c.flops_per_s
-        lines.append(f"{name:44s} {n:4d} {ms:8.3f} {ms / prof['eager_ms']:6.1%} {nbytes / 1e6:9.2f} {flops / 1e9:8.2f} "
+        lines.append(f"{name:44s} {n:4d} {ms:8.3f} {ms / prof['ops_ms']:6.1%} {nbytes / 1e6:9.2f} {flops / 1e9:8.2f} "
                      f"{gbs:7.0f} {tfs:8.2f} {op_bound:>7s} {frac:7.1%}")
     return "\n".join(lines)
 
@@ -123,24 +153,60 @@ def step_batch(plan, bk, context: int) -> BatchDescription:
             else prefill_batch(plan, bk.num_tokens, max(context, bk.num_tokens)))
 
 
-def run_one_step(plan_dir, bucket: str = "decode_1", context: int = 128, nvtx: bool = True) -> str:
-    """One eager step of `bucket` between cuProfilerStart and cuProfilerStop (what `profile --ncu` measures)."""
+def profiled_step(runner, bucket: str, ops: set[int], start, stop) -> None:
+    """One eager step of `bucket` (inputs staged) with the profiler on (start()) for the launches of the ops in `ops`
+    and off (stop()) for the others; NVTX ranges per op as runner.enqueue puts them (ncu decides at each launch)."""
+    dev, nv, names = runner.dev, runner.nvtx, runner.op_names.get(bucket)
+    on = False
+    with nv.range(f"eager {bucket}"):
+        for i, lns in enumerate(runner.launches[bucket]):
+            if not lns:
+                continue
+            if (i in ops) != on:
+                (stop if on else start)()
+                on = not on
+            with nv.range(names[i]) if names else NULL:
+                for ln in lns:
+                    ln(dev.stream)
+    if on:
+        stop()
+    dev.sync()
+
+
+def run_one_step(plan_dir, bucket: str = "decode_1", context: int = 128, nvtx: bool = True, layers: int = 0,
+                 events_out: Path | None = None) -> str:
+    """What `profile --ncu` runs under ncu: one eager step of `bucket` with the profiler on (cuProfilerStart/Stop)
+    for the ops nsight.profiled_ops(bucket, layers) selects only; before it, with the profiler off, op_times of the
+    same step written to events_out as JSON {"timing", "ops": {index: ms}} for the parent to set beside ncu's."""
     from cuda.bindings import driver
 
     from xserv_aot.plan.manifest import Plan
+    from xserv_aot.runtime.cuda.driver import check
     from xserv_aot.runtime.cuda.runner import CudaRunner
+    from xserv_aot.runtime.nvtx import ranges
+    try:
+        ranges(nvtx)
+    except RuntimeError as e:                           # no NVTX library: the ncu table says it got no ranges
+        print(f"note: {e}; profiling without NVTX ranges", file=sys.stderr)
+        nvtx = False
     runner = CudaRunner(Plan.load(plan_dir), capture=False, nvtx=nvtx)
     try:
         if bucket not in runner.buckets:
             raise ValueError(f"no bucket {bucket!r} (have: {', '.join(runner.buckets)})")
-        batch = step_batch(runner.plan, runner.buckets[bucket], context)
+        bk = runner.buckets[bucket]
+        runner.stage(step_batch(runner.plan, bk, context), bk)
+        runner.enqueue(bucket)
         runner.dev.sync()
-        driver.cuProfilerStart()
-        runner.run_eager(bucket, batch)
-        driver.cuProfilerStop()
+        if events_out is not None:
+            times, timing = op_times(runner, bucket)
+            Path(events_out).write_text(json.dumps({"timing": timing, "ops": times}))
+        ops = profiled_ops(bk, layers)
+        profiled_step(runner, bucket, ops, lambda: check(driver.cuProfilerStart(), "cuProfilerStart"),
+                      lambda: check(driver.cuProfilerStop(), "cuProfilerStop"))
     finally:
         runner.close()
-    return f"ran one eager step of {bucket} at context {context}"
+    n = sum(1 for op in bk.ops if launches(op))
+    return f"ran one eager step of {bucket} at context {context}, profiler on for {len(ops)} of {n} launching ops"
 
 
 def profile_plan(plan_dir, bucket: str = "decode_1", context: int = 128, trace: Path | None = None,

@@ -60,7 +60,8 @@ def test_ncu_command():
 
 def test_ncu_import_commands():
     assert nsight.ncu_import_command(Path("r/a.ncu-rep")) == [
-        "ncu", "--import", "r/a.ncu-rep", "--csv", "--page", "details", "--print-units", "base"]
+        "ncu", "--import", "r/a.ncu-rep", "--csv", "--page", "details", "--print-units", "base",
+        "--print-metric-name", "name"]
     assert nsight.ncu_import_command(Path("a.ncu-rep"), nvtx_names=True)[-2:] == ["--print-nvtx-rename", "kernel"]
     assert nsight.report_path(Path("o/d1")) == Path("o/d1.ncu-rep")
     assert nsight.report_path(Path("o/d1.ncu-rep")) == Path("o/d1.ncu-rep")
@@ -95,6 +96,12 @@ def test_parse_ncu_csv_sample():
         nsight.parse_ncu_csv("==PROF== No kernels were profiled.\n")
     with pytest.raises(ValueError, match="unknown unit"):
         nsight.parse_ncu_csv(SAMPLE.read_text().replace('"nsecond"', '"fortnight"'))
+    # a row of another section (a label, a unit not in UNITS) and an "n/a" value are left out
+    other = SAMPLE.read_text().replace('"gpu__time_duration.sum","nsecond","2,880"', '"Duration","cycle/usecond","2,880"')
+    other = other.replace('"sm__throughput.avg.pct_of_peak_sustained_elapsed","%","9.05"',
+                          '"sm__throughput.avg.pct_of_peak_sustained_elapsed","%","n/a"')
+    first = nsight.parse_ncu_csv(other)[0].metrics
+    assert nsight.TIME not in first and nsight.SM_PCT not in first and first[nsight.DRAM_READ] == 393216
 
 
 def test_kernels_match_plan_ops_in_order(gpu_plan):  # noqa: F811

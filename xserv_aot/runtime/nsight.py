@@ -8,8 +8,8 @@ ncu runs one eager step of the bucket (`--one-step`: profile.run_one_step) with 
 profiled_ops picks (`--layers N`: the first N decoder layers and the ops outside the layers: embedding, final norm,
 head, sampling; the child brackets them with cuProfilerStart/Stop, `--profile-from-start off`), so an 8B model's
 ~300 kernels cost ~25 kernel replays. `--clock-control none --cache-control all --nvtx`, the metrics below, into an
-.ncu-rep report, read back twice with `--import ... --csv --page details --print-units base` (one row per kernel and
-metric: "ID", ..., "Kernel Name", ..., "Metric Name", "Metric Unit", "Metric Value"), the second time with
+.ncu-rep report, read back twice with `--import ... --csv --page details --print-units base --print-metric-name name`
+(one row per kernel and metric: "ID", ..., "Kernel Name", ..., "Metric Name", "Metric Unit", "Metric Value"), then with
 `--print-nvtx-rename kernel` (each kernel named by its innermost NVTX push/pop range: the op's name, op_name).
 
 Before the profiled step, with the profiler off, the child times the same step with CUDA events inside one graph
@@ -74,7 +74,8 @@ def ncu_command(plan_dir: Path, bucket: str, context: int, report: Path, events:
 
 
 def ncu_import_command(report: Path, nvtx_names: bool = False) -> list[str]:
-    cmd = ["ncu", "--import", str(report), "--csv", "--page", "details", "--print-units", "base"]
+    cmd = ["ncu", "--import", str(report), "--csv", "--page", "details", "--print-units", "base",
+           "--print-metric-name", "name"]
     return cmd + ["--print-nvtx-rename", "kernel"] if nvtx_names else cmd
 
 
@@ -119,6 +120,14 @@ class KernelMetrics:
         return self.dram_bytes / t / 1e9 if t > 0 else 0.0
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text.replace(",", ""))
+        return True
+    except ValueError:
+        return False
+
+
 def _number(text: str, unit: str) -> float:
     if unit not in UNITS:
         raise ValueError(f"ncu CSV: unknown unit {unit!r}")
@@ -135,11 +144,13 @@ def _csv_rows(text: str):
 
 
 def parse_ncu_csv(text: str) -> list[KernelMetrics]:
-    """Kernels in launch order, with their metrics in base units."""
+    """Kernels in launch order, with the NCU_METRICS ncu gave a number for, in base units (rows of other sections
+    and "n/a" values are left out)."""
     kernels: dict[int, KernelMetrics] = {}
     for row in _csv_rows(text):
         k = kernels.setdefault(int(row["ID"]), KernelMetrics(int(row["ID"]), row["Kernel Name"]))
-        k.metrics[row["Metric Name"]] = _number(row["Metric Value"], row.get("Metric Unit") or "")
+        if row["Metric Name"] in NCU_METRICS and _is_number(row["Metric Value"]):
+            k.metrics[row["Metric Name"]] = _number(row["Metric Value"], row.get("Metric Unit") or "")
     return [kernels[i] for i in sorted(kernels)]
 
 

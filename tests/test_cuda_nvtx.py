@@ -38,7 +38,7 @@ def test_run_one_step(plan, tmp_path):  # noqa: F811
     import json
 
     from xserv_aot.runtime.cuda.profile import run_one_step
-    from xserv_aot.runtime.nsight import profiled_ops
+    from xserv_aot.runtime.ncu_report import profiled_ops
     bk = next(b for b in plan.buckets if b.name == "decode_1")
     msg = run_one_step(plan.dir, "decode_1", 64, layers=1, events_out=tmp_path / "ev.json")
     assert f"profiler on for {len(profiled_ops(bk, 1))} of" in msg

@@ -12,7 +12,7 @@ import pytest
 
 from tests.test_cli import assert_one_line_error
 from tests.test_roofline import gpu_plan  # noqa: F401 (module fixture: a tiny sm_90a plan)
-from xserv_aot.runtime import nsight, nvtx
+from xserv_aot.runtime import ncu_report, nsight, nvtx
 
 SAMPLE = Path(__file__).parent / "data" / "ncu_gemv_sample.csv"
 
@@ -55,7 +55,7 @@ def test_ncu_command():
     assert cmd[child:] == [sys.executable, "-m", "xserv_aot.cli", "profile", "p", "--bucket", "decode_64",
                            "--context", "1024", "--nvtx", "--one-step", "--layers", "3", "--events-out", "/tmp/ev.json"]
     plain = nsight.ncu_command(Path("p"), "decode_1", 128, Path("x.ncu-rep"), Path("e"))
-    assert "--kernel-name" not in plain and plain[plain.index("--layers") + 1] == str(nsight.DEFAULT_LAYERS)
+    assert "--kernel-name" not in plain and plain[plain.index("--layers") + 1] == str(ncu_report.DEFAULT_LAYERS)
 
 
 def test_ncu_import_commands():
@@ -73,8 +73,8 @@ def test_profiled_ops_are_the_first_layers_and_the_ops_outside(gpu_plan):  # noq
     layer1, head = weights.index("layers.1.input_norm"), weights.index("final_norm")    # first ops of L1, head
     launching = {i for i, op in enumerate(bk.ops) if op.cuda.launch}
     assert layer1 > 3 and head > layer1 and gpu_plan.model.num_layers == 2
-    assert nsight.profiled_ops(bk, 1) == {i for i in launching if i < layer1 or i >= head}
-    assert nsight.profiled_ops(bk, 0) == nsight.profiled_ops(bk, 2) == launching
+    assert ncu_report.profiled_ops(bk, 1) == {i for i in launching if i < layer1 or i >= head}
+    assert ncu_report.profiled_ops(bk, 0) == ncu_report.profiled_ops(bk, 2) == launching
     assert not any(bk.ops[i].op == "silu_mul" for i in launching)                # fused: launches nothing
 
 
@@ -85,28 +85,28 @@ def test_missing_tool_is_one_line(tmp_path, flag, tool):
 
 
 def test_parse_ncu_csv_sample():
-    ks = nsight.parse_ncu_csv(SAMPLE.read_text())
+    ks = ncu_report.parse_ncu_csv(SAMPLE.read_text())
     assert [(k.id, k.name) for k in ks] == [(0, "gemv_m1_bf16"), (1, "gemv_m1_bf16"), (2, "gemv_gate_m1"),
                                             (3, "gemv_m1_bf16")]
     k = ks[2].metrics
-    assert k[nsight.TIME] == pytest.approx(3744e-9) and k[nsight.DRAM_READ] == 786432
-    assert k[nsight.DRAM_WRITE] == 1536 and k[nsight.OCCUPANCY] == pytest.approx(55.90)
+    assert k[ncu_report.TIME] == pytest.approx(3744e-9) and k[ncu_report.DRAM_READ] == 786432
+    assert k[ncu_report.DRAM_WRITE] == 1536 and k[ncu_report.OCCUPANCY] == pytest.approx(55.90)
     assert ks[2].dram_gb_per_s == pytest.approx((786432 + 1536) / 3744e-9 / 1e9)
     with pytest.raises(ValueError, match="no header"):
-        nsight.parse_ncu_csv("==PROF== No kernels were profiled.\n")
+        ncu_report.parse_ncu_csv("==PROF== No kernels were profiled.\n")
     with pytest.raises(ValueError, match="unknown unit"):
-        nsight.parse_ncu_csv(SAMPLE.read_text().replace('"nsecond"', '"fortnight"'))
+        ncu_report.parse_ncu_csv(SAMPLE.read_text().replace('"nsecond"', '"fortnight"'))
     # a row of another section (a label, a unit not in UNITS) and an "n/a" value are left out
     other = SAMPLE.read_text().replace('"gpu__time_duration.sum","nsecond","2,880"', '"Duration","cycle/usecond","2,880"')
     other = other.replace('"sm__throughput.avg.pct_of_peak_sustained_elapsed","%","9.05"',
                           '"sm__throughput.avg.pct_of_peak_sustained_elapsed","%","n/a"')
-    first = nsight.parse_ncu_csv(other)[0].metrics
-    assert nsight.TIME not in first and nsight.SM_PCT not in first and first[nsight.DRAM_READ] == 393216
+    first = ncu_report.parse_ncu_csv(other)[0].metrics
+    assert ncu_report.TIME not in first and ncu_report.SM_PCT not in first and first[ncu_report.DRAM_READ] == 393216
 
 
 def test_kernels_match_plan_ops_in_order(gpu_plan):  # noqa: F811
     bk = gpu_plan.buckets[0]
-    matched = nsight.match_kernels(nsight.parse_ncu_csv(SAMPLE.read_text()), bk, "gemv")
+    matched = ncu_report.match_kernels(ncu_report.parse_ncu_csv(SAMPLE.read_text()), bk, "gemv")
     gemv_ops = [i for i, op in enumerate(bk.ops) if op.cuda.launch and op.cuda.kernel.startswith("gemv")]
     assert [m[1] for m in matched] == gemv_ops[:4] and all(m[3] for m in matched)
 
@@ -135,18 +135,18 @@ def test_kernels_match_ops_with_several_launches_and_library_calls():
     names = ["rmsnorm", CUTLASS_KERNEL, CUTLASS_KERNEL, "qk_norm_rope_cache_hd128", "attn_prefill_hd128",
              "attn_decode_tc_s2_hd128", "memset_like_helper", CUTLASS_KERNEL, "add_rmsnorm", CUTLASS_KERNEL,
              CUTLASS_KERNEL, "sample_rows"]
-    kernels = [nsight.KernelMetrics(i, n) for i, n in enumerate(names)]
-    got = [(m[1], m[3]) for m in nsight.match_kernels(kernels, hand_bucket())]
+    kernels = [ncu_report.KernelMetrics(i, n) for i, n in enumerate(names)]
+    got = [(m[1], m[3]) for m in ncu_report.match_kernels(kernels, hand_bucket())]
     assert got == [(0, True), (1, True), (1, False), (2, True), (3, True), (3, False), (None, False), (4, True),
                    (5, True), (6, True), (8, True), (9, True)]
-    filtered = nsight.match_kernels(kernels[4:6], hand_bucket(), "attn_decode")     # --kernel attn_decode
+    filtered = ncu_report.match_kernels(kernels[4:6], hand_bucket(), "attn_decode")     # --kernel attn_decode
     assert [(m[1], m[3]) for m in filtered] == [(None, False), (3, True)]
 
 
 def test_kernel_base_name():
-    assert nsight.kernel_base_name("rmsnorm") == "rmsnorm"
-    assert nsight.kernel_base_name("void f<int>(T1::Params)") == "f<int>"
-    assert not nsight.launch_matches(hand_bucket().ops[0].cuda.launch[0], "add_rmsnorm")
+    assert ncu_report.kernel_base_name("rmsnorm") == "rmsnorm"
+    assert ncu_report.kernel_base_name("void f<int>(T1::Params)") == "f<int>"
+    assert not ncu_report.launch_matches(hand_bucket().ops[0].cuda.launch[0], "add_rmsnorm")
 
 
 def test_profile_nsys_with_a_fake_nsys(gpu_plan, tmp_path):  # noqa: F811
@@ -290,20 +290,20 @@ def test_ncu_check_script(gpu_plan, tmp_path):  # noqa: F811
 
 
 def test_agreement_counts_ops_within_the_tolerance(gpu_plan, monkeypatch):  # noqa: F811
-    assert nsight.agreement([0.95, 1.09, 1.2, 0.85, 1.0]).startswith(
+    assert ncu_report.agreement([0.95, 1.09, 1.2, 0.85, 1.0]).startswith(
         "agreement: 3 of 5 ops of >= 4 MB of plan bytes have ncu DRAM GB/s within 10% of the event-timed GB/s")
-    assert "(ncu/event 0.85 - 1.20)" in nsight.agreement([0.95, 1.2, 0.85])
+    assert "(ncu/event 0.85 - 1.20)" in ncu_report.agreement([0.95, 1.2, 0.85])
     # the table counts the ops above AGREE_MIN_BYTES only: lowered below the tiny model's weights, all four count
     from xserv_aot.plan.roofline import op_bytes
     ops, bk = gemv_ops(gpu_plan), gpu_plan.buckets[0]
-    kernels = nsight.parse_ncu_csv(SAMPLE.read_text())
-    dram = [k.dram_bytes / k.metrics[nsight.TIME] for k in kernels]
+    kernels = ncu_report.parse_ncu_csv(SAMPLE.read_text())
+    dram = [k.dram_bytes / k.metrics[ncu_report.TIME] for k in kernels]
     # event times giving ratios 1.0, 1.09, 0.8 and 1.3
     want = [1.0, 1.09, 0.8, 1.3]
     ms = [op_bytes(bk.ops[i], gpu_plan, 128, 1) * w / d * 1e3 for i, d, w in zip(ops, dram, want)]
     events = {"timing": "eager", "ops": {str(i): m for i, m in zip(ops, ms)}}
-    monkeypatch.setattr(nsight, "AGREE_MIN_BYTES", 1e5)
-    table = nsight.format_ncu(gpu_plan, bk, 128, kernels, "gemv", 0, events, {})
+    monkeypatch.setattr(ncu_report, "AGREE_MIN_BYTES", 1e5)
+    table = ncu_report.format_ncu(gpu_plan, bk, 128, kernels, "gemv", 0, events, {})
     assert "agreement: 2 of 4 ops" in table and "(ncu/event 0.80 - 1.30)" in table
     assert "events: events between eager launches" in table
 

@@ -177,7 +177,7 @@ def test_profile_runner_rows_are_the_launching_ops(gpu_plan, can_capture, timing
 
 def test_profiled_step_brackets_the_chosen_ops(gpu_plan):
     from xserv_aot.runtime.cuda.profile import profiled_step
-    from xserv_aot.runtime.nsight import profiled_ops
+    from xserv_aot.runtime.ncu_report import profiled_ops
     bk = gpu_plan.buckets[0]
     runner, log = fake_runner(gpu_plan, bk, ClockDevice()), []
     for i, lns in enumerate(runner.launches[bk.name]):

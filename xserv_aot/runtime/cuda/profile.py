@@ -12,7 +12,7 @@ import numpy as np
 
 from xserv_aot.plan.roofline import bucket_costs, ceilings_for, floor_s, launches
 from xserv_aot.runtime.batch import BatchDescription
-from xserv_aot.runtime.nsight import TIMING, profiled_ops
+from xserv_aot.runtime.ncu_report import TIMING, profiled_ops
 
 NULL = contextlib.nullcontext()
 
@@ -176,7 +176,7 @@ def profiled_step(runner, bucket: str, ops: set[int], start, stop) -> None:
 def run_one_step(plan_dir, bucket: str = "decode_1", context: int = 128, nvtx: bool = True, layers: int = 0,
                  events_out: Path | None = None) -> str:
     """What `profile --ncu` runs under ncu: one eager step of `bucket` with the profiler on (cuProfilerStart/Stop)
-    for the ops nsight.profiled_ops(bucket, layers) selects only; before it, with the profiler off, op_times of the
+    for the ops ncu_report.profiled_ops(bucket, layers) selects only; before it, with the profiler off, op_times of the
     same step written to events_out as JSON {"timing", "ops": {index: ms}} for the parent to set beside ncu's."""
     from cuda.bindings import driver
 

@@ -60,3 +60,26 @@ def test_op_times_in_graph_follow_the_step(plan):  # noqa: F811
         r.close()
     assert prof["timing"] == "graph" and all(row[3] > 0 for row in prof["ops"])
     assert "events inside one graph replay" in format_table(prof, plan.build.target)
+
+
+def test_profile_ncu_on_the_tiny_plan(plan, tmp_path):  # noqa: F811
+    """Nsight Compute for real (skipped without ncu on PATH): every launching op of decode_2 profiled (--layers 0),
+    each kernel matched to its op and named by the op's NVTX range, event times from one graph replay."""
+    import shutil
+    import subprocess
+    import sys
+    if shutil.which("ncu") is None:
+        pytest.skip("ncu is not on PATH")
+    r = subprocess.run([sys.executable, "-m", "xserv_aot.cli", "profile", str(plan.dir), "--bucket", "decode_2",
+                        "--context", "40", "--ncu", "--layers", "0", "--out", str(tmp_path / "d2")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout.splitlines()
+    bk = next(b for b in plan.buckets if b.name == "decode_2")
+    launching = [i for i, op in enumerate(bk.ops) if op.cuda.launch]
+    first = [ln.split() for ln in out if ln[:4].strip().isdigit()]
+    assert sorted({int(x[0]) for x in first}) == launching, r.stdout
+    n = sum(len(bk.ops[i].cuda.launch) for i in launching)
+    assert f"nvtx: {n} of {n} profiled kernels carry their op's NVTX range" in out, r.stdout
+    assert any(ln.startswith("agreement:") and "events inside one graph replay" in ln for ln in out), r.stdout
+    assert (tmp_path / "d2.ncu-rep").is_file()

@@ -47,39 +47,38 @@ def op_times(runner, bucket: str, reps: int = 20) -> tuple[dict[int, float], str
     events recorded as nodes of one captured graph of the step between the ops (no host launch gaps; each op finds
     L2 as the ops before it left it, as in a serving replay; what remains is the node-to-node launch latency, about
     a microsecond). "eager": events between eager launches (the host's launch gaps count when the GPU catches up
-    with it), the fallback where the step cannot be captured with event nodes. The bucket's inputs must be staged."""
+    with it), the fallback where the driver refuses event nodes or their times. The bucket's inputs must be staged."""
     from xserv_aot.runtime.cuda.driver import CudaError
+    try:
+        return _op_times(runner, bucket, reps, in_graph=True), "graph"
+    except CudaError:
+        return _op_times(runner, bucket, reps, in_graph=False), "eager"
 
+
+def _op_times(runner, bucket: str, reps: int, in_graph: bool) -> dict[int, float]:
     dev = runner.dev
     ops = [(i, lns) for i, lns in enumerate(runner.launches[bucket]) if lns]
     ev = [dev.event() for _ in range(len(ops) + 1)]
-
-    def body(stream):
-        dev.record_in_graph(ev[0])
-        for n, (_, lns) in enumerate(ops):
-            for ln in lns:
-                ln(stream)
-            dev.record_in_graph(ev[n + 1])
-    try:
-        graph, timing = dev.capture(body), "graph"
-    except CudaError:
-        graph, timing = None, "eager"
     nv, names = runner.nvtx, runner.op_names.get(bucket)
+
+    def step(stream, record, ranged):
+        record(ev[0])
+        for n, (i, lns) in enumerate(ops):
+            with nv.range(names[i]) if ranged and names else NULL:
+                for ln in lns:
+                    ln(stream)
+            record(ev[n + 1])
+    graph = dev.capture(lambda s: step(s, dev.record_in_graph, False)) if in_graph else None
     per_op = np.zeros((reps, len(ops)))
     for r in range(reps):
         if graph is not None:
             dev.graph_launch(graph)
         else:
-            dev.record(ev[0])
-            for n, (i, lns) in enumerate(ops):
-                with nv.range(names[i]) if names else NULL:
-                    for ln in lns:
-                        ln(dev.stream)
-                dev.record(ev[n + 1])
+            step(dev.stream, dev.record, True)
         dev.sync()
         per_op[r] = [dev.elapsed_ms(ev[n], ev[n + 1]) for n in range(len(ops))]
     med = np.median(per_op, axis=0)
-    return {i: float(med[n]) for n, (i, _) in enumerate(ops)}, timing
+    return {i: float(med[n]) for n, (i, _) in enumerate(ops)}
 
 
 def profile_runner(runner, bucket: str = "decode_1", context: int = 128, reps: int = 20) -> dict:

@@ -42,11 +42,12 @@ def test_ncu_command():
     cmd = nsight.ncu_command(Path("p"), "decode_64", 1024, Path("r/d64.ncu-rep"), Path("/tmp/ev.json"), layers=3,
                              kernel="gemv")
     assert cmd[0] == "ncu"
-    metrics = cmd[cmd.index("--metrics") + 1].split(",")
-    assert set(metrics) == {"gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum",
-                            "dram__throughput.avg.pct_of_peak_sustained_elapsed",
-                            "sm__throughput.avg.pct_of_peak_sustained_elapsed",
-                            "sm__warps_active.avg.pct_of_peak_sustained_active"}
+    one_pass = {"gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum"}
+    assert set(cmd[cmd.index("--metrics") + 1].split(",")) == one_pass
+    full = nsight.ncu_command(Path("p"), "decode_64", 1024, Path("r"), Path("e"), all_metrics=True)
+    assert set(full[full.index("--metrics") + 1].split(",")) == one_pass | {
+        "dram__throughput.avg.pct_of_peak_sustained_elapsed", "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+        "sm__warps_active.avg.pct_of_peak_sustained_active"}
     child = cmd.index(sys.executable)
     for flag, value in (("--clock-control", "none"), ("--cache-control", "all"), ("--profile-from-start", "off"),
                         ("--export", "r/d64.ncu-rep"), ("--kernel-name", "regex:gemv")):
@@ -97,7 +98,8 @@ def test_parse_ncu_csv_sample():
     with pytest.raises(ValueError, match="unknown unit"):
         ncu_report.parse_ncu_csv(SAMPLE.read_text().replace('"nsecond"', '"fortnight"'))
     # a row of another section (a label, a unit not in UNITS) and an "n/a" value are left out
-    other = SAMPLE.read_text().replace('"gpu__time_duration.sum","nsecond","2,880"', '"Duration","cycle/usecond","2,880"')
+    other = SAMPLE.read_text().replace('"gpu__time_duration.sum","nsecond","2,880"',
+                                       '"Duration","cycle/usecond","2,880"')
     other = other.replace('"sm__throughput.avg.pct_of_peak_sustained_elapsed","%","9.05"',
                           '"sm__throughput.avg.pct_of_peak_sustained_elapsed","%","n/a"')
     first = ncu_report.parse_ncu_csv(other)[0].metrics
@@ -256,11 +258,13 @@ def test_profile_ncu_without_events_or_ranges(gpu_plan, tmp_path):  # noqa: F811
     bin_dir = tmp_path / "bin"
     fake_ncu(bin_dir, gpu_plan, None)
     (bin_dir / "renamed.csv").write_text("==PROF== no NVTX\n")
-    r = run_cli("profile", gpu_plan.dir, "--ncu", "--layers", "1", path=f"{bin_dir}:{os.environ['PATH']}")
+    r = run_cli("profile", gpu_plan.dir, "--ncu", "--layers", "1", "--all-metrics",
+                path=f"{bin_dir}:{os.environ['PATH']}")
     assert r.returncode == 0, r.stderr
     assert "no event times (the profiled child wrote none)" in r.stdout
     assert "nvtx: ncu gave no NVTX range names" in r.stdout and "ncu report" not in r.stdout
-    assert ncu_calls(bin_dir)[0][-4:-2] == ["--layers", "1"]
+    collect = ncu_calls(bin_dir)[0]
+    assert collect[-4:-2] == ["--layers", "1"] and ncu_report.SM_PCT in collect[collect.index("--metrics") + 1]
     assert_one_line_error(run_cli("profile", gpu_plan.dir, "--ncu", "--layers", "-1",
                                   path=f"{bin_dir}:{os.environ['PATH']}"), "--layers must be >= 0")
     fake_tool(bin_dir, "ncu", "exit 3")
@@ -280,10 +284,15 @@ def test_ncu_check_script(gpu_plan, tmp_path):  # noqa: F811
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 1                                   # the tiny plan has no decode_64
     lines = r.stdout.splitlines()
-    assert lines[0] == "Version 2099.1 (fake)" and lines[1].startswith("decode_1 context 128: exit 0 in ")
+    assert lines[0] == "Version 2099.1 (fake)"
+    assert lines[1].startswith("decode_1 (decode_1 context 128 --kernel gemv): exit 0 in ")
     assert lines[2].startswith("  agreement: 0 of 0 ops") and lines[3].startswith("  nvtx: 4 of 4 profiled")
-    assert lines[4].startswith("decode_64 context 1024: exit 1 in ") and "no bucket 'decode_64'" in lines[5]
+    assert lines[4].startswith("decode_64 (decode_64 context 1024 --kernel gemv): exit 1 in ")
+    assert "no bucket 'decode_64'" in lines[5]
+    assert lines[6].startswith("decode_1_all_metrics (decode_1 context 128 --all-metrics --layers 1 --kernel gemv): "
+                               "exit 0 in ")
     assert (tmp_path / "out" / "decode_1.ncu-rep").is_file()
+    assert (tmp_path / "out" / "decode_1_all_metrics.txt").is_file()
     assert (tmp_path / "out" / "summary.txt").read_text() == r.stdout
     collect = ncu_calls(bin_dir)[1]
     assert collect[collect.index("--kernel-name") + 1] == "regex:gemv"
@@ -355,3 +364,66 @@ def test_engine_step_ranges():
     engine.nvtx = rec = Recorder()
     engine.generate([[3, 4, 5]], SamplingParams(max_tokens=2, temperature=0.0))
     assert rec.events == ["+schedule", "-", "+run", "-", "+postprocess", "-"] * 2
+
+
+H200_DECODE64 = Path(__file__).parent / "data" / "ncu_h200_decode64.csv"       # ncu 2025.3.1, main 8be0667
+H200_DECODE1_NVTX = Path(__file__).parent / "data" / "ncu_h200_decode1_nvtx.csv"  # the same, --print-nvtx-rename
+
+
+@pytest.fixture(scope="module")
+def q8_plan(tmp_path_factory):
+    """Qwen3-8B with plans/h200.build.json (dummy weights: nothing written but the plan): the plan those CSVs were
+    taken from on the H200 (kernels 0-10 and 326-330 of decode_64 at context 1024, the ones --layers 1 profiles;
+    0-11 of decode_1)."""
+    pytest.importorskip("cuda.core")
+    import json
+    from xserv_aot.config import BuildConfig
+    from xserv_aot.plan.builder import compile_plan
+    root = Path(__file__).parents[1] / "plans"
+    build = BuildConfig.from_dict(json.loads((root / "h200.build.json").read_text()))
+    return compile_plan(root / "qwen3-8b.config.json", tmp_path_factory.mktemp("q8") / "plan", build,
+                        dummy_weights=True)
+
+
+def launching(bk) -> list[int]:
+    return [i for i, op in enumerate(bk.ops) if op.cuda.launch]
+
+
+def test_h200_csv_matches_the_8b_plan(q8_plan):
+    bk = next(b for b in q8_plan.buckets if b.name == "decode_64")
+    assert sum(len(op.cuda.launch) for op in bk.ops) == len(launching(bk)) == 331      # what ncu profiled: 0-330
+    kernels = ncu_report.parse_ncu_csv(H200_DECODE64.read_text())
+    assert [k.id for k in kernels] == [*range(11), *range(326, 331)]
+    matched = ncu_report.match_kernels(kernels, bk, ops=ncu_report.profiled_ops(bk, 1))
+    assert [m[1] for m in matched] == [launching(bk)[k.id] for k in kernels] and all(m[3] for m in matched)
+    qkv = kernels[3]
+    assert bk.ops[matched[3][1]].weight == "layers.0.qkv" and qkv.name.startswith("void cutlass::device_kernel<")
+    assert set(qkv.metrics) == {ncu_report.TIME, ncu_report.DRAM_READ}                 # what that run asked for
+    assert qkv.metrics[ncu_report.TIME] == pytest.approx(21.95e-6, abs=0.01e-6)         # "ns" in base units
+    table = ncu_report.format_ncu(q8_plan, bk, 1024, kernels, layers=1)
+    row = next(ln.split() for ln in table.splitlines() if ln.startswith("   3 "))
+    assert row[-9:-5] == ["-", "-", "-", f"{op_bytes_mb(q8_plan, bk, 3):.2f}"]          # no DRAM/SM %, occupancy
+
+
+def op_bytes_mb(plan, bk, i) -> float:
+    from xserv_aot.plan.roofline import op_bytes
+    return op_bytes(bk.ops[i], plan, 1024, bk.num_seqs) / 1e6
+
+
+def test_h200_nvtx_names_are_the_ops_ranges(q8_plan):
+    from xserv_aot.plan.roofline import op_name
+    bk = next(b for b in q8_plan.buckets if b.name == "decode_1")
+    names = ncu_report.parse_kernel_names(H200_DECODE1_NVTX.read_text())
+    assert sorted(names) == list(range(12))
+    for n, name in names.items():
+        i = launching(bk)[n]
+        assert ncu_report.range_name(name, bk.ops[i].cuda.launch[0].fn) == op_name("decode_1", i, bk.ops[i])
+    assert ncu_report.range_name("rmsnorm", "rmsnorm") == "-"
+
+
+def test_profiled_ops_of_the_8b_plan(q8_plan):
+    bk = next(b for b in q8_plan.buckets if b.name == "decode_64")
+    ops = ncu_report.profiled_ops(bk, 2)
+    silu = [i for i, op in enumerate(bk.ops) if op.op == "silu_mul"]              # unfused at 64 rows, no layer field
+    assert silu[:3] == [9, 18, 27] and {9, 18} <= ops and 27 not in ops
+    assert ops == set(range(20)) | set(range(326, 331)) and len(bk.ops) == 331

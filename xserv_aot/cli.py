@@ -300,6 +300,8 @@ def profile(plan_dir: Path = typer.Argument(..., metavar="PLAN"), bucket: str = 
                                      "throughput and occupancy beside the plan's bytes and FLOPs and the "
                                      "event-timed GB/s of the same op"),
             kernel: Optional[str] = typer.Option(None, help="--ncu: only kernels whose name matches this regex"),
+            all_metrics: bool = typer.Option(False, help="--ncu: DRAM %, SM % and occupancy too (more replay "
+                                             "passes per kernel; DRAM bytes and time take one)"),
             layers: Optional[int] = typer.Option(None, help="--ncu: profile decoder layers 0..N-1 and the ops "
                                                  "outside the layers (embedding, head); 0: every layer; default 2"),
             out: Optional[Path] = typer.Option(None, help="--nsys / --ncu: report path (default xserv-BUCKET for "
@@ -317,7 +319,7 @@ def profile(plan_dir: Path = typer.Argument(..., metavar="PLAN"), bucket: str = 
     if nsys or ncu:
         from xserv_aot.runtime.nsight import run_ncu, run_nsys
         typer.echo(run_nsys(plan_dir, bucket, context, out) if nsys
-                   else run_ncu(plan_dir, bucket, context, kernel, layers, out))
+                   else run_ncu(plan_dir, bucket, context, kernel, layers, out, all_metrics))
         return
     from xserv_aot.runtime.select import require_gpu
 

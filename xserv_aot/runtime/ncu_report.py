@@ -27,8 +27,10 @@ TIME, DRAM_READ, DRAM_WRITE = "gpu__time_duration.sum", "dram__bytes_read.sum", 
 DRAM_PCT = "dram__throughput.avg.pct_of_peak_sustained_elapsed"
 SM_PCT = "sm__throughput.avg.pct_of_peak_sustained_elapsed"
 OCCUPANCY = "sm__warps_active.avg.pct_of_peak_sustained_active"
-NCU_METRICS = (TIME, DRAM_READ, DRAM_WRITE, DRAM_PCT, SM_PCT, OCCUPANCY)
-DEFAULT_LAYERS = 2                                   # decode_64 of Qwen3-8B: ~25 kernels under ncu
+NCU_METRICS = (TIME, DRAM_READ, DRAM_WRITE)            # one replay pass per kernel
+EXTRA_METRICS = (DRAM_PCT, SM_PCT, OCCUPANCY)           # --all-metrics: more passes, each saving and restoring the
+                                                        # memory the kernel may write (slow with a large KV pool)
+DEFAULT_LAYERS = 2                          # decode_64 of Qwen3-8B: 23 of its 331 kernels
 AGREE_MIN_BYTES, AGREE_TOLERANCE = 4e6, 0.10
 LIBRARY_KERNELS = {"gemm_library": "cutlass"}      # a library call's kernels: names containing this
 UNITS = {"nsecond": 1e-9, "ns": 1e-9, "usecond": 1e-6, "us": 1e-6, "msecond": 1e-3, "ms": 1e-3, "second": 1.0,
@@ -36,11 +38,19 @@ UNITS = {"nsecond": 1e-9, "ns": 1e-9, "usecond": 1e-6, "us": 1e-6, "msecond": 1e
 TIMING = {"graph": "events inside one graph replay", "eager": "events between eager launches"}
 
 
+def op_layers(bucket) -> list[int | None]:
+    """Each op's decoder layer (roofline.op_layer); an op without one between two ops of the same layer (silu_mul
+    between gate_up and down) is of that layer."""
+    own = [op_layer(op) for op in bucket.ops]
+    return [x if x is not None or i in (0, len(own) - 1) or own[i - 1] != own[i + 1] else own[i - 1]
+            for i, x in enumerate(own)]
+
+
 def profiled_ops(bucket, layers: int) -> set[int]:
     """The launching ops `--layers N` profiles: those of decoder layers 0..N-1 and those outside the layers
     (embedding, final norm, head, sampling); every launching op for 0."""
-    return {i for i, op in enumerate(bucket.ops) if launches(op)
-            and (layers == 0 or op_layer(op) is None or op_layer(op) < layers)}
+    return {i for i, (op, layer) in enumerate(zip(bucket.ops, op_layers(bucket))) if launches(op)
+            and (layers == 0 or layer is None or layer < layers)}
 
 
 @dataclass
@@ -83,12 +93,12 @@ def _csv_rows(text: str):
 
 
 def parse_ncu_csv(text: str) -> list[KernelMetrics]:
-    """Kernels in launch order, with the NCU_METRICS ncu gave a number for, in base units (rows of other sections
-    and "n/a" values are left out)."""
+    """Kernels in launch order, with the NCU_METRICS and EXTRA_METRICS ncu gave a number for, in base units (rows
+    of other sections and "n/a" values are left out)."""
     kernels: dict[int, KernelMetrics] = {}
     for row in _csv_rows(text):
         k = kernels.setdefault(int(row["ID"]), KernelMetrics(int(row["ID"]), row["Kernel Name"]))
-        if row["Metric Name"] in NCU_METRICS and _is_number(row["Metric Value"]):
+        if row["Metric Name"] in NCU_METRICS + EXTRA_METRICS and _is_number(row["Metric Value"]):
             k.metrics[row["Metric Name"]] = _number(row["Metric Value"], row.get("Metric Unit") or "")
     return [kernels[i] for i in sorted(kernels)]
 
@@ -160,6 +170,18 @@ def agreement(ratios: list[float]) -> str:
             f"DRAM GB/s within {AGREE_TOLERANCE:.0%} of the event-timed GB/s{spread}")
 
 
+def _pct(metrics: dict, name: str) -> str:
+    return f"{metrics[name]:6.1f}" if name in metrics else f"{'-':>6}"
+
+
+def range_name(renamed: str, kernel: str) -> str:
+    """The NVTX range of a kernel from its --print-nvtx-rename name ("RANGE/KERNEL" on ncu 2025.3); "-" when ncu
+    left the kernel's name as it was (no range)."""
+    if renamed == kernel:
+        return "-"
+    return renamed.removesuffix("/" + kernel)
+
+
 def format_ncu(plan, bucket, context: int, kernels: list[KernelMetrics], kernel_filter: str | None = None,
                layers: int = 0, events: dict | None = None, nvtx_names: dict[int, str] | None = None) -> str:
     """One row per profiled kernel: ncu's time, DRAM GB/s (read + write bytes / time), DRAM and SM throughput and
@@ -195,10 +217,9 @@ def format_ncu(plan, bucket, context: int, kernels: list[KernelMetrics], kernel_
             cols = (f"{nbytes / 1e6:8.2f} {flops / 1e9:8.3f} {ms * 1e3 if ms else 0:8.2f} {ev_gbs:8.0f} "
                     f"{ratio if ratio is not None else 0:6.2f}")
         rng = nvtx_names.get(k.id, k.name)
-        named += i is not None and op_name(bucket.name, i, op) in rng
+        named += i is not None and range_name(rng, k.name) == op_name(bucket.name, i, op)
         lines.append(f"{'' if i is None else i:>4} {k.name[:36]:36s} {t * 1e6:8.2f} {k.dram_gb_per_s:9.0f} "
-                     f"{m.get(DRAM_PCT, 0):6.1f} {m.get(SM_PCT, 0):6.1f} {m.get(OCCUPANCY, 0):6.1f} {cols} "
-                     f"{rng if rng != k.name else '-'}")
+                     f"{_pct(m, DRAM_PCT)} {_pct(m, SM_PCT)} {_pct(m, OCCUPANCY)} {cols} {range_name(rng, k.name)}")
     lines.append(agreement(ratios) + (f"; events: {TIMING[events['timing']]}" if events else
                                       "; no event times (the profiled child wrote none)"))
     lines.append(f"nvtx: {named} of {len(matched)} profiled kernels carry their op's NVTX range"

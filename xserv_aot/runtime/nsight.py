@@ -5,12 +5,17 @@ Both re-run `xserv-aot profile` under the tool (`python -m xserv_aot.cli`, so a 
 traces the usual per-op + graph profile of a bucket with NVTX ranges (`--trace cuda,nvtx`).
 
 ncu runs one eager step of the bucket (`--one-step`: profile.run_one_step) with the profiler on only for the ops
-ncu_report.profiled_ops picks (`--layers N`: the first N decoder layers and the ops outside the layers: embedding, final norm,
-head, sampling; the child brackets them with cuProfilerStart/Stop, `--profile-from-start off`), so an 8B model's
-~300 kernels cost ~25 kernel replays. `--clock-control none --cache-control all --nvtx`, ncu_report.NCU_METRICS, into an
-.ncu-rep report, read back twice with `--import ... --csv --page details --print-units base --print-metric-name name`
-(one row per kernel and metric: "ID", ..., "Kernel Name", ..., "Metric Name", "Metric Unit", "Metric Value"), then with
-`--print-nvtx-rename kernel` (each kernel named by its innermost NVTX push/pop range: the op's name, op_name).
+ncu_report.profiled_ops picks (`--layers N`: the first N decoder layers and the ops outside them: embedding, final
+norm, head, sampling; the child brackets them with cuProfilerStart/Stop, `--profile-from-start off`), with
+`--clock-control none --cache-control all --nvtx` and ncu_report.NCU_METRICS, which take one replay pass per kernel
+(all ~330 kernels of a decode_64 step of Qwen3-8B: 15 s for the whole process on the H200). `--all-metrics` adds
+EXTRA_METRICS (DRAM %, SM %, occupancy): more passes, and before each further pass ncu restores the memory the kernel
+may write, which the 8B plan's 110 GB of weights and KV pool make slow (last session: > 150 s for one step); keep
+--layers small with it. The report (.ncu-rep) is read back twice with `--import ... --csv --page details
+--print-units base --print-metric-name name` (one row per kernel and metric: "ID", ..., "Kernel Name", ...,
+"Metric Name", "Metric Unit", "Metric Value"), then with `--print-nvtx-rename kernel` (each kernel named
+"RANGE/KERNEL" by its innermost NVTX push/pop range: the op's name, op_name); kernels are matched to the plan by
+the first read's real names and paired with their ranges by ID.
 
 Before the profiled step, with the profiler off, the child times the same step with CUDA events inside one graph
 replay (profile.op_times) and writes the times to a JSON file: ncu_report.format_ncu sets them beside ncu's.
@@ -23,7 +28,8 @@ import sys
 from pathlib import Path
 
 from xserv_aot.errors import UsageError, XservError
-from xserv_aot.runtime.ncu_report import DEFAULT_LAYERS, NCU_METRICS, format_ncu, parse_kernel_names, parse_ncu_csv
+from xserv_aot.runtime.ncu_report import (DEFAULT_LAYERS, EXTRA_METRICS, NCU_METRICS, format_ncu, parse_kernel_names,
+                                          parse_ncu_csv)
 
 NCU_OPTIONS = ("--clock-control", "none", "--cache-control", "all", "--profile-from-start", "off", "--nvtx")
 
@@ -39,8 +45,9 @@ def nsys_command(plan_dir: Path, bucket: str, context: int, out: Path) -> list[s
 
 
 def ncu_command(plan_dir: Path, bucket: str, context: int, report: Path, events: Path,
-                layers: int = DEFAULT_LAYERS, kernel: str | None = None) -> list[str]:
-    cmd = ["ncu", *NCU_OPTIONS, "--metrics", ",".join(NCU_METRICS), "--export", str(report), "--force-overwrite"]
+                layers: int = DEFAULT_LAYERS, kernel: str | None = None, all_metrics: bool = False) -> list[str]:
+    metrics = NCU_METRICS + (EXTRA_METRICS if all_metrics else ())
+    cmd = ["ncu", *NCU_OPTIONS, "--metrics", ",".join(metrics), "--export", str(report), "--force-overwrite"]
     if kernel:
         cmd += ["--kernel-name", f"regex:{kernel}"]
     return cmd + _self_command(plan_dir, bucket, context) + ["--one-step", "--layers", str(layers),
@@ -100,7 +107,7 @@ def run_nsys(plan_dir: Path, bucket: str, context: int, out: Path | None) -> str
 
 
 def run_ncu(plan_dir: Path, bucket: str, context: int, kernel: str | None, layers: int | None = None,
-            out: Path | None = None) -> str:
+            out: Path | None = None, all_metrics: bool = False) -> str:
     """ncu on one step (ncu_command), its report read back (ncu_import_command, twice) and format_ncu's table;
     the report stays at --out (report_path), else in a temporary directory removed after. layers: None for
     DEFAULT_LAYERS."""
@@ -113,7 +120,7 @@ def run_ncu(plan_dir: Path, bucket: str, context: int, kernel: str | None, layer
         report = report_path(Path(out)) if out is not None else Path(d) / f"{bucket}.ncu-rep"
         report.parent.mkdir(parents=True, exist_ok=True)
         events_path = Path(d) / "events.json"
-        _run(ncu_command(plan_dir, bucket, context, report, events_path, layers, kernel), "ncu")
+        _run(ncu_command(plan_dir, bucket, context, report, events_path, layers, kernel, all_metrics), "ncu")
         kernels = parse_ncu_csv(_run(ncu_import_command(report), "ncu --import", capture=True))
         try:
             names = parse_kernel_names(_run(ncu_import_command(report, nvtx_names=True), "ncu --import", True))

@@ -217,7 +217,9 @@ def format_ncu(plan, bucket, context: int, kernels: list[KernelMetrics], kernel_
             cols = (f"{nbytes / 1e6:8.2f} {flops / 1e9:8.3f} {ms * 1e3 if ms else 0:8.2f} {ev_gbs:8.0f} "
                     f"{ratio if ratio is not None else 0:6.2f}")
         rng = nvtx_names.get(k.id, k.name)
-        named += i is not None and range_name(rng, k.name) == op_name(bucket.name, i, op)
+        if i is not None:
+            want = op_name(bucket.name, i, op)
+            named += range_name(rng, k.name) == want or rng.startswith(want + "/")
         lines.append(f"{'' if i is None else i:>4} {k.name[:36]:36s} {t * 1e6:8.2f} {k.dram_gb_per_s:9.0f} "
                      f"{_pct(m, DRAM_PCT)} {_pct(m, SM_PCT)} {_pct(m, OCCUPANCY)} {cols} {range_name(rng, k.name)}")
     lines.append(agreement(ratios) + (f"; events: {TIMING[events['timing']]}" if events else

@@ -12,6 +12,9 @@ BATCHED_ATTN_KERNEL = "tc"   # tc: kernels/attention_decode_tc.cu (tensor cores)
 BATCHED_ATTN_TILE = 64       # keys per tile of either kernel (cc instantiates 64 and 32, tc 64)
 BATCHED_ATTN_STAGES = 2      # tiles in the cp.async ring (cc: 2; tc: 2, 3, 4)
 BATCHED_ATTN_BLOCKS = 4 * 132  # splits per seq chosen so a full bucket launches about this many blocks
+PREFILL_ATTN_VARIANTS = ("v1", "w8s2", "w8s3", "w4s2", "w4s3")  # v1: 64 rows, synchronous tiles; wWsS: pipelined
+PREFILL_ATTN_KERNEL = "w8s2"   # W warps (16 W query rows a block), S-tile cp.async ring (kernels/attention_prefill.cu)
+PREFILL_ATTN_KEYS = 64         # keys per K/V tile of either kernel
 
 
 def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, tail: list) -> LaunchRecord:
@@ -30,6 +33,20 @@ def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, 
                             i32(op.rows), i32(m["num_heads"]), i32(nkv), *tail])
 
 
+def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, variant: str = PREFILL_ATTN_KERNEL,
+                        min_rows: int = 2) -> LaunchRecord:
+    """The flash prefill kernel over every seq of >= min_rows query rows; it zeroes the rows no seq covers."""
+    nh, hd = m["num_heads"], m["head_dim"]
+    args = common + [ptr(op.out), i32(op.rows), i32(op.num_seqs), i32(nh), i32(m["num_kv_heads"]), *tail,
+                     i32(min_rows)]
+    if variant == "v1":
+        return launch(f"attn_prefill_hd{hd}", [-(-op.rows // 64) + op.num_seqs, nh], [128], 0, args)
+    warps, stages = (int(x) for x in variant[1:].split("s"))
+    smem = stages * 2 * PREFILL_ATTN_KEYS * (hd + 8) * 2              # K and V tiles, rows padded to hd + 8
+    return launch(f"attn_prefill_{variant}_hd{hd}", [nh, -(-op.rows // (16 * warps)) + op.num_seqs], [32 * warps],
+                  smem, args)
+
+
 def plan_attention(op: Attention, kind: str, m: dict, attn: dict, block_size: int, max_blocks: int,
                    num_slots: int) -> KernelChoice:
     """Decode buckets: split-KV kernel (few seqs) or the batched flash-decoding kernel. Prefill buckets: the
@@ -46,6 +63,5 @@ def plan_attention(op: Attention, kind: str, m: dict, attn: dict, block_size: in
     dec = batched_attn_launch(op, m, attn["max_seq_len"], common, tail)
     if kind == "decode":
         return KernelChoice(dec.fn, (dec,), splits=dec.grid[2])
-    pre = launch(f"attn_prefill_hd{hd}", [-(-op.rows // 64) + op.num_seqs, nh], [128], 0,
-                 common + [ptr(op.out), i32(op.rows), i32(op.num_seqs), i32(nh), i32(nkv), *tail, i32(2)])
+    pre = prefill_attn_launch(op, m, common, tail)
     return KernelChoice(pre.fn, (pre, dec), splits=dec.grid[2])

@@ -261,7 +261,7 @@ def bench_prefill(args) -> None:
     nh, nkv, hd, bs = 32, 8, 128, 16
     G, scale = nh // nkv, hd ** -0.5
     torch.zeros(1, device="cuda")
-    kern = Kernels("attention_prefill.cu")
+    kern = Kernels("attention_prefill.cu", "attention_prefill_pipe.cu")
     gen = torch.Generator(device="cuda").manual_seed(1234)
     variants = args.variants.split(",") if args.variants else list(attention_plan.PREFILL_ATTN_VARIANTS)
     cases = [[int(L)] * int(N) for N, L in (c.split("x") if "x" in c else ("1", c) for c in args.prompts.split(","))]
@@ -308,7 +308,7 @@ def bench_prefill(args) -> None:
         name = f"{len(lens_list)}x{lens_list[0]}"
         for var in variants:
             rec = attention_plan.prefill_attn_launch(op, m, [], [], var)
-            fn = kern.fn("attention_prefill.cu", rec.fn, rec.smem)
+            fn = kern.fn("attention_prefill.cu" if var == "v1" else "attention_prefill_pipe.cu", rec.fn, rec.smem)
             lp = Launch(rec.fn, fn, rec.grid, rec.block, rec.smem,
                         ptrs + [("ptr", out.data_ptr()), ("i32", T), ("i32", S), ("i32", nh), ("i32", nkv), *tail,
                                 ("i32", 2)], pdl=False)

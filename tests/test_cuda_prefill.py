@@ -46,8 +46,11 @@ def prefill_launch(variant, seqs, T, nh, nkv, hd, dev, out, min_rows):
     return rec, args
 
 
-@pytest.mark.parametrize("variant", attention_plan.PREFILL_ATTN_VARIANTS)
-@pytest.mark.parametrize("hd,nh,nkv", [(128, 32, 8), (64, 9, 3)])
+SHAPES = [(v, 128, 32, 8) for v in attention_plan.PREFILL_ATTN_VARIANTS] + \
+         [(v, 64, 9, 3) for v in attention_plan.PREFILL_ATTN_BOTH_HD]           # (variant, hd, nh, nkv)
+
+
+@pytest.mark.parametrize("variant,hd,nh,nkv", SHAPES)
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("min_rows", [1, 2])
 def test_prefill_attention(lib, rng, variant, hd, nh, nkv, case, min_rows):

@@ -23,15 +23,18 @@ def op(rows, num_seqs, hd=128):
 def test_prefill_bucket_runs_the_default_variant_then_the_batched_decode_kernel():
     choice = ap.plan_attention(op(2048, 256), "prefill", MODEL, {"max_seq_len": 8192}, 16, 512, 640000)
     pre, dec = choice.launch
-    assert pre.fn == f"attn_prefill_{ap.PREFILL_ATTN_KERNEL}_hd128" and ap.PREFILL_ATTN_KERNEL in ap.PREFILL_ATTN_VARIANTS
+    assert pre.fn == f"attn_prefill_{ap.PREFILL_ATTN_KERNEL}_hd128"
+    assert ap.PREFILL_ATTN_KERNEL in ap.PREFILL_ATTN_BOTH_HD, "the default is built for every head size"
     assert dec.fn.startswith("attn_decode_")
     assert pre.args[-1] == ("i32", 2), "min_rows 2: one-row seqs are the decode kernel's"
 
 
-@pytest.mark.parametrize("variant", ap.PREFILL_ATTN_VARIANTS)
-@pytest.mark.parametrize("hd", [64, 128])
+BUILT = [(v, 128) for v in ap.PREFILL_ATTN_VARIANTS] + [(v, 64) for v in ap.PREFILL_ATTN_BOTH_HD]
+
+
+@pytest.mark.parametrize("variant,hd", BUILT)
 def test_every_variant_launches_a_built_kernel_with_its_argument_kinds(variant, hd):
-    sigs = sg.kernel_signatures("attention_prefill.cu")
+    sigs = {**sg.kernel_signatures("attention_prefill.cu"), **sg.kernel_signatures("attention_prefill_pipe.cu")}
     m = dict(MODEL, head_dim=hd)
     common = [("ptr", "q"), ("kv", 3), ("ptr", "qsl"), ("ptr", "lens"), ("ptr", "bt")]
     tail = [("i32", 16), ("i32", 512), ("i32", 640000), ("f32", hd ** -0.5)]
@@ -40,6 +43,8 @@ def test_every_variant_launches_a_built_kernel_with_its_argument_kinds(variant, 
     kinds = ["ptr" if k == "kv" else k for k, _ in rec.args]
     assert kinds == [p["type"] for p in sigs[rec.fn]]
     assert rec.smem <= H200_SMEM_PER_BLOCK and rec.block[0] in (128, 256)
+    assert set(sigs) == {"attn_prefill_hd64", "attn_prefill_hd128"} | {f"attn_prefill_{v}_hd{h}" for v, h in BUILT
+                                                                       if v != "v1"}, "built == listed"
     assert rec.grid[1] <= 65535
 
 
@@ -47,7 +52,7 @@ def test_every_variant_launches_a_built_kernel_with_its_argument_kinds(variant, 
 def test_grid_covers_every_query_tile_of_any_split_of_the_rows(variant, seed):
     rng = np.random.default_rng(seed)
     rec = ap.prefill_attn_launch(op(1000, 16), MODEL, [], [], variant)
-    rows_per_tile = 64 if variant == "v1" else 16 * int(variant[1:].split("s")[0])
+    rows_per_tile = 64 if variant == "v1" else 16 * rec.block[0] // 32 * int(variant.split("m")[1].split("k")[0])
     tile_blocks = rec.grid[0] if variant == "v1" else rec.grid[1]
     heads = rec.grid[1] if variant == "v1" else rec.grid[0]
     assert heads == 32

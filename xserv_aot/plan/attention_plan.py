@@ -4,6 +4,8 @@ prefill buckets the flash prefill kernel plus the batched decode kernel on the o
 mixed step. Constants here are the H200 sweep's choices (docs/cuda-notes.md)."""
 from __future__ import annotations
 
+import re
+
 from xserv_aot.plan.launch_records import f32, i32, kernel, kv, launch, ptr
 from xserv_aot.plan.op_records import Attention, KernelChoice, LaunchRecord
 
@@ -12,9 +14,13 @@ BATCHED_ATTN_KERNEL = "tc"   # tc: kernels/attention_decode_tc.cu (tensor cores)
 BATCHED_ATTN_TILE = 64       # keys per tile of either kernel (cc instantiates 64 and 32, tc 64)
 BATCHED_ATTN_STAGES = 2      # tiles in the cp.async ring (cc: 2; tc: 2, 3, 4)
 BATCHED_ATTN_BLOCKS = 4 * 132  # splits per seq chosen so a full bucket launches about this many blocks
-PREFILL_ATTN_VARIANTS = ("v1", "w8s2", "w8s3", "w4s2", "w4s3")  # v1: 64 rows, synchronous tiles; wWsS: pipelined
-PREFILL_ATTN_KERNEL = "w8s2"   # W warps (16 W query rows a block), S-tile cp.async ring (kernels/attention_prefill.cu)
-PREFILL_ATTN_KEYS = 64         # keys per K/V tile of either kernel
+# Prefill attention: v1 (attention_prefill.cu: 64 rows a block, synchronous 64-key tiles) or wWmMkKsS
+# (attention_prefill_pipe.cu: W warps of 16 M rows, K-key tiles in an S-deep cp.async ring), built for hd 128;
+# PREFILL_ATTN_BOTH_HD also for hd 64.
+PREFILL_ATTN_VARIANTS = ("v1", "w8m1k64s2", "w8m1k64s3", "w4m1k64s2", "w4m2k32s2", "w4m2k32s3", "w8m2k32s2")
+PREFILL_ATTN_BOTH_HD = ("v1", "w8m1k64s2", "w4m2k32s2")
+PREFILL_ATTN_KERNEL = "w4m2k32s2"
+_PIPE = re.compile(r"w(\d+)m(\d+)k(\d+)s(\d+)")
 
 
 def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, tail: list) -> LaunchRecord:
@@ -41,10 +47,10 @@ def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, varian
                      i32(min_rows)]
     if variant == "v1":
         return launch(f"attn_prefill_hd{hd}", [-(-op.rows // 64) + op.num_seqs, nh], [128], 0, args)
-    warps, stages = (int(x) for x in variant[1:].split("s"))
-    smem = stages * 2 * PREFILL_ATTN_KEYS * (hd + 8) * 2              # K and V tiles, rows padded to hd + 8
-    return launch(f"attn_prefill_{variant}_hd{hd}", [nh, -(-op.rows // (16 * warps)) + op.num_seqs], [32 * warps],
-                  smem, args)
+    warps, mt, keys, stages = (int(x) for x in _PIPE.fullmatch(variant).groups())
+    smem = stages * 2 * keys * (hd + 8) * 2                              # K and V tiles, rows padded to hd + 8
+    return launch(f"attn_prefill_{variant}_hd{hd}", [nh, -(-op.rows // (16 * warps * mt)) + op.num_seqs],
+                  [32 * warps], smem, args)
 
 
 def plan_attention(op: Attention, kind: str, m: dict, attn: dict, block_size: int, max_blocks: int,

@@ -36,17 +36,13 @@ __device__ __forceinline__ void attn_prefill_pipe_impl(
     // (results dropped); a warp with no row in the seq computes nothing (wpos_last -1).
     const int w0 = q0 + warp * WR;
     const int wpos_first = pos0 + min(w0, n - 1), wpos_last = w0 < n ? pos0 + min(w0 + WR - 1, n - 1) : -1;
-    int qrow[MT][2], pos[MT][2];
+    const int row_l = w0 + (lane >> 2);                          // row of m tile mt, half e: row_l + 16 mt + 8 e
     u32 qa[MT][KS][4];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-            qrow[mt][e] = w0 + mt * 16 + e * 8 + (lane >> 2);
-            pos[mt][e] = pos0 + min(qrow[mt][e], n - 1);
-        }
-        const u32* qra = reinterpret_cast<const u32*>(q + ((size_t)(qsl[seq] + pos[mt][0] - pos0) * nh + h) * HD);
-        const u32* qrb = reinterpret_cast<const u32*>(q + ((size_t)(qsl[seq] + pos[mt][1] - pos0) * nh + h) * HD);
+        const size_t ra = qsl[seq] + min(row_l + mt * 16, n - 1), rb = qsl[seq] + min(row_l + mt * 16 + 8, n - 1);
+        const u32* qra = reinterpret_cast<const u32*>(q + (ra * nh + h) * HD);
+        const u32* qrb = reinterpret_cast<const u32*>(q + (rb * nh + h) * HD);
 #pragma unroll
         for (int ks = 0; ks < KS; ks++) {
             const int c = ks * 8 + (lane & 3);
@@ -125,7 +121,8 @@ __device__ __forceinline__ void attn_prefill_pipe_impl(
 #pragma unroll
                     for (int c = 0; c < 2; c++) {
                         float& v = s[mt][j][2 * e + c];
-                        if (diag && kb + j * 8 + (lane & 3) * 2 + c > pos[mt][e]) v = NEG_INF;
+                        if (diag && j * 8 + (lane & 3) * 2 + c > pos0 + min(row_l + mt * 16 + e * 8, n - 1) - kb)
+                            v = NEG_INF;
                         mx = fmaxf(mx, v);
                     }
                 }
@@ -172,8 +169,9 @@ __device__ __forceinline__ void attn_prefill_pipe_impl(
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
             const float inv = 1.f / l;
-            if (qrow[mt][e] >= n) continue;
-            bf16* orow = out + ((size_t)(qsl[seq] + qrow[mt][e]) * nh + h) * HD + (lane & 3) * 2;
+            const int r = row_l + mt * 16 + e * 8;
+            if (r >= n) continue;
+            bf16* orow = out + ((size_t)(qsl[seq] + r) * nh + h) * HD + (lane & 3) * 2;
 #pragma unroll
             for (int t = 0; t < DT; t++)
                 *reinterpret_cast<u32*>(orow + t * 8) = pack2(o[mt][t][2 * e] * inv, o[mt][t][2 * e + 1] * inv);

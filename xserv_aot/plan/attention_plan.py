@@ -19,7 +19,7 @@ BATCHED_ATTN_BLOCKS = 4 * 132  # splits per seq chosen so a full bucket launches
 # PREFILL_ATTN_BOTH_HD also for hd 64.
 PREFILL_ATTN_VARIANTS = ("v1", "w8m1k64s2", "w8m1k64s3", "w4m1k64s2", "w4m2k32s2", "w4m2k32s3", "w8m2k32s2")
 PREFILL_ATTN_BOTH_HD = ("v1", "w8m1k64s2", "w4m2k32s2")
-PREFILL_ATTN_KERNEL = "w4m2k32s2"
+PREFILL_ATTN_KERNEL = "w8m1k64s2"
 _PIPE = re.compile(r"w(\d+)m(\d+)k(\d+)s(\d+)")
 
 

@@ -3,9 +3,10 @@
 // no seq covers zeroed). attn_prefill_w{W}m{MT}k{KT}s{S}_hd{HD}: W warps of 16 MT query rows each (MT m16 tiles
 // sharing every K/V fragment), one seq and one q head a block; K/V tiles of KT keys stream through an S-deep
 // cp.async ring in dynamic shared memory (S x 2 x KT x (HD + 8) bf16); K fragments by ldmatrix, V by ldmatrix.trans,
-// P stays in registers; scale folded into exp2; a warp skips the tiles after its last row and masks only those
-// past its first. Grid (nh, ceil(T / (16 W MT)) + num_seqs): block y takes the y-th (seq, tile) pair, a seq's
-// tiles in reverse (its longest rows first); every block zeroes uncovered rows r with r % gridDim.y == y.
+// P stays in registers (bf16 by cvt.rn.bf16x2); scale folded into exp2 (ex2.approx); o rescaled only when a row
+// max moved; a warp skips the tiles after its last row and masks only those past its first.
+// Grid (nh, ceil(T / (16 W MT)) + num_seqs): block y takes the y-th (seq, tile) pair, a seq's tiles in reverse
+// (its longest rows first); every block zeroes uncovered rows r with r % gridDim.y == y.
 #include "prefill_tiles.cuh"
 
 template <int HD, int W, int MT, int KT, int STAGES>
@@ -111,38 +112,48 @@ __device__ __forceinline__ void attn_prefill_pipe_impl(
         }
         const bool diag = kb + KT - 1 > wpos_first;              // the diagonal: mask keys after each row
         u32 pf[MT][KT / 16][4];                                  // P as bf16 A fragments
+        float corr[MT][2];
+        bool moved = false;
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
             for (int e = 0; e < 2; e++) {
+                const int lim = pos0 + min(row_l + mt * 16 + e * 8, n - 1) - kb - (lane & 3) * 2;
                 float mx = NEG_INF;
 #pragma unroll
                 for (int j = 0; j < NJ; j++) {
 #pragma unroll
                     for (int c = 0; c < 2; c++) {
                         float& v = s[mt][j][2 * e + c];
-                        if (diag && j * 8 + (lane & 3) * 2 + c > pos0 + min(row_l + mt * 16 + e * 8, n - 1) - kb)
-                            v = NEG_INF;
+                        if (diag && j * 8 + c > lim) v = NEG_INF;
                         mx = fmaxf(mx, v);
                     }
                 }
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
                 const float nm = fmaxf(m_r[mt][e], mx * sl2);    // finite: key 0 is always visible
-                const float corr = exp2f(m_r[mt][e] - nm);
+                corr[mt][e] = nm != m_r[mt][e] ? ex2_approx(m_r[mt][e] - nm) : 1.f;
+                moved |= nm != m_r[mt][e];
                 m_r[mt][e] = nm;
                 float sum = 0.f;
 #pragma unroll
                 for (int j = 0; j < NJ; j++) {
-                    const float p0 = exp2f(fmaf(s[mt][j][2 * e], sl2, -nm));
-                    const float p1 = exp2f(fmaf(s[mt][j][2 * e + 1], sl2, -nm));
+                    const float p0 = ex2_approx(fmaf(s[mt][j][2 * e], sl2, -nm));
+                    const float p1 = ex2_approx(fmaf(s[mt][j][2 * e + 1], sl2, -nm));
                     sum += p0 + p1;
-                    pf[mt][j / 2][(j & 1) * 2 + e] = pack2(p0, p1);
+                    pf[mt][j / 2][(j & 1) * 2 + e] = pack2_rn(p0, p1);
                 }
-                l_r[mt][e] = l_r[mt][e] * corr + sum;
-#pragma unroll
-                for (int t = 0; t < DT; t++) { o[mt][t][2 * e] *= corr; o[mt][t][2 * e + 1] *= corr; }
+                l_r[mt][e] = l_r[mt][e] * corr[mt][e] + sum;
             }
+        }
+        if (__any_sync(0xffffffffu, moved)) {                    // rescale o only when some row's max moved
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int t = 0; t < DT; t++) {
+                    o[mt][t][0] *= corr[mt][0]; o[mt][t][1] *= corr[mt][0];
+                    o[mt][t][2] *= corr[mt][1]; o[mt][t][3] *= corr[mt][1];
+                }
         }
 
         const int qm = lane >> 3, r8 = lane & 7;

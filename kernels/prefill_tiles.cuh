@@ -38,3 +38,16 @@ __device__ __forceinline__ void find_tile(const int* __restrict__ qsl, int num_s
     seq = found_seq;
     tile = found_tile;
 }
+
+// Two finite floats to bf16 (round to nearest even, as pack2) in one instruction; lo in the low half.
+__device__ __forceinline__ u32 pack2_rn(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+// 2^x on the SFU (one instruction; subnormal results flush to 0, exp2(-inf) = 0).
+__device__ __forceinline__ float ex2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}

@@ -17,7 +17,8 @@ BATCHED_ATTN_BLOCKS = 4 * 132  # splits per seq chosen so a full bucket launches
 # Prefill attention: v1 (attention_prefill.cu: 64 rows a block, synchronous 64-key tiles) or wWmMkKsS
 # (attention_prefill_pipe.cu: W warps of 16 M rows, K-key tiles in an S-deep cp.async ring), built for hd 128;
 # PREFILL_ATTN_BOTH_HD also for hd 64.
-PREFILL_ATTN_VARIANTS = ("v1", "w8m1k64s2", "w8m1k64s3", "w4m1k64s2", "w4m2k32s2", "w4m2k32s3", "w8m2k32s2")
+PREFILL_ATTN_VARIANTS = ("v1", "w8m1k64s2", "w8m1k64s3", "w4m1k64s2", "w4m2k32s2", "w4m2k32s3", "w8m2k32s2",
+                         "w4m2k16s3", "w4m2k16s4")
 PREFILL_ATTN_BOTH_HD = ("v1", "w8m1k64s2", "w4m2k32s2")
 PREFILL_ATTN_KERNEL = "w8m1k64s2"
 _PIPE = re.compile(r"w(\d+)m(\d+)k(\d+)s(\d+)")

@@ -51,6 +51,7 @@ __device__ __forceinline__ void attn_prefill_pipe_impl(
         }
     }
     const int* bt = block_tables + (size_t)seq * max_blocks;
+    const int bs_log2 = __ffs(block_size) - 1;                   // block_size is a power of two (BuildConfig)
     const bf16* kv_head = kv_layer + (size_t)kvh * HD;
     auto load_tile = [&](int kt) {                               // keys past max_pos are zero-filled
         bf16* ks = kv_ring + (kt % STAGES) * 2 * TILE;
@@ -58,7 +59,7 @@ __device__ __forceinline__ void attn_prefill_pipe_impl(
         for (int i = 0; i < KT * (HD / 8) / NT; i++) {
             const int c = tid + i * NT, kr = c / (HD / 8), kc = (c % (HD / 8)) * 8, p = kt * KT + kr;
             const bool ok = p <= max_pos;
-            const size_t slot = ok ? (size_t)bt[p / block_size] * block_size + p % block_size : 0;
+            const size_t slot = ok ? ((size_t)bt[p >> bs_log2] << bs_log2) + (p & (block_size - 1)) : 0;
             const bf16* kp = kv_head + slot * kv_stride + kc;
             cp_async16(ks + kr * LD + kc, kp, ok ? 16 : 0);
             cp_async16(ks + TILE + kr * LD + kc, kp + v_off, ok ? 16 : 0);

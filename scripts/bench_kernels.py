@@ -268,7 +268,7 @@ def bench_prefill(args) -> None:
     cases = [(c, len(c)) for c in cases] + [([640], 256)]
     print(f"prefill attention, Qwen3-8B shape (nh {nh}, nkv {nkv}, hd {hd}), block_size {bs}; ms per layer; "
           f"TFLOP/s = 4 * sum(keys attended) * hd * nh / t, vs 790 dense bf16; "
-          f"plan default {attention_plan.PREFILL_ATTN_KERNEL}")
+          f"plan default {attention_plan.PREFILL_ATTN_KERNEL[hd]}")
     print(f"{'prompts':>10} {'S':>4} {'variant':8} {'ms':>8} {'TFLOP/s':>8} {'%790':>5} {'err':>8}")
     for lens_list, S in cases:
         T = sum(lens_list)

@@ -20,7 +20,8 @@ BATCHED_ATTN_BLOCKS = 4 * 132  # splits per seq chosen so a full bucket launches
 PREFILL_ATTN_VARIANTS = ("v1", "w8m1k64s2", "w8m1k64s3", "w4m1k64s2", "w4m2k32s2", "w4m2k32s3", "w8m2k32s2",
                          "w4m2k16s3", "w4m2k16s4")
 PREFILL_ATTN_BOTH_HD = ("v1", "w8m1k64s2", "w4m2k32s2")
-PREFILL_ATTN_KERNEL = "w8m1k64s2"
+PREFILL_ATTN_KERNEL = {128: "w4m2k16s4"}   # per head size: the H200 winner at 2k - 8k tokens (docs/cuda-notes.md)
+PREFILL_ATTN_OTHER_HD = "w8m1k64s2"         # head sizes without a sweep (hd 64: tested, not timed)
 _PIPE = re.compile(r"w(\d+)m(\d+)k(\d+)s(\d+)")
 
 
@@ -40,10 +41,12 @@ def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, 
                             i32(op.rows), i32(m["num_heads"]), i32(nkv), *tail])
 
 
-def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, variant: str = PREFILL_ATTN_KERNEL,
+def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, variant: str | None = None,
                         min_rows: int = 2) -> LaunchRecord:
-    """The flash prefill kernel over every seq of >= min_rows query rows; it zeroes the rows no seq covers."""
+    """The flash prefill kernel (variant: the head size's default) over every seq of >= min_rows query rows; it
+    zeroes the rows no seq covers."""
     nh, hd = m["num_heads"], m["head_dim"]
+    variant = variant or PREFILL_ATTN_KERNEL.get(hd, PREFILL_ATTN_OTHER_HD)
     args = common + [ptr(op.out), i32(op.rows), i32(op.num_seqs), i32(nh), i32(m["num_kv_heads"]), *tail,
                      i32(min_rows)]
     if variant == "v1":

@@ -25,7 +25,7 @@ def test_prefill_bucket_runs_the_default_variant_then_the_batched_decode_kernel(
     pre, dec = choice.launch
     assert pre.fn == f"attn_prefill_{ap.PREFILL_ATTN_KERNEL[128]}_hd128"
     assert set(ap.PREFILL_ATTN_KERNEL.values()) <= set(ap.PREFILL_ATTN_VARIANTS)
-    assert ap.PREFILL_ATTN_OTHER_HD in ap.PREFILL_ATTN_BOTH_HD, "head sizes without a sweep get a kernel built for hd 64"
+    assert ap.PREFILL_ATTN_OTHER_HD in ap.PREFILL_ATTN_BOTH_HD, "unswept head sizes get a kernel built for hd 64"
     small = ap.plan_attention(op(256, 16, hd=64), "prefill", dict(MODEL, head_dim=64), {"max_seq_len": 8192}, 16, 512,
                               640000)
     assert small.launch[0].fn == f"attn_prefill_{ap.PREFILL_ATTN_OTHER_HD}_hd64"

@@ -5,7 +5,7 @@
 // covered by no seq (row >= qsl[num_seqs]), which every block does for rows r with r % gridDim.x == b.
 // Seqs with fewer than min_rows query rows are skipped (min_rows 2: a mixed step's decode rows, which
 // attention_decode_batched.cu computes in the same op).
-#include "common.cuh"
+#include "prefill_tiles.cuh"
 
 #define PF_Q 64
 #define PF_K 64
@@ -25,31 +25,8 @@ __device__ __forceinline__ void attn_prefill_impl(
     for (int r = covered + blockIdx.x; r < T; r += gridDim.x)
         for (int d = tid; d < HD; d += blockDim.x) out[((size_t)r * nh + h) * HD + d] = 0;
 
-    // Which (seq, tile) is block x: the 128 threads scan 128 seqs at a time (tile counts, block prefix sum).
-    __shared__ int scan_w[4], found_seq, found_tile;
-    if (tid == 0) found_seq = -1;
-    __syncthreads();
-    for (int base = 0, acc_tiles = 0; base < num_seqs; base += 128) {
-        const int i = base + tid;
-        const int n_i = i < num_seqs ? qsl[i + 1] - qsl[i] : 0;
-        const int nt = n_i >= min_rows && n_i > 0 ? (n_i + PF_Q - 1) / PF_Q : 0;
-        int incl = nt;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int v = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += v;
-        }
-        if (lane == 31) scan_w[warp] = incl;
-        __syncthreads();
-        for (int w = 0; w < warp; w++) incl += scan_w[w];
-        const int total = scan_w[0] + scan_w[1] + scan_w[2] + scan_w[3];
-        const int lo = acc_tiles + incl - nt;
-        if (nt > 0 && (int)blockIdx.x >= lo && (int)blockIdx.x < lo + nt) { found_seq = i; found_tile = blockIdx.x - lo; }
-        acc_tiles += total;
-        __syncthreads();
-        if (found_seq >= 0 || acc_tiles > (int)blockIdx.x) break;
-    }
-    const int seq = found_seq, tile = found_tile;
+    int seq, tile;
+    find_tile<128>(qsl, num_seqs, min_rows, PF_Q, blockIdx.x, seq, tile);
     if (seq < 0) return;
     const int n = qsl[seq + 1] - qsl[seq], Lc = seq_lens[seq], G = nh / nkv, kvh = h / G;
     const int q0 = tile * PF_Q;                                  // first query (within seq) of this tile

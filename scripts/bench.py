@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Qwen3-8B-shape benchmark on one GPU with dummy weights: batch-1 decode at context 128 / 4096, TTFT for
-128 / 1024 / 4096-token prompts, decode throughput at batch 8 / 32 / 64, per-op profile of decode_1, the
+128 / 1024 / 4096 / 8192-token prompts, decode throughput at batch 8 / 32 / 64, per-op profile of decode_1, the
 bandwidth roofline, and HF transformers (static cache + torch.compile) as the peer, in the same run.
 
   python3 scripts/bench.py --plan PLAN_DIR --out docs/benchmarks/DATE-qwen3-8b-h200.md [--hf]
@@ -99,7 +99,7 @@ def bench_ours(plan, res: dict, steps: int) -> None:
             t = step_times(runner, decode_batch(plan, b, 256), max(steps // 2, 10))
             res[f"decode_b{b}_ctx256"] = {"ms_per_step": float(np.median(t)), "tok_per_s": b * 1e3 / float(np.median(t))}
             log(f"decode b{b} ctx 256: {np.median(t):.3f} ms/step = {b * 1e3 / np.median(t):.0f} tok/s")
-        for n in (128, 1024, 4096):
+        for n in (128, 1024, 4096, 8192):
             if n <= plan.build.max_seq_len:
                 res[f"ttft_{n}"] = ttft(runner, n)
                 log(f"TTFT {n}: {res[f'ttft_{n}']:.1f} ms")
@@ -317,7 +317,7 @@ def report(res: dict, args, plan) -> str:
         r = d.get(f"decode_b{b}_ctx256")
         if r:
             lines.append(f"| decode batch {b}, context 256 | {r['ms_per_step']:.3f} | {r['tok_per_s']:.0f} | |")
-    for n in (128, 1024, 4096):
+    for n in (128, 1024, 4096, 8192):
         if f"ttft_{n}" in d:
             lines.append(f"| TTFT, {n}-token prompt | {d[f'ttft_{n}']:.1f} | | |")
     hf = d.get("hf_decode_b1_ctx128")

@@ -3,6 +3,7 @@
 
   python3 scripts/bench_kernels.py gemm --lib PATH/libxserv_gemm.so [--rows 16,32,64,128,256]
   python3 scripts/bench_kernels.py attn [--batches 16,64,256 --contexts 256,1024,4096]
+  python3 scripts/bench_kernels.py prefill [--prompts 2048,4096,8192,4x1024 --variants v1,w8s2]
 
 gemm: every decode linear shape of Qwen3-8B (qkv, o, gate_up, down, lm_head) x rows: the CUTLASS swap-AB
 stream-K / split-K configs, the NVRTC skinny kernel (rows <= 64) and the CUTLASS tile configs (rows >= 128);
@@ -250,42 +251,77 @@ def bench_attn(args) -> None:
 
 
 def bench_prefill(args) -> None:
-    """The flash prefill kernel on one prompt of T tokens inside a bucket of S sequence slots (the rest empty),
-    alone and with the batched decode launch a mixed bucket adds: where a prefill bucket's attention time goes."""
+    """The flash prefill kernels (attention_plan.PREFILL_ATTN_VARIANTS, launched with the plan's geometry) on
+    causal prompts over a shuffled paged KV: `--prompts 2048,4096,8192,4x1024` (N x L: N seqs of L new tokens),
+    plus a mixed-bucket case (one 640-token prompt in a bucket of 256 seq slots, the rest empty). Each output
+    poisoned, checked against torch float32 (per seq and q head); ms is one layer; causal TFLOP/s counts
+    4 x sum over queries of the keys each attends x head_dim x num_heads (QK^T and PV), against 790."""
+    from xserv_aot.plan import attention_plan
+    from xserv_aot.plan.op_records import Attention
     nh, nkv, hd, bs = 32, 8, 128, 16
+    G, scale = nh // nkv, hd ** -0.5
     torch.zeros(1, device="cuda")
-    kern = Kernels("attention_prefill.cu", "attention_decode_batched.cu")
-    pf = kern.fn("attention_prefill.cu", f"attn_prefill_hd{hd}")
-    smem = 2 * 2 * 64 * hd * 2
-    dec = kern.fn("attention_decode_batched.cu", "attn_decode_b_t64s2_hd128_g4", smem)
-    print(f"{'T':>5} {'S':>4} {'variant':24} {'ms':>8}")
-    for T in (640, 2048):
-        for S in (1, 64, 256):
-            blocks = -(-T // bs)
-            kv = torch.randn(2, (blocks + 1) * bs, nkv, hd, device="cuda").bfloat16()
-            q = torch.randn(T, nh, hd, device="cuda").bfloat16()
-            qsl = torch.full((S + 1,), T, dtype=torch.int32, device="cuda")
-            qsl[0] = 0
-            lens = torch.zeros(S, dtype=torch.int32, device="cuda")
-            lens[0] = T
-            bt = torch.zeros(S, 512, dtype=torch.int32, device="cuda")
-            bt[0, :blocks] = torch.arange(blocks, device="cuda")
-            out = torch.empty(T, nh * hd, device="cuda", dtype=torch.bfloat16)
-            po = torch.empty(S * nh * hd, device="cuda")
-            pml = torch.empty(S * nh * 2, device="cuda")
-            cnt = torch.zeros(S * nkv, dtype=torch.int32, device="cuda")
-            common = [("ptr", q.data_ptr()), ("ptr", kv.data_ptr()), ("ptr", qsl.data_ptr()), ("ptr", lens.data_ptr()),
-                      ("ptr", bt.data_ptr())]
-            lp = Launch("pf", pf, (-(-T // 64) + S, nh, 1), (128, 1, 1), 0,
-                        common + [("ptr", out.data_ptr()), ("i32", T), ("i32", S), ("i32", nh), ("i32", nkv),
-                                  ("i32", bs), ("i32", 512), ("i32", kv.shape[1]), ("f32", hd ** -0.5),
-                                  ("i32", 2)], pdl=False)
-            ld = Launch("dec", dec, (S, nkv, 1), (128, 1, 1), smem,
-                        common + [("ptr", po.data_ptr()), ("ptr", pml.data_ptr()), ("ptr", cnt.data_ptr()),
-                                  ("ptr", out.data_ptr()), ("i32", T), ("i32", nh), ("i32", nkv), ("i32", bs),
-                                  ("i32", 512), ("i32", kv.shape[1]), ("f32", hd ** -0.5)], pdl=False)
-            for name, body in (("prefill", lambda j: lp(stream())), ("decode launch (empty)", lambda j: ld(stream()))):
-                print(f"{T:5} {S:4} {name:24} {time_graph(body, 1):8.4f}", flush=True)
+    kern = Kernels("attention_prefill.cu", "attention_prefill_pipe.cu")
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    variants = args.variants.split(",") if args.variants else list(attention_plan.PREFILL_ATTN_VARIANTS)
+    cases = [[int(L)] * int(N) for N, L in (c.split("x") if "x" in c else ("1", c) for c in args.prompts.split(","))]
+    cases = [(c, len(c)) for c in cases] + [([640], 256)]
+    print(f"prefill attention, Qwen3-8B shape (nh {nh}, nkv {nkv}, hd {hd}), block_size {bs}; ms per layer; "
+          f"TFLOP/s = 4 * sum(keys attended) * hd * nh / t, vs 790 dense bf16; "
+          f"plan default {attention_plan.PREFILL_ATTN_KERNEL[hd]}")
+    print(f"{'prompts':>10} {'S':>4} {'variant':8} {'ms':>8} {'TFLOP/s':>8} {'%790':>5} {'err':>8}")
+    for lens_list, S in cases:
+        T = sum(lens_list)
+        blocks = [-(-L // bs) for L in lens_list]
+        max_blocks = max(blocks)
+        num_blocks = sum(blocks) + 3
+        kv = torch.randn(2, num_blocks * bs, nkv, hd, device="cuda", generator=gen).bfloat16()
+        q = torch.randn(T, nh, hd, device="cuda", generator=gen).bfloat16()
+        perm = torch.randperm(num_blocks, device="cuda", generator=gen).int()
+        bt = torch.zeros(S, max_blocks, dtype=torch.int32, device="cuda")
+        qsl = torch.full((S + 1,), T, dtype=torch.int32, device="cuda")
+        lens = torch.zeros(S, dtype=torch.int32, device="cuda")
+        used = 0
+        for i, L in enumerate(lens_list):
+            bt[i, :blocks[i]] = perm[used:used + blocks[i]]
+            used += blocks[i]
+            qsl[i] = sum(lens_list[:i])
+            lens[i] = L
+        out = torch.empty(T, nh * hd, device="cuda", dtype=torch.bfloat16)
+        ref = torch.empty(T, nh, hd, device="cuda")
+        for i, L in enumerate(lens_list):
+            q0 = sum(lens_list[:i])
+            slots = (bt[i].long()[:, None] * bs + torch.arange(bs, device="cuda")).flatten()[:L]
+            mask = torch.ones(L, L, device="cuda", dtype=torch.bool).tril()
+            for h in range(nh):
+                k, v = kv[0, slots, h // G].float(), kv[1, slots, h // G].float()
+                sc = (q[q0:q0 + L, h].float() @ k.t() * scale).masked_fill(~mask, float("-inf"))
+                ref[q0:q0 + L, h] = sc.softmax(-1) @ v
+        ref = ref.view(T, nh * hd)
+        flops = 4 * sum(L * (L + 1) // 2 for L in lens_list) * hd * nh
+        op = Attention(q="q", kv_cache="kv_cache", layer=0, query_start_loc="qsl", seq_lens="lens",
+                       block_tables="bt", out="attn", rows=T, num_seqs=S, num_heads=nh, num_kv_heads=nkv,
+                       head_dim=hd, scale=scale)
+        m = {"num_heads": nh, "num_kv_heads": nkv, "head_dim": hd}
+        ptrs = [("ptr", q.data_ptr()), ("ptr", kv.data_ptr()), ("ptr", qsl.data_ptr()), ("ptr", lens.data_ptr()),
+                ("ptr", bt.data_ptr())]
+        tail = [("i32", bs), ("i32", max_blocks), ("i32", kv.shape[1]), ("f32", scale)]
+        name = f"{len(lens_list)}x{lens_list[0]}"
+        for var in variants:
+            rec = attention_plan.prefill_attn_launch(op, m, [], [], var)
+            fn = kern.fn("attention_prefill.cu" if var == "v1" else "attention_prefill_pipe.cu", rec.fn, rec.smem)
+            lp = Launch(rec.fn, fn, rec.grid, rec.block, rec.smem,
+                        ptrs + [("ptr", out.data_ptr()), ("i32", T), ("i32", S), ("i32", nh), ("i32", nkv), *tail,
+                                ("i32", 2)], pdl=False)
+            out.fill_(float("nan"))
+            lp(stream())
+            torch.cuda.synchronize()
+            err = rel_err(out, ref)
+            ms = time_graph(lambda j: lp(stream()), 1)
+            tf = flops / ms / 1e9
+            print(f"{name:>10} {S:4} {var:8} {ms:8.4f} {tf:8.1f} {100 * tf / 790:5.1f} {err:8.1e}", flush=True)
+        del kv, q, out, ref
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -295,6 +331,8 @@ def main() -> None:
     ap.add_argument("--rows", default="16,32,64,128,256")
     ap.add_argument("--batches", default="1,16,64,128,256")
     ap.add_argument("--contexts", default="256,1024,4096,8192")
+    ap.add_argument("--prompts", default="2048,4096,8192,4x1024", help="prefill: N x L or L (one seq)")
+    ap.add_argument("--variants", default=None, help="prefill: comma list of attention_plan.PREFILL_ATTN_VARIANTS")
     args = ap.parse_args()
     torch.cuda.init()
     {"gemm": bench_gemm, "attn": bench_attn, "prefill": bench_prefill}[args.what](args)

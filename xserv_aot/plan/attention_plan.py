@@ -4,6 +4,8 @@ prefill buckets the flash prefill kernel plus the batched decode kernel on the o
 mixed step. Constants here are the H200 sweep's choices (docs/cuda-notes.md)."""
 from __future__ import annotations
 
+import re
+
 from xserv_aot.plan.launch_records import f32, i32, kernel, kv, launch, ptr
 from xserv_aot.plan.op_records import Attention, KernelChoice, LaunchRecord
 
@@ -12,6 +14,15 @@ BATCHED_ATTN_KERNEL = "tc"   # tc: kernels/attention_decode_tc.cu (tensor cores)
 BATCHED_ATTN_TILE = 64       # keys per tile of either kernel (cc instantiates 64 and 32, tc 64)
 BATCHED_ATTN_STAGES = 2      # tiles in the cp.async ring (cc: 2; tc: 2, 3, 4)
 BATCHED_ATTN_BLOCKS = 4 * 132  # splits per seq chosen so a full bucket launches about this many blocks
+# Prefill attention: v1 (attention_prefill.cu: 64 rows a block, synchronous 64-key tiles) or wWmMkKsS
+# (attention_prefill_pipe.cu: W warps of 16 M rows, K-key tiles in an S-deep cp.async ring), built for hd 128;
+# PREFILL_ATTN_BOTH_HD also for hd 64.
+PREFILL_ATTN_VARIANTS = ("v1", "w8m1k64s2", "w8m1k64s3", "w4m1k64s2", "w4m2k32s2", "w4m2k32s3", "w8m2k32s2",
+                         "w4m2k16s3", "w4m2k16s4")
+PREFILL_ATTN_BOTH_HD = ("v1", "w8m1k64s2", "w4m2k32s2")
+PREFILL_ATTN_KERNEL = {128: "w4m2k16s4"}   # per head size: the H200 winner at 2k - 8k tokens (docs/cuda-notes.md)
+PREFILL_ATTN_OTHER_HD = "w8m1k64s2"         # head sizes without a sweep (hd 64: tested, not timed)
+_PIPE = re.compile(r"w(\d+)m(\d+)k(\d+)s(\d+)")
 
 
 def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, tail: list) -> LaunchRecord:
@@ -30,6 +41,22 @@ def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, 
                             i32(op.rows), i32(m["num_heads"]), i32(nkv), *tail])
 
 
+def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, variant: str | None = None,
+                        min_rows: int = 2) -> LaunchRecord:
+    """The flash prefill kernel (variant: the head size's default) over every seq of >= min_rows query rows; it
+    zeroes the rows no seq covers."""
+    nh, hd = m["num_heads"], m["head_dim"]
+    variant = variant or PREFILL_ATTN_KERNEL.get(hd, PREFILL_ATTN_OTHER_HD)
+    args = common + [ptr(op.out), i32(op.rows), i32(op.num_seqs), i32(nh), i32(m["num_kv_heads"]), *tail,
+                     i32(min_rows)]
+    if variant == "v1":
+        return launch(f"attn_prefill_hd{hd}", [-(-op.rows // 64) + op.num_seqs, nh], [128], 0, args)
+    warps, mt, keys, stages = (int(x) for x in _PIPE.fullmatch(variant).groups())
+    smem = stages * 2 * keys * (hd + 8) * 2                              # K and V tiles, rows padded to hd + 8
+    return launch(f"attn_prefill_{variant}_hd{hd}", [nh, -(-op.rows // (16 * warps * mt)) + op.num_seqs],
+                  [32 * warps], smem, args)
+
+
 def plan_attention(op: Attention, kind: str, m: dict, attn: dict, block_size: int, max_blocks: int,
                    num_slots: int) -> KernelChoice:
     """Decode buckets: split-KV kernel (few seqs) or the batched flash-decoding kernel. Prefill buckets: the
@@ -46,6 +73,5 @@ def plan_attention(op: Attention, kind: str, m: dict, attn: dict, block_size: in
     dec = batched_attn_launch(op, m, attn["max_seq_len"], common, tail)
     if kind == "decode":
         return KernelChoice(dec.fn, (dec,), splits=dec.grid[2])
-    pre = launch(f"attn_prefill_hd{hd}", [-(-op.rows // 64) + op.num_seqs, nh], [128], 0,
-                 common + [ptr(op.out), i32(op.rows), i32(op.num_seqs), i32(nh), i32(nkv), *tail, i32(2)])
+    pre = prefill_attn_launch(op, m, common, tail)
     return KernelChoice(pre.fn, (pre, dec), splits=dec.grid[2])

@@ -1,0 +1,66 @@
+"""The prefill attention launch of plan_attention (plan/attention_plan.py), every variant: the kernel exists in
+kernels/attention_prefill.cu with the op's argument kinds, the dynamic shared memory fits an H200 SM, and the
+grid has a (seq, tile) block for every query tile of any split of the rows into seqs. No GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from xserv_aot.plan import attention_plan as ap
+from xserv_aot.plan import signatures as sg
+from xserv_aot.plan.op_records import Attention
+
+H200_SMEM_PER_BLOCK = 227 * 1024
+MODEL = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+
+
+def op(rows, num_seqs, hd=128):
+    return Attention(q="q", kv_cache="kv_cache", layer=3, query_start_loc="qsl", seq_lens="lens", block_tables="bt",
+                     out="attn", rows=rows, num_seqs=num_seqs, num_heads=32, num_kv_heads=8, head_dim=hd,
+                     scale=hd ** -0.5)
+
+
+def test_prefill_bucket_runs_the_default_variant_then_the_batched_decode_kernel():
+    choice = ap.plan_attention(op(2048, 256), "prefill", MODEL, {"max_seq_len": 8192}, 16, 512, 640000)
+    pre, dec = choice.launch
+    assert pre.fn == f"attn_prefill_{ap.PREFILL_ATTN_KERNEL[128]}_hd128"
+    assert set(ap.PREFILL_ATTN_KERNEL.values()) <= set(ap.PREFILL_ATTN_VARIANTS)
+    assert ap.PREFILL_ATTN_OTHER_HD in ap.PREFILL_ATTN_BOTH_HD, "unswept head sizes get a kernel built for hd 64"
+    small = ap.plan_attention(op(256, 16, hd=64), "prefill", dict(MODEL, head_dim=64), {"max_seq_len": 8192}, 16, 512,
+                              640000)
+    assert small.launch[0].fn == f"attn_prefill_{ap.PREFILL_ATTN_OTHER_HD}_hd64"
+    assert dec.fn.startswith("attn_decode_")
+    assert pre.args[-1] == ("i32", 2), "min_rows 2: one-row seqs are the decode kernel's"
+
+
+BUILT = [(v, 128) for v in ap.PREFILL_ATTN_VARIANTS] + [(v, 64) for v in ap.PREFILL_ATTN_BOTH_HD]
+
+
+@pytest.mark.parametrize("variant,hd", BUILT)
+def test_every_variant_launches_a_built_kernel_with_its_argument_kinds(variant, hd):
+    sigs = {**sg.kernel_signatures("attention_prefill.cu"), **sg.kernel_signatures("attention_prefill_pipe.cu")}
+    m = dict(MODEL, head_dim=hd)
+    common = [("ptr", "q"), ("kv", 3), ("ptr", "qsl"), ("ptr", "lens"), ("ptr", "bt")]
+    tail = [("i32", 16), ("i32", 512), ("i32", 640000), ("f32", hd ** -0.5)]
+    rec = ap.prefill_attn_launch(op(8192, 256, hd), m, common, tail, variant)
+    assert rec.fn in sigs, rec.fn
+    kinds = ["ptr" if k == "kv" else k for k, _ in rec.args]
+    assert kinds == [p["type"] for p in sigs[rec.fn]]
+    assert rec.smem <= H200_SMEM_PER_BLOCK and rec.block[0] in (128, 256)
+    assert set(sigs) == {"attn_prefill_hd64", "attn_prefill_hd128"} | {f"attn_prefill_{v}_hd{h}" for v, h in BUILT
+                                                                       if v != "v1"}, "built == listed"
+    assert rec.grid[1] <= 65535
+
+
+@pytest.mark.parametrize("variant", ap.PREFILL_ATTN_VARIANTS)
+def test_grid_covers_every_query_tile_of_any_split_of_the_rows(variant, seed):
+    rng = np.random.default_rng(seed)
+    rec = ap.prefill_attn_launch(op(1000, 16), MODEL, [], [], variant)
+    rows_per_tile = 64 if variant == "v1" else 16 * rec.block[0] // 32 * int(variant.split("m")[1].split("k")[0])
+    tile_blocks = rec.grid[0] if variant == "v1" else rec.grid[1]
+    heads = rec.grid[1] if variant == "v1" else rec.grid[0]
+    assert heads == 32
+    for _ in range(200):
+        cuts = np.sort(rng.integers(0, 1001, 15))
+        n = np.diff(np.concatenate([[0], cuts, [1000]]))
+        assert sum(-(-int(x) // rows_per_tile) for x in n) <= tile_blocks, n.tolist()

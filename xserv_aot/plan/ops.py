@@ -53,7 +53,8 @@ def arena_buffers(m: ModelConfig, b: BuildConfig) -> dict[str, tuple[list[int], 
 
 
 def fp8_buffers(m: ModelConfig, b: BuildConfig, t: int) -> dict[str, tuple[list[int], str]]:
-    """W8A8 activations: a linear's input quantized per row and K-group (xq[m, :k], its scales xq_scale[m, :groups])."""
+    """W8A8 activations: a linear's input quantized per row and K-group (packed: [rows, k] and
+    [rows, groups] row-major from the buffers' start, docs/plan-format.md "FP8")."""
     if b.quantization != "fp8" or t <= FP8_W8A16_MAX_ROWS:
         return {}
     width = max(m.hidden_size, m.intermediate_size)

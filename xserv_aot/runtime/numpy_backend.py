@@ -150,8 +150,8 @@ class NumpyRank:
         bias, x, w = self.w[op.bias] if op.bias else None, self.buf[op.inp][:op.rows, :op.k], self.w[op.weight]
         if op.inp_scale:
             groups = fp8.groups(op.k, fp8.act_group(op.quant, op.k))
-            out = ops.linear_w8a8(x, self.buf[op.inp_scale][:op.rows, :groups], w, self.w[op.weight_scale],
-                                  op.quant, bias)
+            out = ops.linear_w8a8(self.packed(op.inp, op.rows, op.k), self.packed(op.inp_scale, op.rows, groups), w,
+                                  self.w[op.weight_scale], op.quant, bias)
         elif op.quant:
             out = ops.linear_w8a16(x, self.dequantized(op), bias)
         else:
@@ -167,8 +167,12 @@ class NumpyRank:
     def op_quantize_fp8(self, op):
         r, k = op.rows, op.k
         q, scale = ops.quantize_fp8(self.buf[op.inp][:r, :k], op.group)
-        self.buf[op.out][:r, :k] = q
-        self.buf[op.scale][:r, :scale.shape[1]] = scale
+        self.packed(op.out, r, k)[:] = q
+        self.packed(op.scale, r, scale.shape[1])[:] = scale
+
+    def packed(self, name: str, rows: int, cols: int) -> np.ndarray:
+        """The [rows, cols] row-major view at the start of a buffer (the W8A8 activations xq / xq_scale)."""
+        return self.buf[name].reshape(-1)[:rows * cols].reshape(rows, cols)
 
     def op_qk_norm_rope_cache(self, op):
         r, layer = op.rows, self.kv[op.layer]

@@ -36,6 +36,7 @@ SWAP_MIN_ROWS = 16           # decode rows 16..256: CUTLASS GEMMs by decode_gemm
 GEMM_ENTRY = "xserv_gemm_bf16"   # the CUTLASS library's C entry points (kernels/cutlass/gemm_sm90.cu)
 GEMM_ENTRY_EX = "xserv_gemm_bf16_ex"   # ... with splits and a workspace (the swap-AB decode configs)
 GEMM_SOURCE = KERNEL_DIR / "cutlass" / "gemm_sm90.cu"
+FP8_KERNELS = True           # FP8 linears and quantize_fp8 route to plan/fp8_build.py (plan.builder checks it)
 
 
 def add_arena_buffer(manifest: dict, name: str, shape: list[int], dtype: str) -> None:

@@ -284,8 +284,11 @@ def op_from_dict(d: dict, where: str = "op") -> Op:
     return cls(**{n: d[n] for n in names if n in d}, cuda=cuda)
 
 
+NOT_BUFFERS = ("kv_cache", "quant")
+
+
 def buffer_names(op: Op) -> list[str]:
-    """Arena buffers and weights an op names (its str fields but the KV cache)."""
+    """Arena buffers and weights an op names (its str fields but the KV cache and a linear's quant scheme)."""
     hints = typing.get_type_hints(type(op))
     return [getattr(op, f.name) for f in dataclasses.fields(op)
-            if hints[f.name] in (str, str | None) and f.name != "kv_cache" and getattr(op, f.name) is not None]
+            if hints[f.name] in (str, str | None) and f.name not in NOT_BUFFERS and getattr(op, f.name) is not None]

@@ -12,8 +12,9 @@ from xserv_aot.plan.tensor_parallel import local_model
 FP8_W8A16_MAX_ROWS = 64      # FP8 linears of at most this many rows read bf16 activations (W8A16), larger ones W8A8
 
 
-def arena_buffers(m: ModelConfig, b: BuildConfig) -> dict[str, tuple[list[int], str]]:
-    """One rank's arena (every rank's is the same): per-rank head / intermediate widths under tensor parallelism."""
+def arena_buffers(m: ModelConfig, b: BuildConfig, quantized: bool = False) -> dict[str, tuple[list[int], str]]:
+    """One rank's arena (every rank's is the same): per-rank head / intermediate widths under tensor parallelism;
+    quantized: the plan has FP8 weights."""
     t = max(b.prefill_chunk, b.max_num_seqs)     # token rows
     s = b.max_num_seqs                            # sequence rows
     act, tp = b.dtype, b.tensor_parallel
@@ -45,17 +46,17 @@ def arena_buffers(m: ModelConfig, b: BuildConfig) -> dict[str, tuple[list[int], 
         "act": ([t, m.intermediate_size], act),
         "hl": ([s, m.hidden_size], act),
         **shard,
-        **fp8_buffers(m, b, t),
+        **(fp8_buffers(m, t) if quantized else {}),
         "logits": ([s, full_vocab], "float32"),
         "sampled_ids": ([s], "int32"),
         "token_bitmask": ([s, bitmask_words(m.vocab_size)], "int32"),   # staged only when a row has a grammar
     }
 
 
-def fp8_buffers(m: ModelConfig, b: BuildConfig, t: int) -> dict[str, tuple[list[int], str]]:
+def fp8_buffers(m: ModelConfig, t: int) -> dict[str, tuple[list[int], str]]:
     """W8A8 activations: a linear's input quantized per row and K-group (packed: [rows, k] and
     [rows, groups] row-major from the buffers' start, docs/plan-format.md "FP8")."""
-    if b.quantization != "fp8" or t <= FP8_W8A16_MAX_ROWS:
+    if t <= FP8_W8A16_MAX_ROWS:
         return {}
     width = max(m.hidden_size, m.intermediate_size)
     return {"xq": ([t, width], FP8), "xq_scale": ([t, fp8.groups(width, fp8.BLOCK)], "float32")}

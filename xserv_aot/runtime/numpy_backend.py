@@ -12,7 +12,7 @@ import numpy as np
 
 from xserv_aot import fp8
 from xserv_aot.dtypes import FP8, decode, round_to, storage_dtype
-from xserv_aot.plan.dummy_weights import dummy_tensors
+from xserv_aot.plan.dummy_weights import dummy_plan_tensors
 from xserv_aot.plan.manifest import Bucket, Plan
 from xserv_aot.plan.op_records import COLLECTIVES, AllGather, AllReduce
 from xserv_aot.plan.tensor_parallel import ShardSpec, rank_shards
@@ -26,8 +26,8 @@ def load_rank_weights(plan: Plan, ranks: list[int] | None = None) -> list[dict[s
     """Per rank in `ranks` (default all): plan weight name -> float32 array (bf16 words widened once, at load)."""
     tp = plan.tensor_parallel
     ranks = list(range(tp)) if ranks is None else ranks
-    if plan.weights_file is None:      # the plan's dtype, as the GPU generator writes them; shards cut from full
-        full = dummy_tensors(plan.model, plan.build.max_seq_len, int(plan.dummy_seed or 0))
+    if plan.weights_file is None:      # the plan's dtypes, as the GPU generator writes them; shards cut from full
+        full = dummy_plan_tensors(plan)
         if plan.sharding:
             specs = {k: ShardSpec.from_dict(v) for k, v in plan.sharding.items()}
             shards = rank_shards(full, specs, tp)
@@ -36,7 +36,7 @@ def load_rank_weights(plan: Plan, ranks: list[int] | None = None) -> list[dict[s
         out = [{} for _ in ranks]
         for name, parts, rope in shards:
             for i, rank in enumerate(ranks):
-                out[i][name] = parts[rank] if rope else round_to(parts[rank], plan.build.dtype)
+                out[i][name] = round_to(parts[rank], plan.weights[name].dtype)
         return out
     return [_read_weights(plan, rank) for rank in ranks]
 

@@ -129,18 +129,24 @@ GEMV_FP8_KERNELS(_ch, false, 2)
 GEMV_FP8_KERNELS(_blk, true, 1)
 GEMV_FP8_KERNELS(_blk, true, 2)
 
-// Rows-per-warp (R) and pieces-in-flight (U) variants of the batch-1 channel kernel for the sweep in
+// Rows-per-warp (R) and pieces-in-flight (U) variants of the batch-1 kernels for the sweep in
 // scripts/bench_kernels.py fp8 (grid ceil(N / (8 R))).
-#define GEMV_FP8_SWEEP(R, U)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(256) gemv_fp8_ch_r##R##u##U##_m1_bf16(                      \
+#define GEMV_FP8_SWEEP(S, BLK, R, U)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) gemv_fp8##S##_r##R##u##U##_m1_bf16(                  \
         const bf16* X, const e4m3* W, const float* scale, const bf16* bias, bf16* out, int M, int N, int K) { \
-        gemv_fp8_impl<1, false, false, false, R, U>(X, W, scale, bias, out, M, N, K); }
-GEMV_FP8_SWEEP(1, 4)
-GEMV_FP8_SWEEP(1, 8)
-GEMV_FP8_SWEEP(2, 2)
-GEMV_FP8_SWEEP(2, 8)
-GEMV_FP8_SWEEP(4, 2)
-GEMV_FP8_SWEEP(4, 4)
+        gemv_fp8_impl<1, false, false, BLK, R, U>(X, W, scale, bias, out, M, N, K); }
+GEMV_FP8_SWEEP(_ch, false, 1, 4)
+GEMV_FP8_SWEEP(_ch, false, 1, 8)
+GEMV_FP8_SWEEP(_ch, false, 2, 2)
+GEMV_FP8_SWEEP(_ch, false, 2, 8)
+GEMV_FP8_SWEEP(_ch, false, 4, 2)
+GEMV_FP8_SWEEP(_ch, false, 4, 4)
+GEMV_FP8_SWEEP(_blk, true, 1, 4)
+GEMV_FP8_SWEEP(_blk, true, 1, 8)
+GEMV_FP8_SWEEP(_blk, true, 2, 2)
+GEMV_FP8_SWEEP(_blk, true, 2, 8)
+GEMV_FP8_SWEEP(_blk, true, 4, 2)
+GEMV_FP8_SWEEP(_blk, true, 4, 4)
 
 // quantize_fp8: X [rows, K] bf16 -> out [rows, K] e4m3 and scale [rows, ceil(K / group)] (both packed), per
 // (row, group): s = max(amax, 1e-12) / 448, out = e4m3(x / s) (IEEE division, RNE, saturating).
@@ -170,5 +176,27 @@ extern "C" __global__ void __launch_bounds__(256) quantize_fp8(const bf16* X, e4
         q.x = f32x2_e4m3x2(f[0] / s, f[1] / s) | (f32x2_e4m3x2(f[2] / s, f[3] / s) << 16);
         q.y = f32x2_e4m3x2(f[4] / s, f[5] / s) | (f32x2_e4m3x2(f[6] / s, f[7] / s) << 16);
         *reinterpret_cast<uint2*>(out + (size_t)m * K + k) = q;
+    }
+}
+
+// quantize_weight_fp8 (dummy FP8 weights, runtime/cuda/dummy_upload.py): W [N, K] float32 -> out e4m3 and one scale
+// per BR x BC block (fp8.quantize_weight: BR 1, BC K for fp8_channel; 128 x 128 for fp8_block128), the same
+// s = max(amax, 1e-12) / 448 and e4m3(w / s). Grid (ceil(N / BR), ceil(K / BC)), 256 threads;
+// scale[blockIdx.x * gridDim.y + blockIdx.y].
+extern "C" __global__ void __launch_bounds__(256) quantize_weight_fp8(const float* W, e4m3* out, float* scale, int N,
+                                                                      int K, int BR, int BC) {
+    pdl_entry();
+    __shared__ float scratch[32];
+    const int r0 = blockIdx.x * BR, c0 = blockIdx.y * BC;
+    const int nr = min(BR, N - r0), nc = min(BC, K - c0);
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < nr * nc; i += blockDim.x)
+        amax = fmaxf(amax, fabsf(W[(size_t)(r0 + i / nc) * K + c0 + i % nc]));
+    amax = block_max(amax, scratch);
+    const float s = fmaxf(amax, FP8_MIN_AMAX) / FP8_MAX;
+    if (threadIdx.x == 0) scale[(size_t)blockIdx.x * gridDim.y + blockIdx.y] = s;
+    for (int i = threadIdx.x; i < nr * nc; i += blockDim.x) {
+        const size_t at = (size_t)(r0 + i / nc) * K + c0 + i % nc;
+        out[at] = (e4m3)f32x2_e4m3x2(W[at] / s, 0.f);
     }
 }

@@ -22,7 +22,7 @@ HBM_GBS = 4600.0
 FP8_TFLOPS = 1580.0
 FP8_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
               "lm_head": (151936, 4096)}
-SWEEP = [(1, 4), (1, 8), (2, 2), (2, 8), (4, 2), (4, 4)]     # gemv_fp8_ch_r{R}u{U}_m1_bf16 (kernels/gemv_fp8.cu)
+SWEEP = [(1, 4), (1, 8), (2, 2), (2, 8), (4, 2), (4, 4)]     # gemv_fp8_{ch,blk}_r{R}u{U}_m1_bf16 (kernels/gemv_fp8.cu)
 
 
 def weights(N: int, K: int, scheme: str, copies: int):
@@ -67,10 +67,10 @@ def bench_fp8(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
                     g, u = ref[:, :N // 2].bfloat16().float(), ref[:, N // 2:].bfloat16().float()
                     recs.append((plan_fp8_linear(op, "bfloat16", "silu", None).launch[0], silu,
                                  torch.nn.functional.silu(g) * u))
-                if M == 1 and scheme == fp8.CHANNEL and not f32:
+                if M == 1 and not f32:
                     base = recs[0][0]
                     for r, u in SWEEP:
-                        recs.append((type(base)(f"gemv_fp8_ch_r{r}u{u}_m1_bf16", base.args, (-(-N // (8 * r)), 1, 1),
+                        recs.append((type(base)(f"gemv_fp8_{SCHEME_TAG[scheme]}_r{r}u{u}_m1_bf16", base.args, (-(-N // (8 * r)), 1, 1),
                                                 base.block, 0), y, ref))
                 for rec, out, want in recs:
                     gate = "_gate_" in rec.fn
@@ -88,7 +88,7 @@ def bench_fp8(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
                     gbs = nbytes / ms / 1e6
                     print(f"{scheme:12} {name:8} {M:4} {rec.fn:34} {ms:8.4f} {gbs:7.0f} {gbs / HBM_GBS:6.0%} "
                           f"{err:8.1e}", flush=True)
-                    if not rec.fn.startswith("gemv_fp8_ch_r") and (gate or name != "gate_up" or M > 2):
+                    if "_r" not in rec.fn.split("_m")[0] and (gate or name != "gate_up" or M > 2):
                         step[(scheme, name, M)] = ms
             del ws
             torch.cuda.empty_cache()

@@ -431,3 +431,54 @@ def test_dummy_fp8_plan_is_one_model_on_both_backends(tmp_path, monkeypatch, pyt
         assert max(errs) <= 2e-2, errs
     finally:
         gpu.close()
+
+
+def compile_fp8_tiny(tmp_path, **build):
+    pytest.importorskip("cuda.core")
+    import json
+    from tests.test_kernel_build import CONFIG
+    from xserv_aot.config import BuildConfig
+    from xserv_aot.plan.builder import compile_plan
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    b = {**dict(max_num_seqs=4, decode_buckets=[1, 2, 4], prefill_buckets=[16, 64], max_seq_len=512,
+                dtype="bfloat16", target="sm_90a", gemm_library=False, quantization="fp8"), **build}
+    return compile_plan(tmp_path / "config.json", tmp_path / "plan", BuildConfig(**b), dummy_weights=True)
+
+
+def test_fp8_plan_for_sm90a_routes_every_linear(tmp_path):
+    """Compile (no GPU): buckets of <= 64 rows, every FP8 linear on an FP8 kernel, gate_up + silu fused at rows 1-2,
+    launch records checked against the signatures by build_kernels itself."""
+    plan = compile_fp8_tiny(tmp_path, fp8_scheme="channel")
+    for bk in plan.buckets:
+        for op in bk.ops:
+            if op.op == "linear" and op.quant:
+                fn = op.cuda.launch[0].fn
+                assert fn.startswith("gemv_fp8_ch_" if bk.num_tokens <= 2 else "skinny_fp8_ch"), fn
+            if op.op == "silu_mul":
+                assert (op.cuda.kernel == "fused_into_previous") == (bk.num_tokens <= 2)
+    assert "quantize_fp8" in plan.kernels["functions"]
+
+
+def test_fp8_plan_with_w8a8_buckets_needs_the_gemm_library(tmp_path):
+    with pytest.raises(KernelBuildError, match="W8A8 and needs the CUTLASS GEMM library") as e:
+        compile_fp8_tiny(tmp_path, prefill_buckets=[16, 128])
+    assert "\n" not in str(e.value)
+
+
+def test_fp8_plan_with_the_gemm_library_routes_w8a8(tmp_path):
+    from xserv_aot.plan import cutlass_build as cb
+    try:
+        cb.find_nvcc(), cb.find_cutlass_includes()
+    except cb.GemmBuildError as e:
+        pytest.skip(str(e))
+    plan = compile_fp8_tiny(tmp_path, prefill_buckets=[16, 128], gemm_library=True)
+    big = next(bk for bk in plan.buckets if bk.num_tokens == 128)
+    ops = [op for op in big.ops if op.op in ("quantize_fp8", "linear")]
+    for q, lin in zip(ops[::2], ops[1::2]):
+        if lin.quant:
+            assert q.op == "quantize_fp8" and q.cuda.kernel == "quantize_fp8" and lin.inp == q.out == "xq"
+            (rec,) = lin.cuda.launch
+            assert rec.fn == fp8_build.FP8_ENTRY and rec.args[0] == ("i32", lin.cuda.gemm_config)
+    from xserv_aot.plan.cutlass_build import FP8_CONFIG, FP8_CONFIGS
+    blk = FP8_CONFIGS[FP8_CONFIG[(fp8.BLOCK128, "bfloat16")]]
+    assert plan.kernels["gemm_configs"]["fp8:128x1536x256"] == blk          # gate_up [2 x 768, 256]: block128

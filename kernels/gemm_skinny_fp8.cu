@@ -36,6 +36,10 @@ __device__ __forceinline__ void skinny_fp8_impl(const bf16* __restrict__ X, cons
                                                 void* __restrict__ out, int M, int N, int K) {
     pdl_entry();
     constexpr int WK = SK_WARPS / WN, RT = SK_RT, SLOTS = RT * MB * 4;
+    // BLK: MB <= 4 keeps the step's partial sums (PART) and scales them once per step; MB 8 would spill them, so
+    // it scales each sub-step's two MMAs instead.
+    constexpr bool PART = BLK && MB <= 4;
+    constexpr int PMB = PART ? MB : 1;
     extern __shared__ __align__(16) float red[];             // rings [warp][stage][row][128 B], then sums
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int wn = warp % WN, wk = warp / WN;
@@ -57,19 +61,23 @@ __device__ __forceinline__ void skinny_fp8_impl(const bf16* __restrict__ X, cons
     const bf16* xrow[MB];
 #pragma unroll
     for (int mb = 0; mb < MB; mb++) xrow[mb] = X + (size_t)min(mb * 8 + g, M - 1) * K + 8 * t;
-    const float* srow[RT][2];                                 // BLK: this lane's rows' scale rows
+    // BLK: the scale rows of this lane's weight rows g, g + 8 of each tile. A non-gate warp's 16 * RT rows lie in
+    // one 128-row block (16 * RT divides 128); a gate tile's up rows I + j.. may straddle two when I % 16 != 0.
+    constexpr int SH = GATE ? 2 : 1;
+    static_assert(GATE || 128 % (16 * RT) == 0, "a warp's weight rows must lie in one 128-row block");
+    const float* srow[RT][SH];
 #pragma unroll
     for (int rt = 0; rt < RT; rt++)
 #pragma unroll
-        for (int h = 0; h < 2; h++) srow[rt][h] = scale + (size_t)(w_row(rt * 16 + g + 8 * h) >> 7) * kb_n;
+        for (int h = 0; h < SH; h++) srow[rt][h] = scale + (size_t)(w_row(rt * 16 + g + 8 * h) >> 7) * kb_n;
 
-    float acc[RT][MB][4], part[RT][MB][4];
+    float acc[RT][MB][4], part[RT][PMB][4], sc[RT][SH];
 #pragma unroll
     for (int rt = 0; rt < RT; rt++)
 #pragma unroll
         for (int mb = 0; mb < MB; mb++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) { acc[rt][mb][e] = 0.f; part[rt][mb][e] = 0.f; }
+            for (int e = 0; e < 4; e++) { acc[rt][mb][e] = 0.f; if (mb < PMB) part[rt][mb][e] = 0.f; }
 
     const int steps = (K + 127) >> 7, n_my = wk < steps ? (steps - wk + WK - 1) / WK : 0;
     const vec16 zero = {0u, 0u, 0u, 0u};
@@ -103,6 +111,12 @@ __device__ __forceinline__ void skinny_fp8_impl(const bf16* __restrict__ X, cons
         if (q == 0) {
             cp_async_wait<SK_STAGES - 2>();
             __syncwarp();
+            if (BLK) {
+#pragma unroll
+                for (int rt = 0; rt < RT; rt++)
+#pragma unroll
+                    for (int h = 0; h < SH; h++) sc[rt][h] = __ldg(srow[rt][h] + kstep) * FP8_BF16_UNSCALE;
+            }
         }
         const int p = 2 * q + (t >> 1);
         const bool ok = kstep * 128 + q * 32 + 8 * t < K;
@@ -122,24 +136,26 @@ __device__ __forceinline__ void skinny_fp8_impl(const bf16* __restrict__ X, cons
         for (int mb = 0; mb < MB; mb++)
 #pragma unroll
             for (int rt = 0; rt < RT; rt++) {
-                float* d = BLK ? part[rt][mb] : acc[rt][mb];
+                float tmp[4] = {0.f, 0.f, 0.f, 0.f};
+                float* d = PART ? part[rt][mb < PMB ? mb : 0] : BLK ? tmp : acc[rt][mb];
                 mma_bf16(d, wv[rt][0].x, wv[rt][1].x, wv[rt][0].y, wv[rt][1].y, xv[mb].x, xv[mb].y);
                 mma_bf16(d, wv[rt][0].z, wv[rt][1].z, wv[rt][0].w, wv[rt][1].w, xv[mb].z, xv[mb].w);
+                if (BLK && !PART) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) acc[rt][mb][e] += tmp[e] * sc[rt][GATE ? e >> 1 : 0];
+                }
             }
         if (q == 3) {
-            if (BLK) {
+            if (PART) {
 #pragma unroll
-                for (int rt = 0; rt < RT; rt++) {
-                    const float s0 = __ldg(srow[rt][0] + kstep) * FP8_BF16_UNSCALE;
-                    const float s1 = __ldg(srow[rt][1] + kstep) * FP8_BF16_UNSCALE;
+                for (int rt = 0; rt < RT; rt++)
 #pragma unroll
-                    for (int mb = 0; mb < MB; mb++)
+                    for (int mb = 0; mb < PMB; mb++)
 #pragma unroll
                         for (int e = 0; e < 4; e++) {
-                            acc[rt][mb][e] += part[rt][mb][e] * (e < 2 ? s0 : s1);
+                            acc[rt][mb][e] += part[rt][mb][e] * sc[rt][GATE ? e >> 1 : 0];
                             part[rt][mb][e] = 0.f;
                         }
-                }
             }
             issue(j + SK_STAGES - 1);                          // refills the slot of step j - 1
         }

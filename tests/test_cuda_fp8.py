@@ -482,3 +482,12 @@ def test_fp8_plan_with_the_gemm_library_routes_w8a8(tmp_path):
     from xserv_aot.plan.cutlass_build import FP8_CONFIG, FP8_CONFIGS
     blk = FP8_CONFIGS[FP8_CONFIG[(fp8.BLOCK128, "bfloat16")]]
     assert plan.kernels["gemm_configs"]["fp8:128x1536x256"] == blk          # gate_up [2 x 768, 256]: block128
+
+
+def test_roofline_counts_fp8_weights_at_one_byte(tmp_path):
+    from xserv_aot.plan.roofline import op_bytes
+    plan = compile_fp8_tiny(tmp_path, fp8_scheme="block128")
+    bk = next(b for b in plan.buckets if b.num_tokens == 1)
+    op = next(o for o in bk.ops if o.op == "linear" and o.weight.endswith("o_proj"))
+    scales = -(-op.n // 128) * -(-op.k // 128) * 4
+    assert op_bytes(op, plan, 128, 1) == op.n * op.k + scales + op.k * 2 + op.n * 2      # e4m3 weight, bf16 x / out

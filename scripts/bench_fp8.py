@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from xserv_aot import fp8
-from xserv_aot.plan.fp8_build import FP8_CONFIG, SCHEME_TAG, plan_fp8_linear, plan_quantize
+from xserv_aot.plan.cutlass_build import FP8_CONFIG
+from xserv_aot.plan.fp8_build import SCHEME_TAG, plan_fp8_linear, plan_quantize
 from xserv_aot.plan.op_records import Linear, QuantizeFp8
 from xserv_aot.runtime.cuda.driver import Launch
 

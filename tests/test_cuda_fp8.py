@@ -20,6 +20,14 @@ from xserv_aot.runtime import numpy_ops
 
 SCHEMES = (fp8.CHANNEL, fp8.BLOCK128)
 ROOT = Path(__file__).resolve().parents[1]
+# Whole plans, CUDA vs NumPy logits. The bf16 activations of the two backends differ by bf16 ulps; a W8A8 linear
+# quantizes them to e4m3, where such a difference flips some values to the neighbouring e4m3 value (2^-4 apart):
+# ~5.5x the input difference per linear (NumPy: 0.27% apart in -> 1.5% apart out, both schemes). So a W8A8
+# prefill step is compared at W8A8_STEP_TOL (measured on the H200: 4.3e-2 tiny Qwen3, 5.0e-2 / 6.9e-2 dummy plans)
+# and the W8A16 decode steps over the KV it wrote at AFTER_W8A8_TOL (measured 1.1e-2 - 2.8e-2). Kernel bugs
+# (scales, layouts, fragments) show as errors of order 1; the kernel tests above compare tightly on equal inputs.
+W8A8_STEP_TOL = 1e-1
+AFTER_W8A8_TOL = 5e-2
 
 
 def rel_err(out, want) -> float:
@@ -291,7 +299,8 @@ def use_prebuilt_library(monkeypatch, pytestconfig) -> None:
 @pytest.mark.parametrize("scheme", ["auto", "channel"])
 def test_tiny_fp8_plan_cuda_logits_match_numpy(tmp_path, seed, monkeypatch, pytestconfig, scheme):
     """A small random Qwen3 compiled with --quantization fp8 (a 128-row prefill bucket, so W8A8 runs too): CUDA
-    logits over a prompt and 16 decode steps against the NumPy backend on the same plan."""
+    logits over a prompt and 16 decode steps against the NumPy backend on the same plan (tolerances: see
+    W8A8_STEP_TOL)."""
     from tests.test_cuda_e2e import SMALL, gpu_or_skip, make_model
     gpu_or_skip()
     use_prebuilt_library(monkeypatch, pytestconfig)
@@ -330,8 +339,8 @@ def test_tiny_fp8_plan_cuda_logits_match_numpy(tmp_path, seed, monkeypatch, pyte
         runner.close()
     ref = logits(NumpyRunner(plan))
     errs = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
-    print(f"per-step logits relative error CUDA vs NumPy: max {errs.max():.2e}, mean {errs.mean():.2e}")
-    assert errs.max() <= 2e-2
+    print(f"per-step logits relative error CUDA vs NumPy: prefill {errs[0]:.2e}, decode max {errs[1:].max():.2e}")
+    assert errs[0] <= W8A8_STEP_TOL and errs[1:].max() <= AFTER_W8A8_TOL
 
 
 # ---- routing (no GPU) ----------------------------------------------------------------------------------------
@@ -428,7 +437,7 @@ def test_dummy_fp8_plan_is_one_model_on_both_backends(tmp_path, monkeypatch, pyt
         rng = np.random.default_rng(5)
         prompt, forced = rng.integers(3, 1024, 100).tolist(), rng.integers(3, 1024, 6).tolist()
         errs = [logits_err(g, c) for g, c in zip(forced_logits(gpu, prompt, forced), forced_logits(cpu, prompt, forced))]
-        assert max(errs) <= 2e-2, errs
+        assert errs[0] <= W8A8_STEP_TOL and max(errs[1:]) <= AFTER_W8A8_TOL, errs        # a W8A8 prefill first
     finally:
         gpu.close()
 

@@ -28,6 +28,16 @@ __device__ __forceinline__ void e4m3x4_f32(u32 w, float* f) {
     const u32 a = e4m3x2_f16x2(w & 0xffffu), b = e4m3x2_f16x2(w >> 16);
     f[0] = f16lo(a); f[1] = f16hi(a); f[2] = f16lo(b); f[3] = f16hi(b);
 }
+// Four e4m3 of a word -> four floats carrying value * 2^-120, by integer ops only: byte i moved to the top of a word,
+// shifted right arithmetically by 4 (sign into bit 31, exponent and mantissa into the f32 exponent's low 4 bits and
+// the mantissa's top 3), masked. Exact: e4m3 subnormals become f32 denormals of the same ratio (kernels are built
+// without flush-to-zero); the NaN encoding becomes a finite value (quantized weights hold no NaN).
+__device__ __forceinline__ void e4m3x4_f32_scaled(u32 w, float* f) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) f[i] = __uint_as_float((u32)((int)(w << (24 - 8 * i)) >> 4) & 0x87f00000u);
+}
+#define FP8_F32_UNSCALE 1.329227995784916e36f    // 2^120
+
 // f16x2 of e4m3 values -> bf16x2 carrying value * 2^-112: the f16 exponent and mantissa bits moved into bf16
 // position (every e4m3 value, subnormals included, is a normal f16, so the result is a normal bf16 or zero). Callers
 // multiply the fp32 sums by FP8_BF16_UNSCALE.

@@ -9,7 +9,9 @@
 
 #define GEMV_FP8_WARPS 8
 
-template <int MT, bool OUT_F32, bool GATE, bool BLK, int R, int U>
+// BT (bit trick, sweep variants): e4m3 -> f32 by integer ops instead of the two conversions (fp8.cuh
+// e4m3x4_f32_scaled: the value * 2^-120, exact, subnormals as f32 denormals), the sums multiplied back by 2^120.
+template <int MT, bool OUT_F32, bool GATE, bool BLK, int R, int U, bool BT = false>
 __device__ __forceinline__ void gemv_fp8_impl(const bf16* __restrict__ X, const e4m3* __restrict__ W,
                                               const float* __restrict__ scale, const bf16* __restrict__ bias,
                                               void* __restrict__ out, int M, int N, int K) {
@@ -57,8 +59,13 @@ __device__ __forceinline__ void gemv_fp8_impl(const bf16* __restrict__ X, const 
                 float a[R][16];
 #pragma unroll
                 for (int r = 0; r < R; r++) {
-                    e4m3x4_f32(wv[r][u].x, a[r]); e4m3x4_f32(wv[r][u].y, a[r] + 4);
-                    e4m3x4_f32(wv[r][u].z, a[r] + 8); e4m3x4_f32(wv[r][u].w, a[r] + 12);
+                    if (BT) {
+                        e4m3x4_f32_scaled(wv[r][u].x, a[r]); e4m3x4_f32_scaled(wv[r][u].y, a[r] + 4);
+                        e4m3x4_f32_scaled(wv[r][u].z, a[r] + 8); e4m3x4_f32_scaled(wv[r][u].w, a[r] + 12);
+                    } else {
+                        e4m3x4_f32(wv[r][u].x, a[r]); e4m3x4_f32(wv[r][u].y, a[r] + 4);
+                        e4m3x4_f32(wv[r][u].z, a[r] + 8); e4m3x4_f32(wv[r][u].w, a[r] + 12);
+                    }
                 }
                 float s[R];
                 if (BLK) {
@@ -92,7 +99,7 @@ __device__ __forceinline__ void gemv_fp8_impl(const bf16* __restrict__ X, const 
         if (m < M) {
             float sum[R];
 #pragma unroll
-            for (int r = 0; r < R; r++) sum[r] = warp_sum(acc[r][m]) * sc[r];
+            for (int r = 0; r < R; r++) sum[r] = (BT ? warp_sum(acc[r][m]) * FP8_F32_UNSCALE : warp_sum(acc[r][m])) * sc[r];
             if (lane == m) {
                 if (GATE) {
                     const float g = round_bf(sum[0]), u = round_bf(sum[R - 1]);
@@ -147,6 +154,20 @@ GEMV_FP8_SWEEP(_blk, true, 2, 2)
 GEMV_FP8_SWEEP(_blk, true, 2, 8)
 GEMV_FP8_SWEEP(_blk, true, 4, 2)
 GEMV_FP8_SWEEP(_blk, true, 4, 4)
+
+// Bit-trick variants (BT) for the same sweep: default geometry, R = 1, and the fused gate.
+#define GEMV_FP8_BT(S, BLK)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) gemv_fp8##S##_bt_m1_bf16(                             \
+        const bf16* X, const e4m3* W, const float* scale, const bf16* bias, bf16* out, int M, int N, int K) { \
+        gemv_fp8_impl<1, false, false, BLK, 2, 4, true>(X, W, scale, bias, out, M, N, K); }                  \
+    extern "C" __global__ void __launch_bounds__(256) gemv_fp8##S##_bt_r1u4_m1_bf16(                        \
+        const bf16* X, const e4m3* W, const float* scale, const bf16* bias, bf16* out, int M, int N, int K) { \
+        gemv_fp8_impl<1, false, false, BLK, 1, 4, true>(X, W, scale, bias, out, M, N, K); }                  \
+    extern "C" __global__ void __launch_bounds__(256) gemv_fp8##S##_bt_gate_m1(                             \
+        const bf16* X, const e4m3* W, const float* scale, bf16* out, int M, int I, int K) {                  \
+        gemv_fp8_impl<1, false, true, BLK, 2, 4, true>(X, W, scale, nullptr, out, M, I, K); }
+GEMV_FP8_BT(_ch, false)
+GEMV_FP8_BT(_blk, true)
 
 // quantize_fp8: X [rows, K] bf16 -> out [rows, K] e4m3 and scale [rows, ceil(K / group)] (both packed), per
 // (row, group): s = max(amax, 1e-12) / 448, out = e4m3(x / s) (IEEE division, RNE, saturating).

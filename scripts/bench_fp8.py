@@ -24,6 +24,7 @@ FP8_TFLOPS = 1580.0
 FP8_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
               "lm_head": (151936, 4096)}
 SWEEP = [(1, 4), (1, 8), (2, 2), (2, 8), (4, 2), (4, 4)]     # gemv_fp8_{ch,blk}_r{R}u{U}_m1_bf16 (kernels/gemv_fp8.cu)
+BT_SWEEP = [("bt_m1_bf16", 2), ("bt_r1u4_m1_bf16", 1)]       # the integer-conversion variants (rows per warp)
 
 
 def weights(N: int, K: int, scheme: str, copies: int):
@@ -67,13 +68,18 @@ def bench_fp8(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
                 recs = [(plan_fp8_linear(op, "float32" if f32 else "bfloat16", None, None).launch[0], y, ref)]
                 if name == "gate_up" and M <= 2:
                     g, u = ref[:, :N // 2].bfloat16().float(), ref[:, N // 2:].bfloat16().float()
-                    recs.append((plan_fp8_linear(op, "bfloat16", "silu", None).launch[0], silu,
-                                 torch.nn.functional.silu(g) * u))
+                    gref = torch.nn.functional.silu(g) * u
+                    grec = plan_fp8_linear(op, "bfloat16", "silu", None).launch[0]
+                    recs.append((grec, silu, gref))
+                    if M == 1:
+                        recs.append((type(grec)(f"gemv_fp8_{SCHEME_TAG[scheme]}_bt_gate_m1", grec.args, grec.grid,
+                                                grec.block, 0), silu, gref))
                 if M == 1 and not f32:
                     base = recs[0][0]
-                    for r, u in SWEEP:
-                        recs.append((type(base)(f"gemv_fp8_{SCHEME_TAG[scheme]}_r{r}u{u}_m1_bf16", base.args, (-(-N // (8 * r)), 1, 1),
-                                                base.block, 0), y, ref))
+                    variants = [(f"r{r}u{u}_m1_bf16", r) for r, u in SWEEP] + BT_SWEEP
+                    for v, r in variants:
+                        recs.append((type(base)(f"gemv_fp8_{SCHEME_TAG[scheme]}_{v}", base.args,
+                                                (-(-N // (8 * r)), 1, 1), base.block, 0), y, ref))
                 for rec, out, want in recs:
                     gate = "_gate_" in rec.fn
                     arg_sets = [[("ptr", x.data_ptr()), ("ptr", w.data_ptr()), ("ptr", s.data_ptr())] +
@@ -90,7 +96,7 @@ def bench_fp8(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
                     gbs = nbytes / ms / 1e6
                     print(f"{scheme:12} {name:8} {M:4} {rec.fn:34} {ms:8.4f} {gbs:7.0f} {gbs / HBM_GBS:6.0%} "
                           f"{err:8.1e}", flush=True)
-                    if "_r" not in rec.fn.split("_m")[0] and (gate or name != "gate_up" or M > 2):
+                    if "_r" not in rec.fn.split("_m")[0] and "_bt" not in rec.fn and (gate or name != "gate_up" or M > 2):
                         step[(scheme, name, M)] = ms
             del ws
             torch.cuda.empty_cache()

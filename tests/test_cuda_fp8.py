@@ -15,6 +15,7 @@ from tests.cuda_fixtures import bf, lib, rng  # noqa: F401  (fixtures)
 from xserv_aot import fp8
 from xserv_aot.plan import fp8_build
 from xserv_aot.plan.kernel_build import KernelBuildError, plan_linear
+from xserv_aot.plan.launch_records import kernel
 from xserv_aot.plan.op_records import Linear, QuantizeFp8
 from xserv_aot.runtime import numpy_ops
 
@@ -134,7 +135,7 @@ def test_w8a16_gate_silu(lib, rng, scheme, M, inter, K, kind):
     else:
         mt = next(m for m in (8, 16, 32, 64) if m >= M)
         from xserv_aot.plan.kernel_constants import skinny_smem
-        from xserv_aot.plan.launch_records import kernel, launch
+        from xserv_aot.plan.launch_records import launch
         choice = kernel(launch(f"skinny_fp8_{fp8_build.SCHEME_TAG[scheme]}32_gate_m{mt}", [-(-inter // 16)], [256],
                                skinny_smem(mt), fp8_build.fp8_args(op, "silu_out")))
     assert "_gate_" in choice.launch[0].fn
@@ -144,6 +145,35 @@ def test_w8a16_gate_silu(lib, rng, scheme, M, inter, K, kind):
     gu = bf(ref_linear(x, q, s, scheme))
     g, u = gu[:, :inter].astype(np.float64), gu[:, inter:].astype(np.float64)
     ref = g / (1 + np.exp(-g)) * u
+    assert rel_err(out, want) <= 1e-2 and rel_err(out, ref) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("variant,N,K", [("bt_m1_bf16", 4096, 4096), ("bt_r1u4_m1_bf16", 1000, 576),
+                                         ("bt_gate_m1", 2 * 1000, 576), ("bt_gate_m1", 2 * 12288, 4096),
+                                         ("r4u2_m1_bf16", 6144, 4096)])
+def test_gemv_sweep_variants(lib, rng, scheme, variant, N, K):
+    """The GEMV variants of the sweep (rows per warp, pieces in flight, the integer e4m3 -> f32 conversion) compute
+    what the routed kernels compute: the NumPy op and the float64 reference."""
+    q, s = make_weight(rng, N, K, scheme)
+    x = bf(rng.standard_normal((1, K), dtype=np.float32))
+    gate = "gate" in variant
+    op = Linear(rows=1, n=N, k=K, inp="x", weight="w", bias=None, out="out", weight_scale="w.scale", quant=scheme)
+    base = fp8_build.plan_fp8_linear(op, "bfloat16", "silu_out" if gate else None, None).launch[0]
+    r = 1 if "_r1" in variant else 4 if "_r4" in variant else 2
+    grid = (-(-(N // 2) // 8) if gate else -(-N // (8 * r)), 1, 1)
+    rec = type(base)(f"gemv_fp8_{fp8_build.SCHEME_TAG[scheme]}_{variant}", base.args, grid, base.block, 0)
+    bufs = {"x": lib.to_device(x, "bfloat16"), "w": to_dev_fp8(lib, q), "w.scale": lib.to_device(s)}
+    out, _ = run_choice(lib, kernel(rec), bufs, (1, N // 2 if gate else N), "bfloat16")
+    lin = numpy_ops.linear_w8a16(x, fp8.dequantize(q, s, scheme))
+    ref = ref_linear(x, q, s, scheme)
+    if gate:
+        want = numpy_ops.silu_mul(bf(lin))
+        g, u = bf(ref)[:, :N // 2].astype(np.float64), bf(ref)[:, N // 2:].astype(np.float64)
+        ref = g / (1 + np.exp(-g)) * u
+    else:
+        want = lin
     assert rel_err(out, want) <= 1e-2 and rel_err(out, ref) <= 1e-2
 
 

@@ -124,13 +124,21 @@ extern "C" __global__ void gather_rows(const bf16* __restrict__ inp, const int* 
 
 // Dummy weights (plan/dummy_weights.py, bit-identical to its NumPy generator): element i of the tensor seeded `seed`
 // is mean + g * std, g = (sum of the four 16-bit fields of splitmix64(seed, i) / 65536 - 2) * 1.7320508, each step
-// rounded to float32 (no fused multiply-add), then rounded to bf16.
+// rounded to float32 (no fused multiply-add), then rounded to bf16 (fill_normal_f32: kept in float32, the input of
+// an FP8 weight's quantization).
+__device__ __forceinline__ float dummy_value(u64 seed, u64 i, float mean, float std) {
+    const u64 z = splitmix64(seed, i);
+    const float s = (float)((z & 0xffff) + ((z >> 16) & 0xffff) + ((z >> 32) & 0xffff) + (z >> 48));
+    const float g = __fmul_rn(__fadd_rn(__fmul_rn(s, 1.f / 65536.f), -2.f), 1.7320508f);
+    return __fadd_rn(__fmul_rn(g, std), mean);
+}
 extern "C" __global__ void fill_normal_bf16(bf16* __restrict__ p, u64 n, u64 seed, float mean, float std) {
     pdl_entry();
-    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-        const u64 z = splitmix64(seed, i);
-        const float s = (float)((z & 0xffff) + ((z >> 16) & 0xffff) + ((z >> 32) & 0xffff) + (z >> 48));
-        const float g = __fmul_rn(__fadd_rn(__fmul_rn(s, 1.f / 65536.f), -2.f), 1.7320508f);
-        p[i] = f2bf(__fadd_rn(__fmul_rn(g, std), mean));
-    }
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        p[i] = f2bf(dummy_value(seed, i, mean, std));
+}
+extern "C" __global__ void fill_normal_f32(float* __restrict__ p, u64 n, u64 seed, float mean, float std) {
+    pdl_entry();
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        p[i] = dummy_value(seed, i, mean, std);
 }

@@ -4,6 +4,7 @@
   python3 scripts/bench_kernels.py gemm --lib PATH/libxserv_gemm.so [--rows 16,32,64,128,256]
   python3 scripts/bench_kernels.py attn [--batches 16,64,256 --contexts 256,1024,4096]
   python3 scripts/bench_kernels.py prefill [--prompts 2048,4096,8192,4x1024 --variants v1,w8s2]
+  python3 scripts/bench_kernels.py fp8 [--lib PATH/libxserv_gemm.so] [--rows 1,2,16,64]   (scripts/bench_fp8.py)
 
 gemm: every decode linear shape of Qwen3-8B (qkv, o, gate_up, down, lm_head) x rows: the CUTLASS swap-AB
 stream-K / split-K configs, the NVRTC skinny kernel (rows <= 64) and the CUTLASS tile configs (rows >= 128);
@@ -326,16 +327,22 @@ def bench_prefill(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["gemm", "attn", "prefill"])
+    ap.add_argument("what", choices=["gemm", "attn", "prefill", "fp8"])
     ap.add_argument("--lib")
-    ap.add_argument("--rows", default="16,32,64,128,256")
+    ap.add_argument("--rows", default=None, help="gemm: 16,32,64,128,256; fp8: 1,2,16,64")
     ap.add_argument("--batches", default="1,16,64,128,256")
     ap.add_argument("--contexts", default="256,1024,4096,8192")
     ap.add_argument("--prompts", default="2048,4096,8192,4x1024", help="prefill: N x L or L (one seq)")
     ap.add_argument("--variants", default=None, help="prefill: comma list of attention_plan.PREFILL_ATTN_VARIANTS")
     args = ap.parse_args()
+    args.rows = args.rows or ("1,2,16,64" if args.what == "fp8" else "16,32,64,128,256")
     torch.cuda.init()
-    {"gemm": bench_gemm, "attn": bench_attn, "prefill": bench_prefill}[args.what](args)
+    {"gemm": bench_gemm, "attn": bench_attn, "prefill": bench_prefill, "fp8": bench_fp8}[args.what](args)
+
+
+def bench_fp8(args) -> None:
+    from scripts.bench_fp8 import bench_fp8 as run
+    run(args, Kernels, time_graph, stream, rel_err, L2_BYTES)
 
 
 if __name__ == "__main__":

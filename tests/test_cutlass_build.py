@@ -85,6 +85,28 @@ def test_host_side_validation_without_gpu(built):
             g.gemm(0, 256, 256, 256, 0, 16, 64, 64)           # no CUDA device
 
 
+def test_fp8_entry_table_and_host_side_validation(built):
+    """xserv_gemm_fp8 (the W8A8 configs): names and output widths, and the checks made before any CUDA call."""
+    import ctypes
+    out, info, _ = built
+    so = ctypes.CDLL(str(out / info["file"]))
+    assert cb.library_fp8_config_names(out / info["file"]) == list(cb.FP8_CONFIGS)
+    for i, name in enumerate(cb.FP8_CONFIGS):
+        assert so.xserv_gemm_fp8_config_out_bytes(i) == (4 if "f32out" in name else 2)
+    assert set(cb.FP8_CONFIG.values()) == set(range(len(cb.FP8_CONFIGS)))
+    so.xserv_gemm_fp8.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
+    call = lambda cfg, a=256, m=16, n=64, k=64, sa=512: so.xserv_gemm_fp8(cfg, a, sa, 256, 512, 256, None, m, n, k,
+                                                                          None)
+    assert call(len(cb.FP8_CONFIGS)) == 100                   # one past the table
+    assert call(0, a=256 + 8) == 1                            # A not 16-byte aligned
+    assert call(0, k=72) == 1                                 # K not a multiple of 16
+    assert call(0, n=60) == 1                                 # N not a multiple of 8
+    assert call(0, sa=0) == 4                                 # no activation scales
+    assert call(0, m=0) == 0                                  # M == 0 launches nothing
+    if not HAS_GPU:
+        assert call(2) == 7                                   # no CUDA device
+
+
 def test_rebuild_is_a_cache_hit(built, tmp_path):
     _, info, log = built
     log2: list[str] = []

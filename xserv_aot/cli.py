@@ -83,6 +83,10 @@ def compile(
     gemm_library: Optional[bool] = typer.Option(None, help="CUTLASS GEMMs for linears of >= 128 rows (default on)"),
     pdl: Optional[bool] = typer.Option(None, help="programmatic dependent launch of every kernel (default off)"),
     tensor_parallel: Optional[int] = typer.Option(None, help="ranks (GPUs) to shard the model over: 1, 2, 4 or 8"),
+    quantization: Optional[str] = typer.Option(None, help="none | fp8: e4m3 linear weights with scales"),
+    fp8_scheme: Optional[str] = typer.Option(None, help="fp8 scales: channel | block128 | auto (block128 where "
+                                             "N and K divide by 128, else channel)"),
+    quantize_lm_head: Optional[bool] = typer.Option(None, help="fp8: the lm_head too (default: it stays bf16)"),
     dummy_weights: bool = typer.Option(False, help="random weights from the config alone (benchmarks)"),
     seed: int = typer.Option(0, help="seed for --dummy-weights"),
     force: bool = typer.Option(False, help="replace an existing plan"),
@@ -98,7 +102,8 @@ def compile(
     base = read_json_file(build_config, "build config") if build_config else {}
     given = dict(max_num_seqs=max_num_seqs, decode_buckets=_ints(decode_buckets), prefill_buckets=_ints(prefill_buckets),
                  max_seq_len=max_seq_len, block_size=block_size, num_blocks=num_blocks, dtype=dtype, target=target,
-                 gemm_library=gemm_library, pdl=pdl, tensor_parallel=tensor_parallel)
+                 gemm_library=gemm_library, pdl=pdl, tensor_parallel=tensor_parallel, quantization=quantization,
+                 fp8_scheme=fp8_scheme, quantize_lm_head=quantize_lm_head)
     base.update({k: v for k, v in given.items() if v is not None})
     if "target" not in base:
         from xserv_aot.runtime.select import CUDA_EXTRA_HINT, cuda_python_available

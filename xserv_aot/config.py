@@ -16,6 +16,8 @@ class ConfigError(XservError, ValueError):
 
 SUPPORTED_ARCHS = ("qwen3", "qwen2", "llama")
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
+QUANTIZATIONS = ("none", "fp8")
+FP8_SCHEME_CHOICES = ("channel", "block128", "auto")
 HF_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 
 
@@ -173,6 +175,9 @@ class BuildConfig:
     gemm_library: bool = True             # CUDA: CUTLASS GEMMs for linears of >= 128 rows, when nvcc can build them
     pdl: bool = False                     # CUDA: programmatic dependent launch of every kernel (docs/cuda-notes.md)
     tensor_parallel: int = 1              # ranks (GPUs) the weights, heads and KV pool are split over (1, 2, 4, 8)
+    quantization: str = "none"            # none | fp8: linear weights stored as e4m3 with scales (plan/quantize.py)
+    fp8_scheme: str = "auto"              # fp8: channel | block128 | auto (block128 where N and K divide by 128)
+    quantize_lm_head: bool = False        # fp8: the lm_head too (embedding and norms always stay in dtype)
 
     @property
     def prefill_chunk(self) -> int:
@@ -222,7 +227,11 @@ class BuildConfig:
         if self.tensor_parallel not in TENSOR_PARALLEL_SIZES or isinstance(self.tensor_parallel, bool):
             raise ConfigError(f"tensor_parallel {self.tensor_parallel!r} is not one of "
                               f"{', '.join(map(str, TENSOR_PARALLEL_SIZES))}")
-        for name in ("gemm_library", "pdl"):
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+        if self.fp8_scheme not in FP8_SCHEME_CHOICES:
+            raise ConfigError(f"fp8_scheme {self.fp8_scheme!r} is not one of {', '.join(FP8_SCHEME_CHOICES)}")
+        for name in ("gemm_library", "pdl", "quantize_lm_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.decode_buckets = sorted(set(int(b) for b in self.decode_buckets))

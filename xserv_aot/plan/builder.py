@@ -21,6 +21,7 @@ from xserv_aot.plan.manifest import SCHEMA_VERSION, Plan, layout
 from xserv_aot.plan.ops import arena_buffers, bucket_ops, bucket_shapes
 from xserv_aot.plan.tensor_parallel import (check_divisible, local_model, local_shapes, manifest_section,
                                             rank_shards, tensor_sharding)
+from xserv_aot.plan import quantize
 from xserv_aot.plan.weights import plan_tensors, weight_specs, write_rank_weights, write_weights
 
 Progress = Callable[[str, int, int], None]   # (stage, done, total)
@@ -53,9 +54,10 @@ def save_tokenizer(source: Path, fmt: str, out: Path) -> bool:
     return False
 
 
-def full_tensor_shapes(m: ModelConfig, b: BuildConfig) -> dict[str, tuple[list[int], str]]:
-    """(shape, dtype) of every plan tensor of the unsharded model, in plan order."""
-    bufs = {name: (shape, b.dtype) for name, (shape, _) in weight_specs(m).items()}
+def full_tensor_shapes(m: ModelConfig, b: BuildConfig, schemes: dict[str, str] | None = None
+                       ) -> dict[str, tuple[list[int], str]]:
+    """(shape, dtype) of every plan tensor of the unsharded model, in plan order; schemes: its FP8 weights."""
+    bufs = quantize.tensor_table(m, b, schemes or {})
     half = [b.max_seq_len, m.head_dim // 2]
     bufs["rope_cos"], bufs["rope_sin"] = (half, "float32"), (half, "float32")
     return bufs
@@ -68,8 +70,8 @@ def sharding_of(m: ModelConfig, b: BuildConfig) -> dict | None:
     return tensor_sharding(m, b.tensor_parallel, list(full_tensor_shapes(m, b)))
 
 
-def dummy_table(m: ModelConfig, b: BuildConfig) -> tuple[dict, int]:
-    shapes, sharding = full_tensor_shapes(m, b), sharding_of(m, b)
+def dummy_table(m: ModelConfig, b: BuildConfig, schemes: dict[str, str] | None = None) -> tuple[dict, int]:
+    shapes, sharding = full_tensor_shapes(m, b, schemes), sharding_of(m, b)
     return layout(local_shapes(shapes, sharding) if sharding else shapes)
 
 
@@ -82,6 +84,10 @@ def compile_plan(source: Path, out: Path, build: BuildConfig, *, dummy_weights: 
     model, tensors, fmt = read_source(source, dummy_weights)
     if build.tensor_parallel > 1:
         check_divisible(model, build.tensor_parallel)
+    stored, scales = stored_fp8(model, tensors)
+    schemes = quantize.weight_schemes(model, build, stored)
+    if schemes:
+        check_fp8_build(build)
     if build.max_seq_len > model.max_position_embeddings:
         raise ConfigError(f"max_seq_len {build.max_seq_len} exceeds the model's max_position_embeddings "
                           f"{model.max_position_embeddings}")
@@ -90,7 +96,8 @@ def compile_plan(source: Path, out: Path, build: BuildConfig, *, dummy_weights: 
         check_target(source, out, force)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
-            manifest = _build(source, tmp, model, tensors, fmt, build, dummy_weights, dummy_seed, progress)
+            manifest = _build(source, tmp, model, tensors, fmt, build, dummy_weights, dummy_seed, progress,
+                              schemes, scales)
             manifest["generation_defaults"] = defaults
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
             _replace_dir(tmp, out)
@@ -98,6 +105,23 @@ def compile_plan(source: Path, out: Path, build: BuildConfig, *, dummy_weights: 
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return Plan.load(out, verify="none")
+
+
+def stored_fp8(model: ModelConfig, tensors) -> tuple[dict[str, str], dict]:
+    """A pre-quantized checkpoint's FP8 plan weights: (plan name -> scheme, plan name -> scales)."""
+    if tensors is None or not hasattr(tensors, "plan_fp8"):
+        return {}, {}
+    return tensors.plan_fp8(weight_specs(model))
+
+
+def check_fp8_build(build: BuildConfig) -> None:
+    quantize.check_target(build.target)
+    if build.tensor_parallel > 1:
+        raise ConfigError("FP8 weights with tensor_parallel > 1 are not supported yet; compile with tensor_parallel 1")
+    from xserv_aot.plan import kernel_build
+    if build.target != "cpu" and not getattr(kernel_build, "FP8_KERNELS", False):   # set by its FP8 routing
+        raise ConfigError(f"FP8 plans for {build.target} need the FP8 CUDA kernels, which this build does not have "
+                          f"yet; compile with --target cpu")
 
 
 @contextlib.contextmanager
@@ -143,10 +167,12 @@ def weights_file(name: str, size: int, chunks: list[str]) -> dict:
             "chunks": {"size": CHUNK_BYTES, "sha256": chunks}}
 
 
-def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress) -> dict:
+def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress, schemes, scales) -> dict:
     specs, tp, sharding = weight_specs(model), build.tensor_parallel, sharding_of(model, build)
+    shapes = full_tensor_shapes(model, build, schemes)
+    dtypes = {name: dt for name, (_, dt) in (local_shapes(shapes, sharding) if sharding else shapes).items()}
     if dummy:
-        table, size = dummy_table(model, build)
+        table, size = dummy_table(model, build, schemes)
         weights = {"file": None, "dummy_seed": seed, "size": size, "fingerprint": f"dummy:{seed}",
                    "tensors": {k: v.to_dict() for k, v in table.items()}}
     else:
@@ -157,28 +183,29 @@ def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress) -> di
             if progress:
                 progress("weights", done[0], total)
 
-        full = plan_tensors(model, tensors, build.max_seq_len)
+        full = quantize.quantized_stream(plan_tensors(model, tensors, build.max_seq_len), schemes,
+                                         model.tie_word_embeddings, scales)
         if sharding:
             names = [f"weights.rank{r}.bin" for r in range(tp)]
-            written = write_rank_weights([tmp / n for n in names], rank_shards(full, sharding, tp), build.dtype,
+            written = write_rank_weights([tmp / n for n in names], rank_shards(full, sharding, tp), dtypes,
                                          tick, CHUNK_BYTES)
             table, size = written[0][0], written[0][1]         # every rank's table (and size) is the same
             files = [weights_file(n, sz, chunks) for n, (_, sz, chunks) in zip(names, written)]
             joint = fingerprint([f["fingerprint"] for f in files])
             weights = {"size": size, "fingerprint": f"sha256-ranks:{joint}", "files": files}
         else:
-            table, size, chunks = write_weights(tmp / "weights.bin", full, build.dtype, tick, CHUNK_BYTES)
+            table, size, chunks = write_weights(tmp / "weights.bin", full, dtypes, tick, CHUNK_BYTES)
             weights = weights_file("weights.bin", size, chunks)
         weights["tensors"] = {k: v.to_dict() for k, v in table.items()}
     if sharding:
         weights["sharding"] = {k: v.to_dict() for k, v in sharding.items()}
     has_tok = save_tokenizer(source, fmt, tmp) if fmt != "config" else False
-    arena, arena_size = layout(arena_buffers(model, build))
+    arena, arena_size = layout(arena_buffers(model, build, quantized=bool(schemes)))
     kv_heads = local_model(model, tp).num_kv_heads
     kv_shape = [model.num_layers, 2, build.num_blocks, build.block_size, kv_heads, model.head_dim]
     kv_bytes = math.prod(kv_shape) * ITEMSIZE[build.dtype]
     buckets = [{"name": n, "kind": k, "num_tokens": t, "num_seqs": s,
-                "ops": [op.to_dict() for op in bucket_ops(model, t, s, tp)]}
+                "ops": [op.to_dict() for op in bucket_ops(model, t, s, tp, quant=schemes)]}
                for n, k, t, s in bucket_shapes(build)]
     manifest = {
         "schema_version": SCHEMA_VERSION,
@@ -194,6 +221,8 @@ def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress) -> di
     }
     if tp > 1:
         manifest["tensor_parallel"] = manifest_section(model, tp)
+    if schemes:
+        manifest["quantization"] = quantize.manifest_section(schemes, build, "checkpoint" if scales else "compile")
     if build.target != "cpu":
         from xserv_aot.plan.kernel_build import build_kernels
         manifest["kernels"] = build_kernels(manifest, tmp, build.target, progress=progress)

@@ -38,6 +38,15 @@ GEMM_CONFIGS = (
     "sm90_f32out_swap_128x256x64_streamk",
 )
 CFG_128x128, CFG_128x256, CFG_64x128_PINGPONG, CFG_F32OUT = range(4)
+# The W8A8 configs of xserv_gemm_fp8; must match kernels/cutlass/gemm_sm90_fp8_configs.h.
+FP8_CONFIGS = (
+    "sm90_fp8_channel_128x128x128_coop",
+    "sm90_fp8_channel_f32out_128x128x128_coop",
+    "sm90_fp8_block128_128x128x128_coop",
+    "sm90_fp8_block128_f32out_128x128x128_coop",
+)
+FP8_CONFIG = {("fp8_channel", "bfloat16"): 0, ("fp8_channel", "float32"): 1, ("fp8_block128", "bfloat16"): 2,
+              ("fp8_block128", "float32"): 3}
 # Swap-AB decode configs: activation rows on the tile's N side (width -> config index), per output dtype.
 SWAP_CONFIGS = {"bfloat16": {32: 4, 64: 5, 128: 6, 256: 7}, "float32": {64: 8, 128: 9, 256: 10}}
 NUM_SMS_H200 = 132
@@ -117,10 +126,14 @@ def _run(cmd: list[str]) -> None:
 def _compile(nvcc: Path, includes: list[Path], src_dir: Path, work: Path, jobs: int, progress) -> Path:
     inc = [f"-I{d}" for d in (src_dir, *includes)]
     base = [str(nvcc), *COMPILE_FLAGS, *inc, "-c"]
-    units = [(base + [str(src_dir / "gemm_sm90.cu"), "-o", str(work / "gemm_sm90.o")])]
+    units = [base + [str(src_dir / f"{stem}.cu"), "-o", str(work / f"{stem}.o")]
+             for stem in ("gemm_sm90", "gemm_sm90_fp8")]
     for i in range(len(GEMM_CONFIGS)):
         units.append(base + [f"-DXSERV_GEMM_CONFIG={i}", str(src_dir / "gemm_sm90_config.cu"),
                              "-o", str(work / f"gemm_config_{i}.o")])
+    for i in range(len(FP8_CONFIGS)):
+        units.append(base + [f"-DXSERV_FP8_CONFIG={i}", str(src_dir / "gemm_sm90_fp8_config.cu"),
+                             "-o", str(work / f"gemm_fp8_config_{i}.o")])
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {pool.submit(_run, cmd): cmd[-1] for cmd in units}
         for fut in concurrent.futures.as_completed(futures):
@@ -137,6 +150,14 @@ def library_config_names(lib: Path) -> list[str]:
     so.xserv_gemm_config_name.restype = ctypes.c_char_p
     so.xserv_gemm_config_name.argtypes = [ctypes.c_int]
     return [so.xserv_gemm_config_name(i).decode() for i in range(so.xserv_gemm_num_configs())]
+
+
+def library_fp8_config_names(lib: Path) -> list[str]:
+    """FP8 config names exported by a built library (xserv_gemm_fp8's config table)."""
+    so = ctypes.CDLL(str(lib))
+    so.xserv_gemm_fp8_config_name.restype = ctypes.c_char_p
+    so.xserv_gemm_fp8_config_name.argtypes = [ctypes.c_int]
+    return [so.xserv_gemm_fp8_config_name(i).decode() for i in range(so.xserv_gemm_fp8_num_configs())]
 
 
 def library_workspace_size(lib: Path, config: int, M: int, N: int, K: int, splits: int,
@@ -173,6 +194,8 @@ def build_gemm_library(out_dir: Path, target: str = "sm_90a", progress: Callable
     names = library_config_names(dest)
     if tuple(names) != GEMM_CONFIGS:
         raise GemmBuildError(f"{dest}: config table {names} does not match cutlass_build.GEMM_CONFIGS")
+    if tuple(library_fp8_config_names(dest)) != FP8_CONFIGS:
+        raise GemmBuildError(f"{dest}: FP8 config table does not match cutlass_build.FP8_CONFIGS")
     return {"file": f"kernels/{LIBRARY_NAME}", "hash": "sha256:" + hashlib.sha256(dest.read_bytes()).hexdigest(),
             "configs": names, "build_key": key}
 

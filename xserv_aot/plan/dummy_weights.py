@@ -4,6 +4,8 @@ and as kernels/elementwise.cu fill_normal_bf16 on the GPU, bit-identical after r
 Tensor t (in weight_specs order) of a plan seeded `seed` draws element i from z = splitmix64(splitmix64(seed, t), i):
 g = (sum of the four 16-bit fields of z / 65536 - 2) * 1.7320508 (Irwin-Hall, mean 0, std 1) and value
 mean + g * std, each step rounded to float32; norms (1-D) have mean 1, std 0.1, matrices mean 0, std 1/sqrt(cols).
+An FP8 weight of the plan is those float32 values quantized at its scheme (plan/quantize.py quantized_stream), as a
+compile from a checkpoint holding them would; runtime/cuda/dummy_upload.py computes them on the host too.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Iterator
 import numpy as np
 
 from xserv_aot.config import ModelConfig
+from xserv_aot.plan.quantize import quantized_stream
 from xserv_aot.plan.weights import rope_tables, weight_specs
 from xserv_aot.rng import splitmix64
 
@@ -45,3 +48,9 @@ def dummy_tensors(m: ModelConfig, max_seq_len: int, seed: int) -> Iterator[tuple
     cos, sin = rope_tables(m, max_seq_len)
     yield "rope_cos", cos, True
     yield "rope_sin", sin, True
+
+
+def dummy_plan_tensors(plan) -> Iterator[tuple[str, np.ndarray, bool]]:
+    """Every tensor of a dummy-weight plan in its table order: dummy_tensors, FP8 weights quantized."""
+    return quantized_stream(dummy_tensors(plan.model, plan.build.max_seq_len, int(plan.dummy_seed or 0)),
+                            plan.fp8_schemes, plan.model.tie_word_embeddings)

@@ -19,8 +19,8 @@ from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TA
                                         compile_all, compile_source, expand_source, nvrtc_version)
 from xserv_aot.plan import nccl_records
 from xserv_aot.plan.op_records import (COLLECTIVES, AddRmsNorm, ApplyTokenBitmask, Attention, Embedding, GatherRows,
-                                       KernelChoice, Linear, Op, QkNormRopeCache, ResolveInputIds, RmsNorm, Sample,
-                                       SiluMul, op_from_dict)
+                                       KernelChoice, Linear, Op, QkNormRopeCache, QuantizeFp8, ResolveInputIds,
+                                       RmsNorm, Sample, SiluMul, op_from_dict)
 from xserv_aot.plan.signatures import check_sizes, cubin_param_sizes, host_signature, kernel_signatures
 from xserv_aot.plan.tensor_parallel import rank_model
 
@@ -36,6 +36,7 @@ SWAP_MIN_ROWS = 16           # decode rows 16..256: CUTLASS GEMMs by decode_gemm
 GEMM_ENTRY = "xserv_gemm_bf16"   # the CUTLASS library's C entry points (kernels/cutlass/gemm_sm90.cu)
 GEMM_ENTRY_EX = "xserv_gemm_bf16_ex"   # ... with splits and a workspace (the swap-AB decode configs)
 GEMM_SOURCE = KERNEL_DIR / "cutlass" / "gemm_sm90.cu"
+FP8_KERNELS = True           # FP8 linears and quantize_fp8 route to plan/fp8_build.py (plan.builder checks it)
 
 
 def add_arena_buffer(manifest: dict, name: str, shape: list[int], dtype: str) -> None:
@@ -105,6 +106,9 @@ def plan_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: dict
                 decode: bool = False) -> KernelChoice:
     """fuse_into: the silu_mul output buffer when the next op is silu_mul of this op's output."""
     rows, n, k = op.rows, op.n, op.k
+    if op.quant:
+        from xserv_aot.plan.fp8_build import plan_fp8_linear
+        return plan_fp8_linear(op, out_dtype, fuse_into, cutlass)
     if k % 8 or n % 2:
         raise KernelBuildError(f"linear {op.weight}: n={n}, k={k} (CUDA kernels need k % 8 == 0, n even)")
     suffix = "f32" if out_dtype == "float32" else "bf16"
@@ -185,6 +189,9 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             nxt = ops[idx + 1] if idx + 1 < len(ops) else None
             fuse = nxt.out if isinstance(nxt, SiluMul) and nxt.inp == op.out else None
             c = plan_linear(op, arena[op.out]["dtype"], fuse, cutlass, kind == "decode")
+        elif isinstance(op, QuantizeFp8):
+            from xserv_aot.plan.fp8_build import plan_quantize
+            c = plan_quantize(op)
         elif isinstance(op, QkNormRopeCache):
             c = kernel(launch(f"qk_norm_rope_cache_hd{hd}", [rows, -(-(nh + 2 * nkv) // 4)], [128], 0,
                               [ptr(op.qkv), ptr(op.positions), ptr(op.slot_mapping), ptr(op.q_norm), ptr(op.k_norm),
@@ -275,6 +282,8 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
     if cutlass is not None:
         for entry in (GEMM_ENTRY, GEMM_ENTRY_EX):
             signatures[entry] = host_signature(GEMM_SOURCE, entry)
+        from xserv_aot.plan.fp8_build import host_signatures
+        signatures.update(host_signatures())
     nh, hd = m["num_heads"], m["head_dim"]
     # partials: [rows, nh, splits, ..] (split-KV kernel), [num_seqs, nh, splits, ..] (batched kernels)
     part_rows = max([(op.num_seqs if any(r.fn.startswith(("attn_decode_b", "attn_decode_tc")) for r in c.launch)

@@ -97,6 +97,7 @@ class Plan:
         self.buckets = [Bucket.from_dict(b, known) for b in manifest["buckets"]]
         self.kernels = manifest.get("kernels") or {}
         self.generation_defaults: dict = manifest.get("generation_defaults") or {}   # request field -> default
+        self.quantization: dict | None = manifest.get("quantization")          # docs/plan-format.md "FP8"
         for f in self.weight_files:
             inside(self.dir, f["file"], "weights")
         check_layout(self.weights, int(w["size"]), layout)
@@ -160,6 +161,11 @@ class Plan:
         if not self.weight_files:
             return None
         return np.memmap(inside(self.dir, self.weight_files[rank]["file"], "weights"), dtype=np.uint8, mode="r")
+
+    @property
+    def fp8_schemes(self) -> dict[str, str]:
+        """plan weight name -> FP8 scheme of the plan's FP8 weights."""
+        return dict((self.quantization or {}).get("schemes") or {})
 
     @property
     def has_tokenizer(self) -> bool:

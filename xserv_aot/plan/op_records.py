@@ -7,6 +7,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from xserv_aot.fp8 import SCHEMES
+
 
 class OpRecordError(ValueError):
     """An op entry that is not a valid op record; one line."""
@@ -74,7 +76,9 @@ class Op:
         return self.OP
 
     def to_dict(self) -> dict:
-        d = {"op": self.OP, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "cuda"}}
+        """Optional fields (those with a default) are written only when set, so older plans read the same."""
+        d = {"op": self.OP, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                               if f.name != "cuda" and not (f.default is None and getattr(self, f.name) is None)}}
         if self.cuda is not None:
             d["cuda"] = self.cuda.to_dict()
         return d
@@ -119,6 +123,9 @@ class AddRmsNorm(Op):
 
 @dataclass(frozen=True)
 class Linear(Op):
+    """out[:rows, :n] = inp[:rows, :k] @ weight^T (+ bias), fp32 accumulation. FP8 (docs/plan-format.md "FP8"):
+    quant "fp8_channel" | "fp8_block128" with weight float8_e4m3fn and weight_scale its float32 scales; inp_scale
+    None: W8A16 (bf16 inp); set: W8A8 (inp float8_e4m3fn from a quantize_fp8 op, inp_scale its scales)."""
     OP = "linear"
     inp: str
     weight: str
@@ -126,6 +133,28 @@ class Linear(Op):
     out: str
     n: int
     k: int
+    weight_scale: str | None = None
+    quant: str | None = None
+    inp_scale: str | None = None
+
+    def __post_init__(self):
+        if (self.quant is None) != (self.weight_scale is None) or (self.inp_scale and self.quant is None):
+            raise OpRecordError(f"linear {self.weight}: quant, weight_scale and inp_scale must come together "
+                                f"(quant {self.quant!r}, weight_scale {self.weight_scale!r}, inp_scale {self.inp_scale!r})")
+        if self.quant is not None and self.quant not in SCHEMES:
+            raise OpRecordError(f"linear {self.weight}: unknown quant {self.quant!r} (known: {', '.join(SCHEMES)})")
+
+
+@dataclass(frozen=True)
+class QuantizeFp8(Op):
+    """Per row m and K-group g of `group` columns (the last may be shorter): s = max(max|inp[m, g]|, 1e-12) / 448,
+    out[m, g] = e4m3(inp[m, g] / s), scale[m, g_index] = s (float32)."""
+    OP = "quantize_fp8"
+    inp: str
+    out: str
+    scale: str
+    k: int
+    group: int
 
 
 @dataclass(frozen=True)
@@ -222,7 +251,7 @@ class AllGather(Op):
 
 
 OP_TYPES: dict[str, type[Op]] = {c.OP: c for c in (ResolveInputIds, Embedding, RmsNorm, AddRmsNorm, Linear,
-                                                   QkNormRopeCache, Attention, SiluMul, GatherRows, ApplyTokenBitmask,
+                                                   QuantizeFp8, QkNormRopeCache, Attention, SiluMul, GatherRows, ApplyTokenBitmask,
                                                    Sample, AllReduce, AllGather)}
 COLLECTIVES = (AllReduce, AllGather)
 _CHECKS = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -238,21 +267,28 @@ def op_from_dict(d: dict, where: str = "op") -> Op:
     if cls is None:
         raise OpRecordError(f"{where}: unknown op {d.get('op')!r} (known: {', '.join(OP_TYPES)})")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.name != "cuda"]
+    fields = [f for f in dataclasses.fields(cls) if f.name != "cuda"]
+    names = [f.name for f in fields]
+    optional = {f.name for f in fields if f.default is None}
     extra = sorted(set(d) - set(names) - {"op", "cuda"})
     if extra:
         raise OpRecordError(f"{where} ({cls.OP}): unknown field {extra[0]!r}")
     for name in names:
+        if name not in d and name in optional:
+            continue
         if name not in d:
             raise OpRecordError(f"{where} ({cls.OP}): missing field {name!r}")
         if not _CHECKS[hints[name]](d[name]):
             raise OpRecordError(f"{where} ({cls.OP}): field {name!r} = {d[name]!r} is not {hints[name]}")
     cuda = KernelChoice.from_dict(d["cuda"], where) if d.get("cuda") is not None else None
-    return cls(**{n: d[n] for n in names}, cuda=cuda)
+    return cls(**{n: d[n] for n in names if n in d}, cuda=cuda)
+
+
+NOT_BUFFERS = ("kv_cache", "quant")
 
 
 def buffer_names(op: Op) -> list[str]:
-    """Arena buffers and weights an op names (its str fields but the KV cache)."""
+    """Arena buffers and weights an op names (its str fields but the KV cache and a linear's quant scheme)."""
     hints = typing.get_type_hints(type(op))
     return [getattr(op, f.name) for f in dataclasses.fields(op)
-            if hints[f.name] in (str, str | None) and f.name != "kv_cache" and getattr(op, f.name) is not None]
+            if hints[f.name] in (str, str | None) and f.name not in NOT_BUFFERS and getattr(op, f.name) is not None]

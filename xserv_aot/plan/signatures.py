@@ -10,7 +10,8 @@ from xserv_aot.plan.nvrtc_build import KERNEL_DIR, KernelBuildError, expand_sour
 
 SCALAR_TYPES = {"int": "i32", "unsigned": "u32", "unsigned int": "u32", "float": "f32", "u64": "u64",
                 "unsigned long long": "u64", "size_t": "u64", "long long": "i64"}
-POINTEE_DTYPES = {"bf16": "bfloat16", "float": "float32", "int": "int32", "long long": "int64", "void": None}
+POINTEE_DTYPES = {"bf16": "bfloat16", "float": "float32", "int": "int32", "long long": "int64", "e4m3": "float8_e4m3fn",
+                  "void": None}
 TYPE_BYTES = {"ptr": 8, "i32": 4, "u32": 4, "f32": 4, "u64": 8, "i64": 8}
 _KPARAM_INFO, _SVAL = 0x17, 0x04       # .nv.info attribute: one kernel parameter (ordinal, offset, size)
 

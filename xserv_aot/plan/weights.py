@@ -128,14 +128,15 @@ class WeightsFile:
         return self.table, self.off, self.h.finish()
 
 
-def write_weights(path: Path, tensors: Iterator[tuple[str, np.ndarray, bool]], dtype: str,
+def write_weights(path: Path, tensors: Iterator[tuple[str, np.ndarray, bool]], dtypes: dict[str, str],
                   on_tensor: Callable[[str], None] | None = None, chunk: int = CHUNK_BYTES
                   ) -> tuple[dict[str, TensorInfo], int, list[str]]:
-    """Stream tensors into weights.bin at aligned offsets. Returns (table, size, sha256 of each `chunk` bytes)."""
+    """Stream tensors into weights.bin at aligned offsets, each in dtypes[name]. Returns (table, size, sha256 of
+    each `chunk` bytes)."""
     out = WeightsFile(path, chunk)
     try:
-        for name, arr, is_rope in tensors:
-            out.add(name, arr, "float32" if is_rope else dtype)
+        for name, arr, _ in tensors:
+            out.add(name, arr, dtypes[name])
             if on_tensor:
                 on_tensor(name)
     finally:
@@ -143,15 +144,15 @@ def write_weights(path: Path, tensors: Iterator[tuple[str, np.ndarray, bool]], d
     return result
 
 
-def write_rank_weights(paths: list[Path], shards: Iterator[tuple[str, list[np.ndarray], bool]], dtype: str,
+def write_rank_weights(paths: list[Path], shards: Iterator[tuple[str, list[np.ndarray], bool]], dtypes: dict[str, str],
                        on_tensor: Callable[[str], None] | None = None, chunk: int = CHUNK_BYTES
                        ) -> list[tuple[dict[str, TensorInfo], int, list[str]]]:
     """One weights file per rank from (name, [part of each rank], is_rope); every rank's table is the same."""
     files = [WeightsFile(p, chunk) for p in paths]
     try:
-        for name, parts, is_rope in shards:
+        for name, parts, _ in shards:
             for f, arr in zip(files, parts):
-                f.add(name, arr, "float32" if is_rope else dtype)
+                f.add(name, arr, dtypes[name])
             if on_tensor:
                 on_tensor(name)
     finally:

@@ -10,21 +10,24 @@ from __future__ import annotations
 
 import numpy as np
 
-from xserv_aot.dtypes import decode, round_to, storage_dtype
-from xserv_aot.plan.dummy_weights import dummy_tensors
+from xserv_aot import fp8
+from xserv_aot.dtypes import FP8, decode, round_to, storage_dtype
+from xserv_aot.plan.dummy_weights import dummy_plan_tensors
 from xserv_aot.plan.manifest import Bucket, Plan
 from xserv_aot.plan.op_records import COLLECTIVES, AllGather, AllReduce
 from xserv_aot.plan.tensor_parallel import ShardSpec, rank_shards
 from xserv_aot.runtime import numpy_ops as ops
 from xserv_aot.runtime.batch import BatchDescription, StepResult, stage_inputs
 
+WIDENED = ("bfloat16", FP8)            # arena dtypes held as float32 values on their grid
+
 
 def load_rank_weights(plan: Plan, ranks: list[int] | None = None) -> list[dict[str, np.ndarray]]:
     """Per rank in `ranks` (default all): plan weight name -> float32 array (bf16 words widened once, at load)."""
     tp = plan.tensor_parallel
     ranks = list(range(tp)) if ranks is None else ranks
-    if plan.weights_file is None:      # the plan's dtype, as the GPU generator writes them; shards cut from full
-        full = dummy_tensors(plan.model, plan.build.max_seq_len, int(plan.dummy_seed or 0))
+    if plan.weights_file is None:      # the plan's dtypes, as the GPU generator writes them; shards cut from full
+        full = dummy_plan_tensors(plan)
         if plan.sharding:
             specs = {k: ShardSpec.from_dict(v) for k, v in plan.sharding.items()}
             shards = rank_shards(full, specs, tp)
@@ -33,7 +36,7 @@ def load_rank_weights(plan: Plan, ranks: list[int] | None = None) -> list[dict[s
         out = [{} for _ in ranks]
         for name, parts, rope in shards:
             for i, rank in enumerate(ranks):
-                out[i][name] = parts[rank] if rope else round_to(parts[rank], plan.build.dtype)
+                out[i][name] = round_to(parts[rank], plan.weights[name].dtype)
         return out
     return [_read_weights(plan, rank) for rank in ranks]
 
@@ -115,9 +118,9 @@ class NumpyRank:
     """One rank's weights, arena and KV pool, and the ops that touch only them."""
 
     def __init__(self, plan: Plan, weights: dict[str, np.ndarray]):
-        self.plan, self.w = plan, weights
+        self.plan, self.w, self.w_real = plan, weights, {}
         self.dtypes = {name: info.dtype for name, info in plan.arena.items()}
-        self.buf = {name: np.zeros(info.shape, dtype=np.float32 if info.dtype == "bfloat16" else storage_dtype(info.dtype))
+        self.buf = {name: np.zeros(info.shape, dtype=np.float32 if info.dtype in WIDENED else storage_dtype(info.dtype))
                     for name, info in plan.arena.items()}
         L, _, nb, bs, nkv, hd = plan.kv_cache["shape"]
         self.kv = np.zeros((L, 2, nb * bs, nkv, hd), dtype=np.float32)   # slot-flattened paged pool
@@ -144,8 +147,32 @@ class NumpyRank:
         self._set(op.out, r, ops.rmsnorm(self.buf[op.residual][:r], self.w[op.weight], op.eps))
 
     def op_linear(self, op):
-        bias = self.w[op.bias] if op.bias else None
-        self._set(op.out, op.rows, ops.linear(self.buf[op.inp][:op.rows], self.w[op.weight], bias))
+        bias, x, w = self.w[op.bias] if op.bias else None, self.buf[op.inp][:op.rows, :op.k], self.w[op.weight]
+        if op.inp_scale:
+            groups = fp8.groups(op.k, fp8.act_group(op.quant, op.k))
+            out = ops.linear_w8a8(self.packed(op.inp, op.rows, op.k), self.packed(op.inp_scale, op.rows, groups), w,
+                                  self.w[op.weight_scale], op.quant, bias)
+        elif op.quant:
+            out = ops.linear_w8a16(x, self.dequantized(op), bias)
+        else:
+            out = ops.linear(x, w, bias)
+        self._set(op.out, op.rows, out)
+
+    def dequantized(self, op) -> np.ndarray:
+        """W_real of an FP8 weight, computed once per weight."""
+        if op.weight not in self.w_real:
+            self.w_real[op.weight] = fp8.dequantize(self.w[op.weight], self.w[op.weight_scale], op.quant)
+        return self.w_real[op.weight]
+
+    def op_quantize_fp8(self, op):
+        r, k = op.rows, op.k
+        q, scale = ops.quantize_fp8(self.buf[op.inp][:r, :k], op.group)
+        self.packed(op.out, r, k)[:] = q
+        self.packed(op.scale, r, scale.shape[1])[:] = scale
+
+    def packed(self, name: str, rows: int, cols: int) -> np.ndarray:
+        """The [rows, cols] row-major view at the start of a buffer (the W8A8 activations xq / xq_scale)."""
+        return self.buf[name].reshape(-1)[:rows * cols].reshape(rows, cols)
 
     def op_qk_norm_rope_cache(self, op):
         r, layer = op.rows, self.kv[op.layer]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from xserv_aot import fp8
+from xserv_aot.dtypes import round_to
 from xserv_aot.rng import uniform
 from xserv_aot.runtime.batch import NONFINITE_ID
 
@@ -36,6 +38,32 @@ def add_rmsnorm(residual: np.ndarray, delta: np.ndarray, w: np.ndarray, eps: flo
 
 def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
     out = x.astype(np.float32, copy=False) @ w.astype(np.float32, copy=False).T                    # [T, K] @ [K, N]
+    if b is not None:
+        out = out + b.astype(np.float32, copy=False)
+    return out
+
+
+def quantize_fp8(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """x [M, K] -> (e4m3 values as float32 [M, K], float32 scales [M, ceil(K / group)])."""
+    return fp8.quantize_rows(x, group)
+
+
+def linear_w8a16(x: np.ndarray, w_real: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+    """bf16(x) @ W_real^T with W_real = fp8.dequantize(W, scale, quant) (float(W) * scale), fp32 accumulation."""
+    return linear(round_to(x, "bfloat16"), w_real, b)
+
+
+def linear_w8a8(xq: np.ndarray, x_scale: np.ndarray, w: np.ndarray, w_scale: np.ndarray, quant: str,
+                b: np.ndarray | None = None) -> np.ndarray:
+    """out[m, n] = sum_g x_scale[m, g] * w_scale[n or block, g] * sum_{k in g} xq[m, k] * W[n, k], fp32."""
+    n, k = w.shape
+    group = fp8.act_group(quant, k)
+    out = np.zeros((xq.shape[0], n), dtype=np.float32)
+    for g in range(fp8.groups(k, group)):
+        cols = slice(g * group, min(k, (g + 1) * group))
+        part = xq[:, cols].astype(np.float32, copy=False) @ w[:, cols].astype(np.float32, copy=False).T
+        ws = w_scale if quant == fp8.CHANNEL else np.repeat(w_scale[:, g], fp8.BLOCK)[:n]
+        out += x_scale[:, g:g + 1].astype(np.float32) * ws.astype(np.float32)[None, :] * part
     if b is not None:
         out = out + b.astype(np.float32, copy=False)
     return out

@@ -121,6 +121,11 @@ class Device:
         self._allocs.append(ptr)
         return ptr
 
+    def free(self, ptr: int) -> None:
+        """Free one alloc() (a setup scratch buffer) now instead of at close()."""
+        self._allocs.remove(ptr)
+        check(_cu().cuMemFree(ptr), "cuMemFree")
+
     def alloc_host(self, nbytes: int, dtype=np.uint8) -> np.ndarray:
         """Pinned host memory as a NumPy array (valid until close())."""
         nbytes = max(256, int(nbytes))

@@ -111,7 +111,8 @@ class CudaRunner:
                 self.dev.sync()
             return
         from xserv_aot.runtime.cuda.dummy_upload import upload_dummy_weights
-        upload_dummy_weights(self.dev, self.plan, self.func("fill_normal_bf16"), self.weights_ptr, self.rank)
+        upload_dummy_weights(self.dev, self.plan, self.func("fill_normal_bf16"), self.weights_ptr, self.rank,
+                             func=self.func)
 
     def _setup_staging(self) -> None:
         arena = self.plan.arena

@@ -1,0 +1,54 @@
+// e4m3fn (FP8) helpers: weights and W8A8 activations are raw e4m3fn bytes (bias 7, no infinities, 0x7f NaN).
+#pragma once
+#include "common.cuh"
+
+typedef unsigned char e4m3;
+
+#define FP8_MAX 448.f
+#define FP8_MIN_AMAX 1e-12f
+
+// Two e4m3 (low byte -> low half) -> f16x2, exact (hardware cvt, sm_89+).
+__device__ __forceinline__ u32 e4m3x2_f16x2(u32 two) {
+    u32 h;
+    asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h) : "r"(two));
+    return h;
+}
+__device__ __forceinline__ float f16lo(u32 h) {
+    float f;
+    asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, lo; }" : "=f"(f) : "r"(h));
+    return f;
+}
+__device__ __forceinline__ float f16hi(u32 h) {
+    float f;
+    asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, hi; }" : "=f"(f) : "r"(h));
+    return f;
+}
+// Four e4m3 of a word -> four floats, exact.
+__device__ __forceinline__ void e4m3x4_f32(u32 w, float* f) {
+    const u32 a = e4m3x2_f16x2(w & 0xffffu), b = e4m3x2_f16x2(w >> 16);
+    f[0] = f16lo(a); f[1] = f16hi(a); f[2] = f16lo(b); f[3] = f16hi(b);
+}
+// Four e4m3 of a word -> four floats carrying value * 2^-120, by integer ops only: byte i moved to the top of a word,
+// shifted right arithmetically by 4 (sign into bit 31, exponent and mantissa into the f32 exponent's low 4 bits and
+// the mantissa's top 3), masked. Exact: e4m3 subnormals become f32 denormals of the same ratio (kernels are built
+// without flush-to-zero); the NaN encoding becomes a finite value (quantized weights hold no NaN).
+__device__ __forceinline__ void e4m3x4_f32_scaled(u32 w, float* f) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) f[i] = __uint_as_float((u32)((int)(w << (24 - 8 * i)) >> 4) & 0x87f00000u);
+}
+#define FP8_F32_UNSCALE 1.329227995784916e36f    // 2^120
+
+// f16x2 of e4m3 values -> bf16x2 carrying value * 2^-112: the f16 exponent and mantissa bits moved into bf16
+// position (every e4m3 value, subnormals included, is a normal f16, so the result is a normal bf16 or zero). Callers
+// multiply the fp32 sums by FP8_BF16_UNSCALE.
+__device__ __forceinline__ u32 f16x2_bf16x2_scaled(u32 h) {
+    return ((h >> 3) & 0x0fff0fffu) | (h & 0x80008000u);
+}
+#define FP8_BF16_UNSCALE 5.192296858534828e33f   // 2^112
+
+// Two floats -> two e4m3 in the low 16 bits (lo -> low byte), round to nearest even, saturating to +-448.
+__device__ __forceinline__ u32 f32x2_e4m3x2(float lo, float hi) {
+    unsigned short d;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+    return (u32)d;
+}

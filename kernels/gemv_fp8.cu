@@ -1,0 +1,223 @@
+// W8A16 GEMV for decode rows 1..2: out[M, N] = bf16 X[M, K] @ W_real[N, K]^T (+ bias), W e4m3 with float32 scales:
+// CH (fp8_channel) scale[N] applied to each row's full sum; BLK (fp8_block128) scale[ceil(N/128), ceil(K/128)]
+// applied to each 16-k partial sum (a 16-k piece never crosses a 128-block). fp32 accumulation, exact e4m3 -> f16 ->
+// f32 conversion. One warp owns R weight rows; each lane streams U 16-byte pieces (16 weights) per row in flight.
+// GATE: W is gate_up [2I, K]; the warp owns gate row j and up row I + j and writes silu(g) * u to out[M, I] with g,
+// u rounded to bf16 first (the unfused linear + silu_mul semantics, as gemv_gate). K % 16 == 0.
+// Also quantize_fp8 (W8A8 activations): e4m3 values and per (row, K-group) scales, packed [rows, k] / [rows, groups].
+#include "fp8.cuh"
+
+#define GEMV_FP8_WARPS 8
+
+// BT (bit trick, sweep variants): e4m3 -> f32 by integer ops instead of the two conversions (fp8.cuh
+// e4m3x4_f32_scaled: the value * 2^-120, exact, subnormals as f32 denormals), the sums multiplied back by 2^120.
+template <int MT, bool OUT_F32, bool GATE, bool BLK, int R, int U, bool BT = false>
+__device__ __forceinline__ void gemv_fp8_impl(const bf16* __restrict__ X, const e4m3* __restrict__ W,
+                                              const float* __restrict__ scale, const bf16* __restrict__ bias,
+                                              void* __restrict__ out, int M, int N, int K) {
+    pdl_entry();
+    static_assert(!GATE || R == 2, "the gate kernel pairs gate row j with up row I + j");
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int unit = blockIdx.x * GEMV_FP8_WARPS + warp;     // gate: output column; else a group of R rows
+    int row[R];
+    if (GATE) { if (unit >= N) return; row[0] = unit; row[R - 1] = unit + N; }
+    else {
+#pragma unroll
+        for (int r = 0; r < R; r++) row[r] = unit * R + r;
+        if (row[0] >= N) return;
+    }
+    const int n_rows = GATE ? 2 * N : N, kb_n = (K + 127) >> 7;
+    const e4m3* wp[R];
+    const float* sp[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int rr = row[r] < n_rows ? row[r] : row[0];
+        wp[r] = W + (size_t)rr * K;
+        sp[r] = BLK ? scale + (size_t)(rr >> 7) * kb_n : scale + rr;
+    }
+
+    float acc[R][MT];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int m = 0; m < MT; m++) acc[r][m] = 0.f;
+
+    for (int kb = lane * 16; kb < K; kb += 32 * 16 * U) {
+        vec16 wv[R][U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int k = kb + u * 512;
+            if (k < K) {
+#pragma unroll
+                for (int r = 0; r < R; r++) wv[r][u] = ld_stream(wp[r] + k);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int k = kb + u * 512;
+            if (k < K) {
+                float a[R][16];
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    if (BT) {
+                        e4m3x4_f32_scaled(wv[r][u].x, a[r]); e4m3x4_f32_scaled(wv[r][u].y, a[r] + 4);
+                        e4m3x4_f32_scaled(wv[r][u].z, a[r] + 8); e4m3x4_f32_scaled(wv[r][u].w, a[r] + 12);
+                    } else {
+                        e4m3x4_f32(wv[r][u].x, a[r]); e4m3x4_f32(wv[r][u].y, a[r] + 4);
+                        e4m3x4_f32(wv[r][u].z, a[r] + 8); e4m3x4_f32(wv[r][u].w, a[r] + 12);
+                    }
+                }
+                float s[R];
+                if (BLK) {
+#pragma unroll
+                    for (int r = 0; r < R; r++) s[r] = __ldg(sp[r] + (k >> 7));
+                }
+#pragma unroll
+                for (int m = 0; m < MT; m++) {
+                    if (m < M) {
+                        float x[16];
+                        unpack8(ld_cached(X + (size_t)m * K + k), x);
+                        unpack8(ld_cached(X + (size_t)m * K + k + 8), x + 8);
+#pragma unroll
+                        for (int r = 0; r < R; r++) {
+                            float d = 0.f;
+#pragma unroll
+                            for (int i = 0; i < 16; i++) d += a[r][i] * x[i];
+                            if (BLK) acc[r][m] += d * s[r];
+                            else acc[r][m] += d;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    float sc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) sc[r] = BLK ? 1.f : __ldg(sp[r]);
+#pragma unroll
+    for (int m = 0; m < MT; m++) {
+        if (m < M) {
+            float sum[R];
+#pragma unroll
+            for (int r = 0; r < R; r++) sum[r] = (BT ? warp_sum(acc[r][m]) * FP8_F32_UNSCALE : warp_sum(acc[r][m])) * sc[r];
+            if (lane == m) {
+                if (GATE) {
+                    const float g = round_bf(sum[0]), u = round_bf(sum[R - 1]);
+                    ((bf16*)out)[(size_t)m * N + unit] = f2bf(silu(g) * u);
+                } else {
+#pragma unroll
+                    for (int r = 0; r < R; r++) {
+                        if (row[r] < N) {
+                            const float v = sum[r] + (bias ? bf2f(bias[row[r]]) : 0.f);
+                            if (OUT_F32) ((float*)out)[(size_t)m * N + row[r]] = v;
+                            else ((bf16*)out)[(size_t)m * N + row[r]] = f2bf(v);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Grid: ceil(N / (8 R)) blocks of 256 threads (gate: ceil(I / 8), N = I). Default R = 2, U = 4.
+#define GEMV_FP8_KERNELS(S, BLK, MT)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) gemv_fp8##S##_m##MT##_bf16(                            \
+        const bf16* X, const e4m3* W, const float* scale, const bf16* bias, bf16* out, int M, int N, int K) { \
+        gemv_fp8_impl<MT, false, false, BLK, 2, 4>(X, W, scale, bias, out, M, N, K); }                       \
+    extern "C" __global__ void __launch_bounds__(256) gemv_fp8##S##_m##MT##_f32(                             \
+        const bf16* X, const e4m3* W, const float* scale, const bf16* bias, float* out, int M, int N, int K) { \
+        gemv_fp8_impl<MT, true, false, BLK, 2, 4>(X, W, scale, bias, out, M, N, K); }                        \
+    extern "C" __global__ void __launch_bounds__(256) gemv_fp8##S##_gate_m##MT(                              \
+        const bf16* X, const e4m3* W, const float* scale, bf16* out, int M, int I, int K) {                  \
+        gemv_fp8_impl<MT, false, true, BLK, 2, 4>(X, W, scale, nullptr, out, M, I, K); }
+
+GEMV_FP8_KERNELS(_ch, false, 1)
+GEMV_FP8_KERNELS(_ch, false, 2)
+GEMV_FP8_KERNELS(_blk, true, 1)
+GEMV_FP8_KERNELS(_blk, true, 2)
+
+// Rows-per-warp (R) and pieces-in-flight (U) variants of the batch-1 kernels for the sweep in
+// scripts/bench_kernels.py fp8 (grid ceil(N / (8 R))).
+#define GEMV_FP8_SWEEP(S, BLK, R, U)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) gemv_fp8##S##_r##R##u##U##_m1_bf16(                  \
+        const bf16* X, const e4m3* W, const float* scale, const bf16* bias, bf16* out, int M, int N, int K) { \
+        gemv_fp8_impl<1, false, false, BLK, R, U>(X, W, scale, bias, out, M, N, K); }
+GEMV_FP8_SWEEP(_ch, false, 1, 4)
+GEMV_FP8_SWEEP(_ch, false, 1, 8)
+GEMV_FP8_SWEEP(_ch, false, 2, 2)
+GEMV_FP8_SWEEP(_ch, false, 2, 8)
+GEMV_FP8_SWEEP(_ch, false, 4, 2)
+GEMV_FP8_SWEEP(_ch, false, 4, 4)
+GEMV_FP8_SWEEP(_blk, true, 1, 4)
+GEMV_FP8_SWEEP(_blk, true, 1, 8)
+GEMV_FP8_SWEEP(_blk, true, 2, 2)
+GEMV_FP8_SWEEP(_blk, true, 2, 8)
+GEMV_FP8_SWEEP(_blk, true, 4, 2)
+GEMV_FP8_SWEEP(_blk, true, 4, 4)
+
+// Bit-trick variants (BT) for the same sweep: default geometry, R = 1, and the fused gate.
+#define GEMV_FP8_BT(S, BLK)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) gemv_fp8##S##_bt_m1_bf16(                             \
+        const bf16* X, const e4m3* W, const float* scale, const bf16* bias, bf16* out, int M, int N, int K) { \
+        gemv_fp8_impl<1, false, false, BLK, 2, 4, true>(X, W, scale, bias, out, M, N, K); }                  \
+    extern "C" __global__ void __launch_bounds__(256) gemv_fp8##S##_bt_r1u4_m1_bf16(                        \
+        const bf16* X, const e4m3* W, const float* scale, const bf16* bias, bf16* out, int M, int N, int K) { \
+        gemv_fp8_impl<1, false, false, BLK, 1, 4, true>(X, W, scale, bias, out, M, N, K); }                  \
+    extern "C" __global__ void __launch_bounds__(256) gemv_fp8##S##_bt_gate_m1(                             \
+        const bf16* X, const e4m3* W, const float* scale, bf16* out, int M, int I, int K) {                  \
+        gemv_fp8_impl<1, false, true, BLK, 2, 4, true>(X, W, scale, nullptr, out, M, I, K); }
+GEMV_FP8_BT(_ch, false)
+GEMV_FP8_BT(_blk, true)
+
+// quantize_fp8: X [rows, K] bf16 -> out [rows, K] e4m3 and scale [rows, ceil(K / group)] (both packed), per
+// (row, group): s = max(amax, 1e-12) / 448, out = e4m3(x / s) (IEEE division, RNE, saturating).
+// Grid: (rows, ceil(ceil(K / group) / 8)); block 256 = 8 warps, one warp per (row, group); K % 16 == 0, group % 16 == 0.
+extern "C" __global__ void __launch_bounds__(256) quantize_fp8(const bf16* X, e4m3* out, float* scale, int rows,
+                                                               int K, int group) {
+    pdl_entry();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int m = blockIdx.x, g = blockIdx.y * 8 + warp, n_groups = (K + group - 1) / group;
+    if (m >= rows || g >= n_groups) return;
+    const int k0 = g * group, k1 = min(K, k0 + group);
+    const bf16* x = X + (size_t)m * K;
+    float amax = 0.f;
+    for (int k = k0 + lane * 8; k < k1; k += 256) {
+        float f[8];
+        unpack8(ld_cached(x + k), f);
+#pragma unroll
+        for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(f[i]));
+    }
+    amax = warp_max(amax);
+    const float s = fmaxf(amax, FP8_MIN_AMAX) / FP8_MAX;
+    if (lane == 0) scale[(size_t)m * n_groups + g] = s;
+    for (int k = k0 + lane * 8; k < k1; k += 256) {
+        float f[8];
+        unpack8(ld_cached(x + k), f);
+        uint2 q;
+        q.x = f32x2_e4m3x2(f[0] / s, f[1] / s) | (f32x2_e4m3x2(f[2] / s, f[3] / s) << 16);
+        q.y = f32x2_e4m3x2(f[4] / s, f[5] / s) | (f32x2_e4m3x2(f[6] / s, f[7] / s) << 16);
+        *reinterpret_cast<uint2*>(out + (size_t)m * K + k) = q;
+    }
+}
+
+// quantize_weight_fp8 (dummy FP8 weights, runtime/cuda/dummy_upload.py): W [N, K] float32 -> out e4m3 and one scale
+// per BR x BC block (fp8.quantize_weight: BR 1, BC K for fp8_channel; 128 x 128 for fp8_block128), the same
+// s = max(amax, 1e-12) / 448 and e4m3(w / s). Grid (ceil(N / BR), ceil(K / BC)), 256 threads;
+// scale[blockIdx.x * gridDim.y + blockIdx.y].
+extern "C" __global__ void __launch_bounds__(256) quantize_weight_fp8(const float* W, e4m3* out, float* scale, int N,
+                                                                      int K, int BR, int BC) {
+    pdl_entry();
+    __shared__ float scratch[32];
+    const int r0 = blockIdx.x * BR, c0 = blockIdx.y * BC;
+    const int nr = min(BR, N - r0), nc = min(BC, K - c0);
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < nr * nc; i += blockDim.x)
+        amax = fmaxf(amax, fabsf(W[(size_t)(r0 + i / nc) * K + c0 + i % nc]));
+    amax = block_max(amax, scratch);
+    const float s = fmaxf(amax, FP8_MIN_AMAX) / FP8_MAX;
+    if (threadIdx.x == 0) scale[(size_t)blockIdx.x * gridDim.y + blockIdx.y] = s;
+    for (int i = threadIdx.x; i < nr * nc; i += blockDim.x) {
+        const size_t at = (size_t)(r0 + i / nc) * K + c0 + i % nc;
+        out[at] = (e4m3)f32x2_e4m3x2(W[at] / s, 0.f);
+    }
+}

@@ -1,0 +1,149 @@
+"""`scripts/bench_kernels.py fp8`: the FP8 linears of Qwen3-8B on one GPU, checked and timed (device machine).
+
+W8A16 (rows <= 64): the kernel and geometry the plan picks (plan/fp8_build.py), per scheme, plus the GEMV's R/U
+sweep variants at rows 1 and the fused gate_up + silu_mul GEMV; GB/s counts weights + scales + activations and is
+compared with 4.6 TB/s (H200 HBM3e). W8A8 (--lib, rows 256 / 2048): quantize_fp8 + the CUTLASS FP8 GEMM, TFLOP/s
+against 1580 (the dense FP8 ceiling used here: 1979 spec at boost clock x 0.8, what dense FP8 GEMMs reach on H100/H200
+at sustained clocks). Weights rotate over copies that together exceed L2 (timing of HBM streaming, not of L2).
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from xserv_aot import fp8
+from xserv_aot.plan.cutlass_build import FP8_CONFIG
+from xserv_aot.plan.fp8_build import SCHEME_TAG, plan_fp8_linear, plan_quantize
+from xserv_aot.plan.op_records import Linear, QuantizeFp8
+from xserv_aot.runtime.cuda.driver import Launch
+
+HBM_GBS = 4600.0
+FP8_TFLOPS = 1580.0
+FP8_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
+              "lm_head": (151936, 4096)}
+SWEEP = [(1, 4), (1, 8), (2, 2), (2, 8), (4, 2), (4, 4)]     # gemv_fp8_{ch,blk}_r{R}u{U}_m1_bf16 (kernels/gemv_fp8.cu)
+BT_SWEEP = [("bt_m1_bf16", 2), ("bt_r1u4_m1_bf16", 1)]       # the integer-conversion variants (rows per warp)
+
+
+def weights(N: int, K: int, scheme: str, copies: int):
+    """[(e4m3 weight, float32 scale, dequantized float32 reference of copy 0)] on the GPU."""
+    out = []
+    for j in range(copies):
+        w = (torch.randn(N, K, device="cuda") * 16).clamp_(-448, 448).to(torch.float8_e4m3fn)
+        shape = fp8.weight_scale_shape(scheme, N, K)
+        s = torch.rand(*shape, device="cuda") * 1e-3 + 1e-4
+        out.append((w, s))
+    w0, s0 = out[0]
+    full = s0[:, None] if scheme == fp8.CHANNEL else s0.repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]
+    return out, w0.float() * full
+
+
+def launches(kern, rec, arg_sets):
+    src = "gemm_skinny_fp8.cu" if rec.fn.startswith("skinny") else "gemv_fp8.cu"
+    fn = kern.fn(src, rec.fn, rec.smem)
+    return [Launch(rec.fn, fn, rec.grid, rec.block, rec.smem, a, pdl=False) for a in arg_sets]
+
+
+def bench_fp8(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
+    torch.zeros(1, device="cuda")                  # the primary context, current before the modules load
+    kern = Kernels("gemv_fp8.cu", "gemm_skinny_fp8.cu")
+    rows_list = [int(r) for r in args.rows.split(",")]
+    torch.manual_seed(0)
+    print(f"{'scheme':12} {'shape':8} {'rows':>4} {'kernel':34} {'ms':>8} {'GB/s':>7} {'%4.6T':>6} {'err':>8}")
+    step = {}
+    for scheme in (fp8.CHANNEL, fp8.BLOCK128):
+        for name, (N, K) in FP8_SHAPES.items():
+            f32 = name == "lm_head"
+            copies = max(2, -(-3 * l2_bytes // (N * K)))
+            ws, wref = weights(N, K, scheme, copies)
+            for M in rows_list:
+                x = torch.randn(M, K, device="cuda").bfloat16()
+                y = torch.empty(M, N, device="cuda", dtype=torch.float32 if f32 else torch.bfloat16)
+                silu = torch.empty(M, N // 2, device="cuda", dtype=torch.bfloat16)
+                ref = x.float() @ wref.t()
+                op = Linear(inp="x", weight="w", bias=None, out="y", rows=M, n=N, k=K, weight_scale="w.scale",
+                            quant=scheme)
+                recs = [(plan_fp8_linear(op, "float32" if f32 else "bfloat16", None, None).launch[0], y, ref)]
+                if name == "gate_up" and M <= 2:
+                    g, u = ref[:, :N // 2].bfloat16().float(), ref[:, N // 2:].bfloat16().float()
+                    gref = torch.nn.functional.silu(g) * u
+                    grec = plan_fp8_linear(op, "bfloat16", "silu", None).launch[0]
+                    recs.append((grec, silu, gref))
+                    if M == 1:
+                        recs.append((type(grec)(f"gemv_fp8_{SCHEME_TAG[scheme]}_bt_gate_m1", grec.args, grec.grid,
+                                                grec.block, 0), silu, gref))
+                if M == 1 and not f32:
+                    base = recs[0][0]
+                    variants = [(f"r{r}u{u}_m1_bf16", r) for r, u in SWEEP] + BT_SWEEP
+                    for v, r in variants:
+                        recs.append((type(base)(f"gemv_fp8_{SCHEME_TAG[scheme]}_{v}", base.args,
+                                                (-(-N // (8 * r)), 1, 1), base.block, 0), y, ref))
+                for rec, out, want in recs:
+                    gate = "_gate_" in rec.fn
+                    arg_sets = [[("ptr", x.data_ptr()), ("ptr", w.data_ptr()), ("ptr", s.data_ptr())] +
+                                ([("ptr", out.data_ptr()), ("i32", M), ("i32", N // 2), ("i32", K)] if gate else
+                                 [("ptr", 0), ("ptr", out.data_ptr()), ("i32", M), ("i32", N), ("i32", K)])
+                                for w, s in ws]
+                    ls = launches(kern, rec, arg_sets)
+                    out.fill_(float("nan"))
+                    ls[0](stream())
+                    torch.cuda.synchronize()
+                    err = rel_err(out, want)
+                    ms = time_graph(lambda j: ls[j](stream()), copies)
+                    nbytes = N * K + ws[0][1].numel() * 4 + M * K * 2 + out.numel() * out.element_size()
+                    gbs = nbytes / ms / 1e6
+                    print(f"{scheme:12} {name:8} {M:4} {rec.fn:34} {ms:8.4f} {gbs:7.0f} {gbs / HBM_GBS:6.0%} "
+                          f"{err:8.1e}", flush=True)
+                    if "_r" not in rec.fn.split("_m")[0] and "_bt" not in rec.fn and (gate or name != "gate_up" or M > 2):
+                        step[(scheme, name, M)] = ms
+            del ws
+            torch.cuda.empty_cache()
+    for scheme in (fp8.CHANNEL, fp8.BLOCK128):
+        for M in rows_list:
+            if all((scheme, n, M) in step for n in ("qkv", "o_proj", "gate_up", "down")):
+                t = 36 * sum(step[(scheme, n, M)] for n in ("qkv", "o_proj", "gate_up", "down"))
+                print(f"Qwen3-8B FP8 linears ({scheme}, rows {M}, 36 layers, lm_head not counted): {t:.3f} ms/step")
+    if args.lib:
+        bench_w8a8(args, kern, time_graph, stream, rel_err)
+
+
+def bench_w8a8(args, kern, time_graph, stream, rel_err) -> None:
+    so = ctypes.CDLL(str(Path(args.lib)))
+    so.xserv_gemm_fp8.restype = ctypes.c_int
+    so.xserv_gemm_fp8.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
+    print(f"{'scheme':12} {'shape':8} {'rows':>5} {'part':22} {'ms':>8} {'TFLOP/s':>8} {'%1580':>6} {'err':>8}")
+    for scheme in (fp8.CHANNEL, fp8.BLOCK128):
+        for name, (N, K) in FP8_SHAPES.items():
+            if name == "lm_head":
+                continue
+            ws, wref = weights(N, K, scheme, 1)
+            (w, s), = ws
+            for M in (256, 2048):
+                group = fp8.act_group(scheme, K)
+                x = torch.randn(M, K, device="cuda").bfloat16()
+                xq = torch.empty(M, K, device="cuda", dtype=torch.uint8)
+                xs = torch.empty(M, fp8.groups(K, group), device="cuda", dtype=torch.float32)
+                y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+                qrec = plan_quantize(QuantizeFp8(rows=M, inp="x", out="xq", scale="xs", k=K, group=group)).launch[0]
+                (ql,) = launches(kern, qrec, [[("ptr", x.data_ptr()), ("ptr", xq.data_ptr()), ("ptr", xs.data_ptr()),
+                                               ("i32", M), ("i32", K), ("i32", group)]])
+                cfg = FP8_CONFIG[(scheme, "bfloat16")]
+
+                def gemm(j):
+                    st = so.xserv_gemm_fp8(cfg, xq.data_ptr(), xs.data_ptr(), w.data_ptr(), s.data_ptr(), y.data_ptr(),
+                                           None, M, N, K, stream())
+                    if st:
+                        raise RuntimeError(f"xserv_gemm_fp8 config {cfg} M={M} N={N} K={K}: status {st}")
+                y.fill_(float("nan"))
+                ql(stream())
+                gemm(0)
+                torch.cuda.synchronize()
+                err = rel_err(y, x.float() @ wref.t())
+                for part, body in (("quantize_fp8", lambda j: ql(stream())), ("gemm", gemm),
+                                   ("quantize + gemm", lambda j: (ql(stream()), gemm(j)))):
+                    ms = time_graph(body, 1)
+                    tf = 2 * M * N * K / ms / 1e9
+                    print(f"{scheme:12} {name:8} {M:5} {part:22} {ms:8.4f} {tf:8.1f} {tf / FP8_TFLOPS:6.0%} "
+                          f"{err:8.1e}", flush=True)

@@ -1,0 +1,78 @@
+"""CUDA kernels of the FP8 linears (docs/plan-format.md "FP8"): W8A16 GEMV (rows 1..2, kernels/gemv_fp8.cu) and
+skinny tensor-core GEMM (rows 3..64, kernels/gemm_skinny_fp8.cu), quantize_fp8, and W8A8 CUTLASS FP8 GEMMs with
+scale epilogues (more rows, kernels/cutlass/gemm_sm90_fp8*.{h,cuh,cu}). Called by plan.kernel_build."""
+from __future__ import annotations
+
+from xserv_aot import fp8
+from xserv_aot.plan.kernel_build import GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS, KernelBuildError
+from xserv_aot.plan.kernel_constants import skinny_smem
+from xserv_aot.plan.launch_records import i32, kernel, launch, library_call, ptr
+from xserv_aot.plan.nvrtc_build import KERNEL_DIR
+from xserv_aot.plan.op_records import KernelChoice, Linear, QuantizeFp8
+from xserv_aot.plan.signatures import host_signature
+
+FP8_ENTRY = "xserv_gemm_fp8"              # the CUTLASS library's W8A8 entry point
+FP8_SOURCE = KERNEL_DIR / "cutlass" / "gemm_sm90_fp8.cu"
+FP8_SKINNY_FUSE_GATE = False              # as kernel_build.SKINNY_FUSE_GATE: gate_up and silu_mul stay two kernels
+QUANTIZE_WARPS = 8                        # (row, group) pairs per quantize_fp8 block
+SCHEME_TAG = {fp8.CHANNEL: "ch", fp8.BLOCK128: "blk"}
+
+
+def host_signatures() -> dict[str, list[dict]]:
+    return {FP8_ENTRY: host_signature(FP8_SOURCE, FP8_ENTRY)}
+
+
+def fp8_args(op: Linear, fused_silu_out: str | None = None) -> list:
+    """(X, W, scale, bias, out, M, N, K) of the W8A16 kernels; fused gate: (X, W, scale, silu_out, M, I, K)."""
+    head = [ptr(op.inp), ptr(op.weight), ptr(op.weight_scale)]
+    if fused_silu_out:
+        return head + [ptr(fused_silu_out), i32(op.rows), i32(op.n // 2), i32(op.k)]
+    return head + [ptr(op.bias), ptr(op.out), i32(op.rows), i32(op.n), i32(op.k)]
+
+
+def plan_fp8_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: dict | None) -> KernelChoice:
+    """fuse_into: the silu_mul output buffer when the next op is silu_mul of this op's output (GEMV only)."""
+    rows, n, k, tag = op.rows, op.n, op.k, SCHEME_TAG[op.quant]
+    suffix = "f32" if out_dtype == "float32" else "bf16"
+    if k % 16 or n % 2:
+        raise KernelBuildError(f"FP8 linear {op.weight}: n={n}, k={k} (FP8 kernels need k % 16 == 0, n even)")
+    if op.inp_scale:
+        return plan_w8a8(op, out_dtype, cutlass)
+    if rows <= GEMV_MAX_ROWS:
+        mt = rows
+        if fuse_into:
+            return kernel(launch(f"gemv_fp8_{tag}_gate_m{mt}", [-(-(n // 2) // 8)], [256], 0, fp8_args(op, fuse_into)),
+                          fused_silu_out=fuse_into)
+        return kernel(launch(f"gemv_fp8_{tag}_m{mt}_{suffix}", [-(-n // 16)], [256], 0, fp8_args(op)))
+    mt = next(m for m in (8, 16, 32, 64) if m >= rows)
+    bn = 64 if -(-n // 64) >= SKINNY_WIDE_MIN_BLOCKS else 32
+    if fuse_into and FP8_SKINNY_FUSE_GATE:
+        return kernel(launch(f"skinny_fp8_{tag}{bn}_gate_m{mt}", [-(-(n // 2) // (bn // 2))], [256], skinny_smem(mt),
+                             fp8_args(op, fuse_into)), fused_silu_out=fuse_into)
+    return kernel(launch(f"skinny_fp8_{tag}{bn}_m{mt}_{suffix}", [-(-n // bn)], [256], skinny_smem(mt), fp8_args(op)))
+
+
+def plan_w8a8(op: Linear, out_dtype: str, cutlass: dict | None) -> KernelChoice:
+    """quantize_fp8's packed e4m3 rows and scales x the e4m3 weight, scales in the CUTLASS mainloop (block128) or
+    epilogue (channel)."""
+    from xserv_aot.plan.cutlass_build import FP8_CONFIG, FP8_CONFIGS
+    if cutlass is None:
+        raise KernelBuildError(f"FP8 linear {op.weight} with {op.rows} rows is W8A8 and needs the CUTLASS GEMM "
+                               f"library, which this build has not (enable gemm_library, or compile a plan whose "
+                               f"buckets have at most 64 rows)")
+    if op.n % 8:
+        raise KernelBuildError(f"FP8 linear {op.weight}: n={op.n} (the W8A8 GEMM needs n % 8 == 0)")
+    cfg = FP8_CONFIG[(op.quant, out_dtype)]
+    cutlass.setdefault("used", {})[f"fp8:{op.rows}x{op.n}x{op.k}"] = FP8_CONFIGS[cfg]
+    call = library_call("gemm_library", FP8_ENTRY,
+                        [i32(cfg), ptr(op.inp), ptr(op.inp_scale), ptr(op.weight), ptr(op.weight_scale), ptr(op.out),
+                         ptr(op.bias), i32(op.rows), i32(op.n), i32(op.k)])
+    return KernelChoice("cutlass_fp8", (call,), gemm_config=cfg)
+
+
+def plan_quantize(op: QuantizeFp8) -> KernelChoice:
+    if op.k % 16 or op.group % 16:
+        raise KernelBuildError(f"quantize_fp8 of {op.inp}: k={op.k}, group={op.group} (the kernel needs both % 16 == 0)")
+    groups = fp8.groups(op.k, op.group)
+    return kernel(launch("quantize_fp8", [op.rows, -(-groups // QUANTIZE_WARPS)], [32 * QUANTIZE_WARPS], 0,
+                         [ptr(op.inp), ptr(op.out), ptr(op.scale), i32(op.rows), i32(op.k), i32(op.group)]))

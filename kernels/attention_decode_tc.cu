@@ -4,41 +4,117 @@
 // elements: conflict-free fragment loads); warp w owns keys [16w, 16w + 16) of every tile with its own online
 // softmax (log2 domain), and the 4 warps' (o, m, l) merge once at the end. Splits and partials as in
 // attention_split.cuh (m in log2 units).
+// The few-seq variant (attn_decode_fused_*, decode buckets of 1-2 seqs) also does the QK-norm / RoPE / KV write of
+// the step: every block normalises and rotates q of its G heads from the raw qkv row (split-0 blocks store it in
+// q_out), and the block owning the new token (position seq_len - 1, the last split) computes its k / v, writes
+// them to the cache at slot_mapping[row] and puts them in its tile itself (that row gets no cp.async). Its split
+// count follows the context at run time (>= min_tiles tiles a split; one split writes out directly).
 #include "attention_split.cuh"
+#include "qk_rope.cuh"
 
 #define TC_THREADS 128
 #define TC_TILE 64
 
-template <int HD>
+// The inputs of the fused QK-norm / RoPE / KV write (FUSED kernels only).
+struct FusedRope {
+    const bf16* qkv; const int* positions; const int* slot_mapping; const bf16* q_norm; const bf16* k_norm;
+    const float* cos_t; const float* sin_t; bf16* q_out; bf16* kv_out; float eps; int min_tiles;
+};
+
+// NEW: key position newkey gets no copy; its K / V rows come from knew / vnew (null: the prologue writes them).
+template <int HD, bool NEW = false>
 __device__ __forceinline__ void tc_issue(bf16* stage, const bf16* kbase, const bf16* vbase, size_t kv_stride,
-                                         const int* bt, int block_size, int k0, int kend) {
+                                         const int* bt, int block_size, int k0, int kend, int newkey = -1,
+                                         const bf16* knew = nullptr, const bf16* vnew = nullptr) {
     constexpr int LD = HD + 8, DCH = HD / 8;
 #pragma unroll
     for (int j = 0; j < TC_TILE * DCH / TC_THREADS; j++) {
         const int idx = threadIdx.x + j * TC_THREADS, key = idx / DCH, u = idx % DCH, p = k0 + key;
         const bool ok = p < kend;
+        if constexpr (NEW) {
+            if (p == newkey) {
+                if (knew) {
+                    st16(stage + key * LD + u * 8, ld16(knew + u * 8));
+                    st16(stage + (TC_TILE + key) * LD + u * 8, ld16(vnew + u * 8));
+                }
+                continue;
+            }
+        }
         const size_t slot = ok ? (size_t)bt[p / block_size] * block_size + p % block_size : 0;
         cp_async16(stage + key * LD + u * 8, kbase + slot * kv_stride + u * 8, ok ? 16 : 0);
         cp_async16(stage + (TC_TILE + key) * LD + u * 8, vbase + slot * kv_stride + u * 8, ok ? 16 : 0);
     }
 }
 
+// Fused: q of the block's G heads from the raw qkv row into qs (bf16, as q_out holds it), and for the block owning
+// the new token (newkey >= 0) its k / v into kv_new and the cache, and into its ring row when that tile is
+// already being copied (prologue tiles). One warp per head.
 template <int HD, int STAGES>
+__device__ __forceinline__ void fused_qkv_rope(const FusedRope& fr, bf16 (*qs)[HD + 8], bf16 (*kv_new)[HD],
+                                               bf16* stages, int row, int nh, int nkv, int kvh, int num_slots,
+                                               int newkey, int k0) {
+    constexpr int E = HD / 32, LD = HD + 8, STAGE = 2 * TC_TILE * LD;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, G = nh / nkv;
+    const int pos = fr.positions[row];
+    const bf16* src = fr.qkv + (size_t)row * (nh + 2 * nkv) * HD;
+    float cs[E / 2], sn[E / 2];
+    rope_load<HD>(fr.cos_t, fr.sin_t, pos, lane, cs, sn);
+    for (int g = warp; g < G; g += TC_THREADS / 32) {
+        float x[E], y[E];
+#pragma unroll
+        for (int e = 0; e < E; e++) x[e] = bf2f(src[(kvh * G + g) * HD + lane + 32 * e]);
+        qk_norm_rope_head<HD>(x, fr.q_norm, cs, sn, fr.eps, lane, y);
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const bf16 b = f2bf(y[e]);
+            qs[g][lane + 32 * e] = b;
+            if (blockIdx.z == 0) fr.q_out[((size_t)row * nh + kvh * G + g) * HD + lane + 32 * e] = b;
+        }
+    }
+    if (newkey < 0 || warp >= 2) return;
+    const int slot = fr.slot_mapping[row], head = warp == 0 ? nh + kvh : nh + nkv + kvh;   // warp 0: k, 1: v
+    float x[E], y[E];
+#pragma unroll
+    for (int e = 0; e < E; e++) x[e] = bf2f(src[head * HD + lane + 32 * e]);
+    if (warp == 0) {
+        qk_norm_rope_head<HD>(x, fr.k_norm, cs, sn, fr.eps, lane, y);
+    } else {
+#pragma unroll
+        for (int e = 0; e < E; e++) y[e] = x[e];
+    }
+    const int key = newkey - k0, t = key / TC_TILE;
+    bf16* ring = t < STAGES - 1 ? stages + t * STAGE + (warp * TC_TILE + key % TC_TILE) * LD : nullptr;
+    bf16* cache = slot >= 0 ? fr.kv_out + ((size_t)warp * num_slots + slot) * nkv * HD + (size_t)kvh * HD : nullptr;
+#pragma unroll
+    for (int e = 0; e < E; e++) {
+        const bf16 b = f2bf(y[e]);
+        kv_new[warp][lane + 32 * e] = b;
+        if (ring) ring[lane + 32 * e] = b;
+        if (cache) cache[lane + 32 * e] = b;
+    }
+}
+
+template <int HD, int STAGES, bool FUSED = false>
 __device__ __forceinline__ void attn_decode_tc_impl(
         const bf16* __restrict__ q, const bf16* __restrict__ kv_layer, const int* __restrict__ qsl,
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables, float* __restrict__ part_o,
         float* __restrict__ part_ml, int* __restrict__ counters, bf16* __restrict__ out, int T, int nh, int nkv,
-        int block_size, int max_blocks, int num_slots, float scale) {
+        int block_size, int max_blocks, int num_slots, float scale, const FusedRope& fr = FusedRope{}) {
     constexpr int LD = HD + 8, KS = HD / 16, DT = HD / 8, STAGE = 2 * TC_TILE * LD, GM = 16;
     extern __shared__ __align__(16) unsigned char tc_smem[];
     bf16* stages = reinterpret_cast<bf16*>(tc_smem);                  // [STAGES][K, V][TC_TILE][LD]
     __shared__ float wm[4][GM], wl[4][GM];
+    __shared__ __align__(16) bf16 qs[FUSED ? GM : 1][LD];             // fused: this block's q heads
+    __shared__ __align__(16) bf16 kv_new[FUSED ? 2 : 1][HD];          // fused: the new token's k, v
 
     const int i = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int G = nh / nkv;
+    if constexpr (FUSED) pdl_entry();
     zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
     SplitRange sr;
-    if (!split_range(qsl, seq_lens, i, blockIdx.z, gridDim.z, TC_TILE, sr)) return;
+    if (!split_range(qsl, seq_lens, i, blockIdx.z, gridDim.z, TC_TILE, sr, FUSED ? fr.min_tiles : SPLIT_MIN_TILES))
+        return;
+    const int newkey = FUSED && sr.kend == seq_lens[i] ? sr.kend - 1 : -1;
 
     const size_t kv_stride = (size_t)nkv * HD;
     const bf16* kbase = kv_layer + (size_t)kvh * HD;
@@ -47,16 +123,23 @@ __device__ __forceinline__ void attn_decode_tc_impl(
 #pragma unroll
     for (int st = 0; st < STAGES - 1; st++) {
         if (st < sr.ntiles)
-            tc_issue<HD>(stages + st * STAGE, kbase, vbase, kv_stride, bt, block_size, sr.k0 + st * TC_TILE, sr.kend);
+            tc_issue<HD, FUSED>(stages + st * STAGE, kbase, vbase, kv_stride, bt, block_size, sr.k0 + st * TC_TILE,
+                                sr.kend, newkey);
         cp_async_commit();
+    }
+    if constexpr (FUSED) {
+        fused_qkv_rope<HD, STAGES>(fr, qs, kv_new, stages, sr.row, nh, nkv, kvh, num_slots, newkey, sr.k0);
+        __syncthreads();
     }
 
     // A fragments of Q: rows = heads ga = lane / 4 and gb = ga + 8 (zero past G), k = head dims.
     const int ga = lane >> 2, gb = ga + 8, tig = lane & 3;
     u32 qa[KS][4];
     {
-        const u32* pa = reinterpret_cast<const u32*>(q + ((size_t)sr.row * nh + kvh * G + min(ga, G - 1)) * HD);
-        const u32* pb = reinterpret_cast<const u32*>(q + ((size_t)sr.row * nh + kvh * G + min(gb, G - 1)) * HD);
+        const u32* pa = reinterpret_cast<const u32*>(FUSED ? &qs[min(ga, G - 1)][0]
+                                                           : q + ((size_t)sr.row * nh + kvh * G + min(ga, G - 1)) * HD);
+        const u32* pb = reinterpret_cast<const u32*>(FUSED ? &qs[min(gb, G - 1)][0]
+                                                           : q + ((size_t)sr.row * nh + kvh * G + min(gb, G - 1)) * HD);
 #pragma unroll
         for (int ks = 0; ks < KS; ks++) {
             const int c = ks * 8 + tig;
@@ -80,8 +163,8 @@ __device__ __forceinline__ void attn_decode_tc_impl(
         {
             const int nt = t + STAGES - 1;
             if (nt < sr.ntiles)
-                tc_issue<HD>(stages + (nt % STAGES) * STAGE, kbase, vbase, kv_stride, bt, block_size,
-                             sr.k0 + nt * TC_TILE, sr.kend);
+                tc_issue<HD, FUSED>(stages + (nt % STAGES) * STAGE, kbase, vbase, kv_stride, bt, block_size,
+                                    sr.k0 + nt * TC_TILE, sr.kend, newkey, kv_new[0], kv_new[FUSED ? 1 : 0]);
             cp_async_commit();
         }
         const bf16* Ks = stages + (t % STAGES) * STAGE;
@@ -182,7 +265,8 @@ __device__ __forceinline__ void attn_decode_tc_impl(
         store_split(part_o, part_ml, out, i, sr.row, kvh * G + g, d, HD, nh, sr.active, acc, M, L);
     }
     if (sr.active == 1) return;
-    combine_splits_if_last<HD, GM, true>(part_o, part_ml, counters, out, i, kvh, sr.row, nh, nkv, sr.active, red);
+    combine_splits_if_last<HD, GM, true, FUSED>(part_o, part_ml, counters, out, i, kvh, sr.row, nh, nkv, sr.active,
+                                                red);
 }
 
 // attn_decode_tc_sSTAGES_hdHD (G = nh / nkv <= 16)
@@ -199,3 +283,24 @@ DECODE_TC_KERNEL(64, 3)
 DECODE_TC_KERNEL(128, 2)
 DECODE_TC_KERNEL(128, 3)
 DECODE_TC_KERNEL(128, 4)
+
+// attn_decode_fused_sSTAGES_hdHD: decode buckets of 1-2 seqs, QK-norm / RoPE / KV write included (q_norm, k_norm
+// null: no norm). kv_layer is read (the context) and written (the new token's k / v).
+#define DECODE_FUSED_KERNEL(HD, STAGES)                                                                      \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) attn_decode_fused_s##STAGES##_hd##HD(          \
+        const bf16* qkv, const int* positions, const int* slot_mapping, const bf16* q_norm,                  \
+        const bf16* k_norm, const float* cos_t, const float* sin_t, bf16* q_out, bf16* kv_layer,             \
+        const int* qsl, const int* seq_lens, const int* block_tables, float* part_o, float* part_ml,         \
+        int* counters, bf16* out, int T, int nh, int nkv, int block_size, int max_blocks, int num_slots,     \
+        float eps, float scale, int min_tiles) {                                                             \
+        const FusedRope fr{qkv, positions, slot_mapping, q_norm, k_norm, cos_t, sin_t, q_out, kv_layer, eps,  \
+                           min_tiles};                                                                       \
+        attn_decode_tc_impl<HD, STAGES, true>(nullptr, kv_layer, qsl, seq_lens, block_tables, part_o,        \
+                                              part_ml, counters, out, T, nh, nkv, block_size, max_blocks,    \
+                                              num_slots, scale, fr); }
+
+DECODE_FUSED_KERNEL(64, 2)
+DECODE_FUSED_KERNEL(64, 3)
+DECODE_FUSED_KERNEL(128, 2)
+DECODE_FUSED_KERNEL(128, 3)
+DECODE_FUSED_KERNEL(128, 4)

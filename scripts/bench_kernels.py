@@ -3,6 +3,7 @@
 
   python3 scripts/bench_kernels.py gemm --lib PATH/libxserv_gemm.so [--rows 16,32,64,128,256]
   python3 scripts/bench_kernels.py attn [--batches 16,64,256 --contexts 256,1024,4096]
+  python3 scripts/bench_kernels.py attn-few --batches 1,2 --contexts 128,512,4096
 
 gemm: every decode linear shape of Qwen3-8B (qkv, o, gate_up, down, lm_head) x rows: the CUTLASS swap-AB
 stream-K / split-K configs, the NVRTC skinny kernel (rows <= 64) and the CUTLASS tile configs (rows >= 128);
@@ -10,6 +11,7 @@ each output poisoned with NaN, checked against torch float32 (rel. err), then ti
 rotating over weight copies that together exceed L2 (median of replays). GB/s counts weights + activations.
 attn: the split-KV decode kernel (attention_decode.cu) vs the batched flash-decoding kernel
 (attention_decode_batched.cu) over a shuffled paged KV, checked against torch, timed the same way.
+attn-few: decode buckets of 1-2 seqs, the old rope + split-KV pair vs the fused kernel (scripts/bench_attn_few.py).
 Reference and timing use torch only as memory and as the oracle; kernels come from the project's build.
 """
 from __future__ import annotations
@@ -290,13 +292,16 @@ def bench_prefill(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["gemm", "attn", "prefill"])
+    ap.add_argument("what", choices=["gemm", "attn", "attn-few", "prefill"])
     ap.add_argument("--lib")
     ap.add_argument("--rows", default="16,32,64,128,256")
     ap.add_argument("--batches", default="1,16,64,128,256")
     ap.add_argument("--contexts", default="256,1024,4096,8192")
     args = ap.parse_args()
     torch.cuda.init()
+    if args.what == "attn-few":
+        from bench_attn_few import bench_attn_few
+        return bench_attn_few(args)
     {"gemm": bench_gemm, "attn": bench_attn, "prefill": bench_prefill}[args.what](args)
 
 

@@ -1,17 +1,43 @@
-"""Which attention kernels an op runs, with their launch records: the split-KV decode kernel for a few
-sequences, the batched flash-decoding kernels (tensor cores or CUDA cores) for larger decode buckets, and for
+"""Which attention kernels an op runs, with their launch records: for decode buckets of a few sequences the
+fused kernel (QK-norm + RoPE + KV write of the step's token, then split-KV attention, splits chosen per sequence
+at run time from seq_lens, combined in-kernel), the batched flash-decoding kernels (tensor cores or CUDA cores) for larger decode buckets, and for
 prefill buckets the flash prefill kernel plus the batched decode kernel on the one-row (decode) sequences of a
 mixed step. Constants here are the H200 sweep's choices (docs/cuda-notes.md)."""
 from __future__ import annotations
 
 from xserv_aot.plan.launch_records import f32, i32, kernel, kv, launch, ptr
-from xserv_aot.plan.op_records import Attention, KernelChoice, LaunchRecord
+from xserv_aot.plan.op_records import Attention, KernelChoice, LaunchRecord, QkNormRopeCache
 
 BATCHED_ATTN_MIN_SEQS = 3    # decode attention for >= 3 seqs: the batched kernels below
 BATCHED_ATTN_KERNEL = "tc"   # tc: kernels/attention_decode_tc.cu (tensor cores); cc: attention_decode_batched.cu
 BATCHED_ATTN_TILE = 64       # keys per tile of either kernel (cc instantiates 64 and 32, tc 64)
 BATCHED_ATTN_STAGES = 2      # tiles in the cp.async ring (cc: 2; tc: 2, 3, 4)
 BATCHED_ATTN_BLOCKS = 4 * 132  # splits per seq chosen so a full bucket launches about this many blocks
+FEW_ATTN_STAGES = 3          # fused few-seq kernel: tiles of 64 keys in its cp.async ring (2, 3, 4 built)
+FEW_ATTN_MIN_TILES = 2       # ... a split holds >= this many tiles (ctx <= 128: one split, no combine)
+FEW_ATTN_BLOCKS = 2 * 132    # ... grid z: the longest context's splits fill the SMs about twice
+TC_TILE = 64                 # keys per tile of attention_decode_tc.cu (both kernels)
+
+
+def fuses_rope(kind: str, rope: QkNormRopeCache, attn: Attention) -> bool:
+    """Decode buckets of < BATCHED_ATTN_MIN_SEQS seqs: the attention kernel does the QK-norm / RoPE / KV write of the
+    rope op just before it (which then launches nothing)."""
+    return (kind == "decode" and attn.num_seqs < BATCHED_ATTN_MIN_SEQS and rope.q_out == attn.q
+            and rope.layer == attn.layer and rope.kv_cache == attn.kv_cache)
+
+
+def few_seq_attn_launch(op: Attention, rope: QkNormRopeCache, m: dict, max_seq_len: int, common: list,
+                        tail: list) -> LaunchRecord:
+    """The fused kernel over the bucket's seqs; grid z = the most splits a seq may use (short ones exit at once)."""
+    nkv, hd = m["num_kv_heads"], m["head_dim"]
+    splits = max(1, min(-(-max_seq_len // TC_TILE), -(-FEW_ATTN_BLOCKS // (op.num_seqs * nkv))))
+    smem = FEW_ATTN_STAGES * 2 * TC_TILE * (hd + 8) * 2
+    rope_args = [ptr(rope.qkv), ptr(rope.positions), ptr(rope.slot_mapping), ptr(rope.q_norm), ptr(rope.k_norm),
+                 ptr(rope.cos), ptr(rope.sin), ptr(rope.q_out)]
+    return launch(f"attn_decode_fused_s{FEW_ATTN_STAGES}_hd{hd}", [op.num_seqs, nkv, splits], [128], smem,
+                  rope_args + common[1:] + [ptr("attn_part_o"), ptr("attn_part_ml"), ptr("attn_counters"),
+                                            ptr(op.out), i32(op.rows), i32(m["num_heads"]), i32(nkv), *tail[:3],
+                                            f32(rope.eps), tail[3], i32(FEW_ATTN_MIN_TILES)])
 
 
 def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, tail: list) -> LaunchRecord:
@@ -20,7 +46,7 @@ def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, 
     g = m["num_heads"] // nkv
     splits = max(1, min(-(-max_seq_len // BATCHED_ATTN_TILE), -(-BATCHED_ATTN_BLOCKS // (seqs * nkv))))
     if BATCHED_ATTN_KERNEL == "tc":                                 # K and V tiles, rows padded to hd + 8
-        smem = BATCHED_ATTN_STAGES * 2 * BATCHED_ATTN_TILE * (hd + 8) * 2
+        smem = BATCHED_ATTN_STAGES * 2 * TC_TILE * (hd + 8) * 2
         name = f"attn_decode_tc_s{BATCHED_ATTN_STAGES}_hd{hd}"
     else:
         smem = BATCHED_ATTN_STAGES * 2 * BATCHED_ATTN_TILE * hd * 2
@@ -31,18 +57,16 @@ def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, 
 
 
 def plan_attention(op: Attention, kind: str, m: dict, attn: dict, block_size: int, max_blocks: int,
-                   num_slots: int) -> KernelChoice:
-    """Decode buckets: split-KV kernel (few seqs) or the batched flash-decoding kernel. Prefill buckets: the
-    flash prefill kernel, plus the batched decode kernel for the one-row (decode) seqs of a mixed step."""
+                   num_slots: int, rope: QkNormRopeCache | None = None) -> KernelChoice:
+    """Decode buckets: the fused few-seq kernel (rope: the op it absorbs, see fuses_rope) or the batched
+    flash-decoding kernel. Prefill buckets: the flash prefill kernel, plus the batched decode kernel for the
+    one-row (decode) seqs of a mixed step."""
     hd, nh, nkv = m["head_dim"], m["num_heads"], m["num_kv_heads"]
     common = [ptr(op.q), kv(op.layer), ptr(op.query_start_loc), ptr(op.seq_lens), ptr(op.block_tables)]
     tail = [i32(block_size), i32(max_blocks), i32(num_slots), f32(op.scale)]
-    if kind == "decode" and op.num_seqs < BATCHED_ATTN_MIN_SEQS:
-        s_max = attn["splits"]
-        return kernel(launch(f"attn_decode_hd{hd}", [op.num_seqs, nkv, s_max], [128], 0,
-                             common + [ptr("attn_part_o"), ptr("attn_part_ml"), ptr("attn_counters"), ptr(op.out),
-                                       i32(op.rows), i32(nh), i32(nkv), *tail, i32(s_max)]),
-                      split=attn["split"], splits=s_max)
+    if rope is not None:
+        rec = few_seq_attn_launch(op, rope, m, attn["max_seq_len"], common, tail)
+        return kernel(rec, splits=rec.grid[2])
     dec = batched_attn_launch(op, m, attn["max_seq_len"], common, tail)
     if kind == "decode":
         return KernelChoice(dec.fn, (dec,), splits=dec.grid[2])

@@ -1,0 +1,100 @@
+"""`bench_kernels.py attn-few`: decode attention of buckets with 1-2 sequences (Qwen3-8B heads), the old pair of
+launches (qk_norm_rope_cache + the split-KV attn_decode_hd128) against the fused kernel (attn_decode_fused_*:
+QK-norm, RoPE, KV write and attention in one launch) over stage / split variants; the plan's variant is marked *.
+Each variant's output is checked against the old pair's (rel. err); times are graph-replay medians over KV
+copies that together exceed L2; GB/s counts the KV read (K and V of every context token) against the 4.6 TB/s read
+ceiling.
+"""
+from __future__ import annotations
+
+import torch
+
+from bench_kernels import L2_BYTES, Kernels, rel_err, stream, time_graph
+from xserv_aot.plan import attention_plan as ap
+from xserv_aot.plan.kernel_constants import P_KEYS
+from xserv_aot.runtime.cuda.driver import Launch
+
+READ_TBS = 4.6
+NH, NKV, HD, BS, MAX_SEQ_LEN, EPS = 32, 8, 128, 16, 8192, 1e-6
+
+
+def ptrs(*ts):
+    return [("ptr", t.data_ptr() if t is not None else 0) for t in ts]
+
+
+def bench_attn_few(args) -> None:
+    torch.zeros(1, device="cuda")
+    kern = Kernels("rope_cache.cu", "attention_decode.cu", "attention_decode_tc.cu")
+    rope_fn = kern.fn("rope_cache.cu", f"qk_norm_rope_cache_hd{HD}")
+    old_fn = kern.fn("attention_decode.cu", f"attn_decode_hd{HD}")
+    fused = {st: kern.fn("attention_decode_tc.cu", f"attn_decode_fused_s{st}_hd{HD}", st * 2 * ap.TC_TILE * (HD + 8) * 2)
+             for st in (2, 3, 4)}
+    gen = torch.Generator(device="cuda").manual_seed(4321)
+    print(f"{'batch':>5} {'ctx':>5} {'variant':24} {'us':>8} {'GB/s':>7} {'%4.6TB/s':>8} {'err':>8}")
+    max_blocks, s_old = MAX_SEQ_LEN // BS, MAX_SEQ_LEN // P_KEYS
+    ang = torch.arange(MAX_SEQ_LEN, device="cuda")[:, None].double() / \
+        10000.0 ** (torch.arange(0, HD, 2, device="cuda").double() / HD)[None, :]
+    cos, sin = ang.cos().float().contiguous(), ang.sin().float().contiguous()
+    for B in [int(b) for b in args.batches.split(",")]:
+        ns_plan = max(1, min(MAX_SEQ_LEN // ap.TC_TILE, -(-ap.FEW_ATTN_BLOCKS // (B * NKV))))
+        for ctx in [int(c) for c in args.contexts.split(",")]:
+            nb = -(-ctx // BS)
+            num_slots = (B * nb + 3) * BS
+            kv_bytes = B * ctx * NKV * HD * 2 * 2
+            ncopy = max(1, -(-3 * L2_BYTES // kv_bytes))
+            kvs = [torch.randn(2, num_slots, NKV, HD, device="cuda", generator=gen).bfloat16() for _ in range(ncopy)]
+            bt = torch.zeros(B, max_blocks, dtype=torch.int32, device="cuda")
+            bt[:, :nb] = torch.randperm(B * nb + 3, device="cuda", generator=gen)[:B * nb].int().view(B, nb)
+            lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+            pos = lens - 1
+            slots = (bt[:, (ctx - 1) // BS] * BS + (ctx - 1) % BS).int().contiguous()
+            qsl = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+            qkv = torch.randn(B, (NH + 2 * NKV) * HD, device="cuda", generator=gen).bfloat16()
+            qn, kn = [(1 + 0.2 * torch.randn(HD, device="cuda", generator=gen)).bfloat16() for _ in range(2)]
+            q = torch.empty(B, NH, HD, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(B, NH * HD, device="cuda", dtype=torch.bfloat16)
+            s_cap = max(s_old, 2 * ns_plan)
+            part_o = torch.empty(B * NH * s_cap * HD, device="cuda")
+            part_ml = torch.empty(B * NH * s_cap * 2, device="cuda")
+            counters = torch.zeros(B * NKV, dtype=torch.int32, device="cuda")
+            geo = [("i32", BS), ("i32", max_blocks), ("i32", num_slots)]
+
+            def old_pair(kv, attn_only=False):
+                rope = Launch("rope", rope_fn, (B, -(-(NH + 2 * NKV) // 4), 1), (128, 1, 1), 0,
+                              ptrs(qkv, pos, slots, qn, kn, cos, sin, q, kv) + [("i32", NH), ("i32", NKV),
+                                                                                ("f32", EPS), ("i32", num_slots)])
+                attn = Launch("old", old_fn, (B, NKV, s_old), (128, 1, 1), 0,
+                              ptrs(q, kv, qsl, lens, bt, part_o, part_ml, counters, out)
+                              + [("i32", B), ("i32", NH), ("i32", NKV), *geo, ("f32", HD ** -0.5), ("i32", s_old)])
+                return [attn] if attn_only else [rope, attn]
+
+            def fused_launch(kv, st, min_tiles, ns):
+                return [Launch("fused", fused[st], (B, NKV, ns), (128, 1, 1), st * 2 * ap.TC_TILE * (HD + 8) * 2,
+                               ptrs(qkv, pos, slots, qn, kn, cos, sin, q, kv, qsl, lens, bt, part_o, part_ml, counters,
+                                    out) + [("i32", B), ("i32", NH), ("i32", NKV), *geo, ("f32", EPS),
+                                            ("f32", HD ** -0.5), ("i32", min_tiles)])]
+
+            variants = [("old rope+attn", lambda kv: old_pair(kv)), ("old attn only", lambda kv: old_pair(kv, True))]
+            for st in (2, 3, 4):
+                for mt in (1, 2, 4, 8):
+                    for ns in sorted({ns_plan, 2 * ns_plan if ctx >= 2048 else ns_plan}):
+                        star = "*" if (st, mt, ns) == (ap.FEW_ATTN_STAGES, ap.FEW_ATTN_MIN_TILES, ns_plan) else ""
+                        variants.append((f"fused s{st} mt{mt} z{ns}{star}",
+                                         lambda kv, st=st, mt=mt, ns=ns: fused_launch(kv, st, mt, ns)))
+            want = None
+            for vname, mk in variants:
+                kv0 = kvs[0].clone()
+                out.fill_(float("nan"))
+                for ln in mk(kv0):
+                    ln(stream())
+                torch.cuda.synchronize()
+                got = out.float().clone()
+                want = got if want is None else want
+                err = rel_err(got, want) if vname != "old attn only" else float("nan")   # its KV lacks the new k
+                lts = [mk(kv) for kv in kvs]
+                ms = time_graph(lambda j: [ln(stream()) for ln in lts[j]], ncopy)
+                gbs = kv_bytes / ms / 1e6
+                print(f"{B:5} {ctx:5} {vname:24} {ms * 1e3:8.2f} {gbs:7.0f} {gbs / READ_TBS / 10:7.1f}% {err:8.1e}",
+                      flush=True)
+            del kvs
+            torch.cuda.empty_cache()

@@ -8,7 +8,9 @@
 // the step: every block normalises and rotates q of its G heads from the raw qkv row (split-0 blocks store it in
 // q_out), and the block owning the new token (position seq_len - 1, the last split) computes its k / v, writes
 // them to the cache at slot_mapping[row] and puts them in its tile itself (that row gets no cp.async). Its split
-// count follows the context at run time (>= min_tiles tiles a split; one split writes out directly).
+// count follows the context at run time (>= min_tiles tiles a split; one split writes out directly). Before
+// griddepcontrol.wait (programmatic dependent launch) it only reads what no kernel of the step writes (the step's
+// inputs, the RoPE tables, the context's KV): block ids of its keys into shared memory, the first tiles' copies.
 #include "attention_split.cuh"
 #include "qk_rope.cuh"
 
@@ -21,11 +23,12 @@ struct FusedRope {
     const float* cos_t; const float* sin_t; bf16* q_out; bf16* kv_out; float eps; int min_tiles;
 };
 
-// NEW: key position newkey gets no copy; its K / V rows come from knew / vnew (null: the prologue writes them).
+// NEW: key position newkey gets no copy; its K / V rows come from knew / vnew (null: the prologue writes them);
+// bt[p / block_size - b0] is the block of key p.
 template <int HD, bool NEW = false>
 __device__ __forceinline__ void tc_issue(bf16* stage, const bf16* kbase, const bf16* vbase, size_t kv_stride,
                                          const int* bt, int block_size, int k0, int kend, int newkey = -1,
-                                         const bf16* knew = nullptr, const bf16* vnew = nullptr) {
+                                         const bf16* knew = nullptr, const bf16* vnew = nullptr, int b0 = 0) {
     constexpr int LD = HD + 8, DCH = HD / 8;
 #pragma unroll
     for (int j = 0; j < TC_TILE * DCH / TC_THREADS; j++) {
@@ -40,7 +43,7 @@ __device__ __forceinline__ void tc_issue(bf16* stage, const bf16* kbase, const b
                 continue;
             }
         }
-        const size_t slot = ok ? (size_t)bt[p / block_size] * block_size + p % block_size : 0;
+        const size_t slot = ok ? (size_t)bt[p / block_size - b0] * block_size + p % block_size : 0;
         cp_async16(stage + key * LD + u * 8, kbase + slot * kv_stride + u * 8, ok ? 16 : 0);
         cp_async16(stage + (TC_TILE + key) * LD + u * 8, vbase + slot * kv_stride + u * 8, ok ? 16 : 0);
     }
@@ -49,16 +52,14 @@ __device__ __forceinline__ void tc_issue(bf16* stage, const bf16* kbase, const b
 // Fused: q of the block's G heads from the raw qkv row into qs (bf16, as q_out holds it), and for the block owning
 // the new token (newkey >= 0) its k / v into kv_new and the cache, and into its ring row when that tile is
 // already being copied (prologue tiles). One warp per head.
+// cs / sn: this lane's RoPE table entries at positions[row]; slot: slot_mapping[row].
 template <int HD, int STAGES>
 __device__ __forceinline__ void fused_qkv_rope(const FusedRope& fr, bf16 (*qs)[HD + 8], bf16 (*kv_new)[HD],
                                                bf16* stages, int row, int nh, int nkv, int kvh, int num_slots,
-                                               int newkey, int k0) {
+                                               int newkey, int k0, const float* cs, const float* sn, int slot) {
     constexpr int E = HD / 32, LD = HD + 8, STAGE = 2 * TC_TILE * LD;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, G = nh / nkv;
-    const int pos = fr.positions[row];
     const bf16* src = fr.qkv + (size_t)row * (nh + 2 * nkv) * HD;
-    float cs[E / 2], sn[E / 2];
-    rope_load<HD>(fr.cos_t, fr.sin_t, pos, lane, cs, sn);
     for (int g = warp; g < G; g += TC_THREADS / 32) {
         float x[E], y[E];
 #pragma unroll
@@ -72,7 +73,7 @@ __device__ __forceinline__ void fused_qkv_rope(const FusedRope& fr, bf16 (*qs)[H
         }
     }
     if (newkey < 0 || warp >= 2) return;
-    const int slot = fr.slot_mapping[row], head = warp == 0 ? nh + kvh : nh + nkv + kvh;   // warp 0: k, 1: v
+    const int head = warp == 0 ? nh + kvh : nh + nkv + kvh;                                  // warp 0: k, 1: v
     float x[E], y[E];
 #pragma unroll
     for (int e = 0; e < E; e++) x[e] = bf2f(src[head * HD + lane + 32 * e]);
@@ -104,31 +105,63 @@ __device__ __forceinline__ void attn_decode_tc_impl(
     extern __shared__ __align__(16) unsigned char tc_smem[];
     bf16* stages = reinterpret_cast<bf16*>(tc_smem);                  // [STAGES][K, V][TC_TILE][LD]
     __shared__ float wm[4][GM], wl[4][GM];
-    __shared__ __align__(16) bf16 qs[FUSED ? GM : 1][LD];             // fused: this block's q heads
-    __shared__ __align__(16) bf16 kv_new[FUSED ? 2 : 1][HD];          // fused: the new token's k, v
+    // fused: after the ring, this block's q heads [GM][LD], the new token's k, v [2][HD] (bf16), then the block
+    // ids of its keys (as many ints as the rest of the dynamic shared memory holds)
+    bf16 (*qs)[LD] = reinterpret_cast<bf16 (*)[LD]>(stages + STAGES * STAGE);
+    bf16 (*kv_new)[HD] = reinterpret_cast<bf16 (*)[HD]>(stages + STAGES * STAGE + GM * LD);
+    int* bts = reinterpret_cast<int*>(stages + STAGES * STAGE + GM * LD + 2 * HD);
 
     const int i = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int G = nh / nkv;
-    if constexpr (FUSED) pdl_entry();
-    zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
+    if constexpr (FUSED) {
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    } else {
+        zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
+    }
     SplitRange sr;
-    if (!split_range(qsl, seq_lens, i, blockIdx.z, gridDim.z, TC_TILE, sr, FUSED ? fr.min_tiles : SPLIT_MIN_TILES))
+    if (!split_range(qsl, seq_lens, i, blockIdx.z, gridDim.z, TC_TILE, sr, FUSED ? fr.min_tiles : SPLIT_MIN_TILES)) {
+        if constexpr (FUSED) {
+            asm volatile("griddepcontrol.wait;" ::: "memory");
+            zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
+        }
         return;
+    }
     const int newkey = FUSED && sr.kend == seq_lens[i] ? sr.kend - 1 : -1;
 
     const size_t kv_stride = (size_t)nkv * HD;
     const bf16* kbase = kv_layer + (size_t)kvh * HD;
     const bf16* vbase = kv_layer + (size_t)num_slots * kv_stride + (size_t)kvh * HD;
     const int* bt = block_tables + (size_t)i * max_blocks;
+    int b0 = 0;                                                  // fused: bt[k / block_size - b0] = block of key k
+    float cs[FUSED ? HD / 64 : 1], sn[FUSED ? HD / 64 : 1];
+    int slot = -1;
+    if constexpr (FUSED) {
+        const int row = sr.row;
+        slot = fr.slot_mapping[row];
+        rope_load<HD>(fr.cos_t, fr.sin_t, fr.positions[row], lane, cs, sn);
+        u32 smem_bytes;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+        const int cap = (int)(smem_bytes / 2 - (STAGES * STAGE + GM * LD + 2 * HD)) / 2;
+        const int first = sr.k0 / block_size, nblk = (sr.kend - 1) / block_size - first + 1;
+        if (nblk <= cap) {
+            for (int b = tid; b < nblk; b += TC_THREADS) bts[b] = bt[first + b];
+            __syncthreads();
+            bt = bts;
+            b0 = first;
+        }
+    }
 #pragma unroll
     for (int st = 0; st < STAGES - 1; st++) {
         if (st < sr.ntiles)
             tc_issue<HD, FUSED>(stages + st * STAGE, kbase, vbase, kv_stride, bt, block_size, sr.k0 + st * TC_TILE,
-                                sr.kend, newkey);
+                                sr.kend, newkey, nullptr, nullptr, b0);
         cp_async_commit();
     }
     if constexpr (FUSED) {
-        fused_qkv_rope<HD, STAGES>(fr, qs, kv_new, stages, sr.row, nh, nkv, kvh, num_slots, newkey, sr.k0);
+        asm volatile("griddepcontrol.wait;" ::: "memory");      // from here on: the previous kernels' outputs
+        zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
+        fused_qkv_rope<HD, STAGES>(fr, qs, kv_new, stages, sr.row, nh, nkv, kvh, num_slots, newkey, sr.k0, cs, sn,
+                                   slot);
         __syncthreads();
     }
 
@@ -164,7 +197,7 @@ __device__ __forceinline__ void attn_decode_tc_impl(
             const int nt = t + STAGES - 1;
             if (nt < sr.ntiles)
                 tc_issue<HD, FUSED>(stages + (nt % STAGES) * STAGE, kbase, vbase, kv_stride, bt, block_size,
-                                    sr.k0 + nt * TC_TILE, sr.kend, newkey, kv_new[0], kv_new[FUSED ? 1 : 0]);
+                                    sr.k0 + nt * TC_TILE, sr.kend, newkey, kv_new[0], kv_new[FUSED ? 1 : 0], b0);
             cp_async_commit();
         }
         const bf16* Ks = stages + (t % STAGES) * STAGE;
@@ -285,7 +318,9 @@ DECODE_TC_KERNEL(128, 3)
 DECODE_TC_KERNEL(128, 4)
 
 // attn_decode_fused_sSTAGES_hdHD: decode buckets of 1-2 seqs, QK-norm / RoPE / KV write included (q_norm, k_norm
-// null: no norm). kv_layer is read (the context) and written (the new token's k / v).
+// null: no norm). kv_layer is read (the context) and written (the new token's k / v). Dynamic shared memory:
+// the ring (STAGES * 2 * 64 * (HD + 8) bf16) + (16 * (HD + 8) + 2 * HD) bf16 + block ids (int; the plan sizes them
+// for its longest split: plan.attention_plan.few_seq_smem; a split with more reads the block table directly).
 #define DECODE_FUSED_KERNEL(HD, STAGES)                                                                      \
     extern "C" __global__ void __launch_bounds__(TC_THREADS) attn_decode_fused_s##STAGES##_hd##HD(          \
         const bf16* qkv, const int* positions, const int* slot_mapping, const bf16* q_norm,                  \
@@ -304,3 +339,4 @@ DECODE_FUSED_KERNEL(64, 3)
 DECODE_FUSED_KERNEL(128, 2)
 DECODE_FUSED_KERNEL(128, 3)
 DECODE_FUSED_KERNEL(128, 4)
+DECODE_FUSED_KERNEL(128, 6)

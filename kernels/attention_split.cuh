@@ -84,16 +84,19 @@ __device__ __forceinline__ void combine_splits_if_last(const float* __restrict__
         const int g = c / (HD / 4), d4 = (c % (HD / 4)) * 4, h = kvh * G + g;
         const float* po = part_o + ((size_t)i * nh + h) * NS * HD + d4;
         float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-        auto step = [&](int z) {
-            const float w = wbuf[g * NS + z];
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(po + (size_t)z * HD));
-            a.x += w * v.x; a.y += w * v.y; a.z += w * v.z; a.w += w * v.w;
-        };
         if constexpr (UNROLL8) {
 #pragma unroll 8
-            for (int z = 0; z < active; z++) step(z);
+            for (int z = 0; z < active; z++) {
+                const float w = wbuf[g * NS + z];
+                const float4 v = __ldcg(reinterpret_cast<const float4*>(po + (size_t)z * HD));
+                a.x += w * v.x; a.y += w * v.y; a.z += w * v.z; a.w += w * v.w;
+            }
         } else {
-            for (int z = 0; z < active; z++) step(z);
+            for (int z = 0; z < active; z++) {
+                const float w = wbuf[g * NS + z];
+                const float4 v = __ldcg(reinterpret_cast<const float4*>(po + (size_t)z * HD));
+                a.x += w * v.x; a.y += w * v.y; a.z += w * v.z; a.w += w * v.w;
+            }
         }
         const float inv = Ls[g] > 0.f ? 1.f / Ls[g] : 0.f;
         u32* dst = reinterpret_cast<u32*>(out + ((size_t)row * nh + h) * HD + d4);

@@ -3,7 +3,8 @@ launches (qk_norm_rope_cache + the split-KV attn_decode_hd128) against the fused
 QK-norm, RoPE, KV write and attention in one launch) over stage / split variants; the plan's variant is marked *.
 Each variant's output is checked against the old pair's (rel. err); times are graph-replay medians over KV
 copies that together exceed L2; GB/s counts the KV read (K and V of every context token) against the 4.6 TB/s read
-ceiling.
+ceiling. "pdl": launched with programmatic dependent launch (the graph's previous kernel is the same kernel, so
+this shows how much of a launch its pre-wait prologue hides, an upper bound for the plan's other neighbours).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from xserv_aot.plan.kernel_constants import P_KEYS
 from xserv_aot.runtime.cuda.driver import Launch
 
 READ_TBS = 4.6
+STAGES = (2, 3, 4, 6)
 NH, NKV, HD, BS, MAX_SEQ_LEN, EPS = 32, 8, 128, 16, 8192, 1e-6
 
 
@@ -27,8 +29,8 @@ def bench_attn_few(args) -> None:
     kern = Kernels("rope_cache.cu", "attention_decode.cu", "attention_decode_tc.cu")
     rope_fn = kern.fn("rope_cache.cu", f"qk_norm_rope_cache_hd{HD}")
     old_fn = kern.fn("attention_decode.cu", f"attn_decode_hd{HD}")
-    fused = {st: kern.fn("attention_decode_tc.cu", f"attn_decode_fused_s{st}_hd{HD}", st * 2 * ap.TC_TILE * (HD + 8) * 2)
-             for st in (2, 3, 4)}
+    fused = {st: kern.fn("attention_decode_tc.cu", f"attn_decode_fused_s{st}_hd{HD}", ap.few_seq_smem(st, HD, 1024))
+             for st in STAGES}
     gen = torch.Generator(device="cuda").manual_seed(4321)
     print(f"{'batch':>5} {'ctx':>5} {'variant':24} {'us':>8} {'GB/s':>7} {'%4.6TB/s':>8} {'err':>8}")
     max_blocks, s_old = MAX_SEQ_LEN // BS, MAX_SEQ_LEN // P_KEYS
@@ -36,7 +38,7 @@ def bench_attn_few(args) -> None:
         10000.0 ** (torch.arange(0, HD, 2, device="cuda").double() / HD)[None, :]
     cos, sin = ang.cos().float().contiguous(), ang.sin().float().contiguous()
     for B in [int(b) for b in args.batches.split(",")]:
-        ns_plan = max(1, min(MAX_SEQ_LEN // ap.TC_TILE, -(-ap.FEW_ATTN_BLOCKS // (B * NKV))))
+        ns_plan = ap.few_seq_splits(B, NKV, MAX_SEQ_LEN)
         for ctx in [int(c) for c in args.contexts.split(",")]:
             nb = -(-ctx // BS)
             num_slots = (B * nb + 3) * BS
@@ -68,19 +70,21 @@ def bench_attn_few(args) -> None:
                               + [("i32", B), ("i32", NH), ("i32", NKV), *geo, ("f32", HD ** -0.5), ("i32", s_old)])
                 return [attn] if attn_only else [rope, attn]
 
-            def fused_launch(kv, st, min_tiles, ns):
-                return [Launch("fused", fused[st], (B, NKV, ns), (128, 1, 1), st * 2 * ap.TC_TILE * (HD + 8) * 2,
+            def fused_launch(kv, st, min_tiles, ns, pdl=False):
+                smem = ap.few_seq_smem(st, HD, ap.few_seq_block_ids(MAX_SEQ_LEN, ns, min_tiles, BS))
+                return [Launch("fused", fused[st], (B, NKV, ns), (128, 1, 1), smem,
                                ptrs(qkv, pos, slots, qn, kn, cos, sin, q, kv, qsl, lens, bt, part_o, part_ml, counters,
                                     out) + [("i32", B), ("i32", NH), ("i32", NKV), *geo, ("f32", EPS),
-                                            ("f32", HD ** -0.5), ("i32", min_tiles)])]
+                                            ("f32", HD ** -0.5), ("i32", min_tiles)], pdl=pdl)]
 
             variants = [("old rope+attn", lambda kv: old_pair(kv)), ("old attn only", lambda kv: old_pair(kv, True))]
-            for st in (2, 3, 4):
+            for st in STAGES:
                 for mt in (1, 2, 4, 8):
-                    for ns in sorted({ns_plan, 2 * ns_plan if ctx >= 2048 else ns_plan}):
+                    for ns, pdl in sorted({(ns_plan, False), (ns_plan, True),
+                                           (2 * ns_plan if ctx >= 2048 else ns_plan, False)}):
                         star = "*" if (st, mt, ns) == (ap.FEW_ATTN_STAGES, ap.FEW_ATTN_MIN_TILES, ns_plan) else ""
-                        variants.append((f"fused s{st} mt{mt} z{ns}{star}",
-                                         lambda kv, st=st, mt=mt, ns=ns: fused_launch(kv, st, mt, ns)))
+                        variants.append((f"fused s{st} mt{mt} z{ns}{' pdl' if pdl else ''}{star}",
+                                         lambda kv, st=st, mt=mt, ns=ns, pdl=pdl: fused_launch(kv, st, mt, ns, pdl)))
             want = None
             for vname, mk in variants:
                 kv0 = kvs[0].clone()

@@ -8,7 +8,8 @@
 // the step: every block normalises and rotates q of its G heads from the raw qkv row (split-0 blocks store it in
 // q_out), and the block owning the new token (position seq_len - 1, the last split) computes its k / v, writes
 // them to the cache at slot_mapping[row] and puts them in its tile itself (that row gets no cp.async). Its split
-// count follows the context at run time (>= min_tiles tiles a split; one split writes out directly). Before
+// count follows the context at run time (one split of all tiles up to solo_tiles, else >= min_tiles tiles a
+// split; one split writes out directly). Before
 // griddepcontrol.wait (programmatic dependent launch) it only reads what no kernel of the step writes (the step's
 // inputs, the RoPE tables, the context's KV): block ids of its keys into shared memory, the first tiles' copies.
 #include "attention_split.cuh"
@@ -20,8 +21,15 @@
 // The inputs of the fused QK-norm / RoPE / KV write (FUSED kernels only).
 struct FusedRope {
     const bf16* qkv; const int* positions; const int* slot_mapping; const bf16* q_norm; const bf16* k_norm;
-    const float* cos_t; const float* sin_t; bf16* q_out; bf16* kv_out; float eps; int min_tiles;
+    const float* cos_t; const float* sin_t; bf16* q_out; bf16* kv_out; float eps; int min_tiles; int solo_tiles;
 };
+
+// Tiles a split of a sequence of Lc keys holds at least: all of them (one split, no combine) when they are at
+// most solo_tiles, else min_tiles.
+__device__ __forceinline__ int fused_min_tiles(const FusedRope& fr, int Lc) {
+    const int tiles = (Lc + TC_TILE - 1) / TC_TILE;
+    return tiles <= fr.solo_tiles ? max(tiles, 1) : fr.min_tiles;
+}
 
 // NEW: key position newkey gets no copy; its K / V rows come from knew / vnew (null: the prologue writes them);
 // bt[p / block_size - b0] is the block of key p.
@@ -119,7 +127,8 @@ __device__ __forceinline__ void attn_decode_tc_impl(
         zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
     }
     SplitRange sr;
-    if (!split_range(qsl, seq_lens, i, blockIdx.z, gridDim.z, TC_TILE, sr, FUSED ? fr.min_tiles : SPLIT_MIN_TILES)) {
+    if (!split_range(qsl, seq_lens, i, blockIdx.z, gridDim.z, TC_TILE, sr,
+                     FUSED ? fused_min_tiles(fr, seq_lens[i]) : SPLIT_MIN_TILES)) {
         if constexpr (FUSED) {
             asm volatile("griddepcontrol.wait;" ::: "memory");
             zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
@@ -327,9 +336,9 @@ DECODE_TC_KERNEL(128, 4)
         const bf16* k_norm, const float* cos_t, const float* sin_t, bf16* q_out, bf16* kv_layer,             \
         const int* qsl, const int* seq_lens, const int* block_tables, float* part_o, float* part_ml,         \
         int* counters, bf16* out, int T, int nh, int nkv, int block_size, int max_blocks, int num_slots,     \
-        float eps, float scale, int min_tiles) {                                                             \
+        float eps, float scale, int min_tiles, int solo_tiles) {                                             \
         const FusedRope fr{qkv, positions, slot_mapping, q_norm, k_norm, cos_t, sin_t, q_out, kv_layer, eps,  \
-                           min_tiles};                                                                       \
+                           min_tiles, solo_tiles};                                                           \
         attn_decode_tc_impl<HD, STAGES, true>(nullptr, kv_layer, qsl, seq_lens, block_tables, part_o,        \
                                               part_ml, counters, out, T, nh, nkv, block_size, max_blocks,    \
                                               num_slots, scale, fr); }

@@ -1,6 +1,7 @@
 """`bench_kernels.py attn-few`: decode attention of buckets with 1-2 sequences (Qwen3-8B heads), the old pair of
 launches (qk_norm_rope_cache + the split-KV attn_decode_hd128) against the fused kernel (attn_decode_fused_*:
-QK-norm, RoPE, KV write and attention in one launch) over stage / split variants; the plan's variant is marked *.
+QK-norm, RoPE, KV write and attention in one launch) over variants: s stages, mt min tiles a split, o solo tiles
+(one split up to that many), z grid z; the plan's variant is marked *.
 Each variant's output is checked against the old pair's (rel. err); times are graph-replay medians over KV
 copies that together exceed L2; GB/s counts the KV read (K and V of every context token) against the 4.6 TB/s read
 ceiling. "pdl": launched with programmatic dependent launch (the graph's previous kernel is the same kernel, so
@@ -32,7 +33,7 @@ def bench_attn_few(args) -> None:
     fused = {st: kern.fn("attention_decode_tc.cu", f"attn_decode_fused_s{st}_hd{HD}", ap.few_seq_smem(st, HD, 1024))
              for st in STAGES}
     gen = torch.Generator(device="cuda").manual_seed(4321)
-    print(f"{'batch':>5} {'ctx':>5} {'variant':24} {'us':>8} {'GB/s':>7} {'%4.6TB/s':>8} {'err':>8}")
+    print(f"{'batch':>5} {'ctx':>5} {'variant':28} {'us':>8} {'GB/s':>7} {'%4.6TB/s':>8} {'err':>8}")
     max_blocks, s_old = MAX_SEQ_LEN // BS, MAX_SEQ_LEN // P_KEYS
     ang = torch.arange(MAX_SEQ_LEN, device="cuda")[:, None].double() / \
         10000.0 ** (torch.arange(0, HD, 2, device="cuda").double() / HD)[None, :]
@@ -43,7 +44,7 @@ def bench_attn_few(args) -> None:
             nb = -(-ctx // BS)
             num_slots = (B * nb + 3) * BS
             kv_bytes = B * ctx * NKV * HD * 2 * 2
-            ncopy = max(1, -(-3 * L2_BYTES // kv_bytes))
+            ncopy = min(128, max(1, -(-3 * L2_BYTES // kv_bytes)))
             kvs = [torch.randn(2, num_slots, NKV, HD, device="cuda", generator=gen).bfloat16() for _ in range(ncopy)]
             bt = torch.zeros(B, max_blocks, dtype=torch.int32, device="cuda")
             bt[:, :nb] = torch.randperm(B * nb + 3, device="cuda", generator=gen)[:B * nb].int().view(B, nb)
@@ -70,21 +71,25 @@ def bench_attn_few(args) -> None:
                               + [("i32", B), ("i32", NH), ("i32", NKV), *geo, ("f32", HD ** -0.5), ("i32", s_old)])
                 return [attn] if attn_only else [rope, attn]
 
-            def fused_launch(kv, st, min_tiles, ns, pdl=False):
-                smem = ap.few_seq_smem(st, HD, ap.few_seq_block_ids(MAX_SEQ_LEN, ns, min_tiles, BS))
+            def fused_launch(kv, st, min_tiles, solo, ns, pdl=False):
+                smem = ap.few_seq_smem(st, HD, ap.few_seq_block_ids(MAX_SEQ_LEN, ns, min_tiles, solo, BS))
                 return [Launch("fused", fused[st], (B, NKV, ns), (128, 1, 1), smem,
                                ptrs(qkv, pos, slots, qn, kn, cos, sin, q, kv, qsl, lens, bt, part_o, part_ml, counters,
                                     out) + [("i32", B), ("i32", NH), ("i32", NKV), *geo, ("f32", EPS),
-                                            ("f32", HD ** -0.5), ("i32", min_tiles)], pdl=pdl)]
+                                            ("f32", HD ** -0.5), ("i32", min_tiles), ("i32", solo)], pdl=pdl)]
 
             variants = [("old rope+attn", lambda kv: old_pair(kv)), ("old attn only", lambda kv: old_pair(kv, True))]
             for st in STAGES:
-                for mt in (1, 2, 4, 8):
-                    for ns, pdl in sorted({(ns_plan, False), (ns_plan, True),
-                                           (2 * ns_plan if ctx >= 2048 else ns_plan, False)}):
-                        star = "*" if (st, mt, ns) == (ap.FEW_ATTN_STAGES, ap.FEW_ATTN_MIN_TILES, ns_plan) else ""
-                        variants.append((f"fused s{st} mt{mt} z{ns}{' pdl' if pdl else ''}{star}",
-                                         lambda kv, st=st, mt=mt, ns=ns, pdl=pdl: fused_launch(kv, st, mt, ns, pdl)))
+                for mt in (1, 2, 4):
+                    configs = {(st - 1, ns_plan, False), (0, ns_plan, False), (st - 1, ns_plan, True)}
+                    if ctx >= 2048:
+                        configs.add((st - 1, 2 * ns_plan, False))
+                    for solo, ns, pdl in sorted(configs):
+                        plan_like = (st, mt, solo, ns) == (ap.FEW_ATTN_STAGES, ap.FEW_ATTN_MIN_TILES,
+                                                           ap.FEW_ATTN_STAGES - 1, ns_plan)
+                        variants.append((f"fused s{st} mt{mt} o{solo} z{ns}{' pdl' if pdl else ''}"
+                                         f"{'*' if plan_like and not pdl else ''}",
+                                         lambda kv, a=(st, mt, solo, ns, pdl): fused_launch(kv, *a)))
             want = None
             for vname, mk in variants:
                 kv0 = kvs[0].clone()
@@ -98,7 +103,7 @@ def bench_attn_few(args) -> None:
                 lts = [mk(kv) for kv in kvs]
                 ms = time_graph(lambda j: [ln(stream()) for ln in lts[j]], ncopy)
                 gbs = kv_bytes / ms / 1e6
-                print(f"{B:5} {ctx:5} {vname:24} {ms * 1e3:8.2f} {gbs:7.0f} {gbs / READ_TBS / 10:7.1f}% {err:8.1e}",
+                print(f"{B:5} {ctx:5} {vname:28} {ms * 1e3:8.2f} {gbs:7.0f} {gbs / READ_TBS / 10:7.1f}% {err:8.1e}",
                       flush=True)
             del kvs
             torch.cuda.empty_cache()

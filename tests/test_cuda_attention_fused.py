@@ -23,9 +23,9 @@ BS, MAX_SEQ_LEN, EPS = 16, 8192, 1e-6
 SMEM_OPT_IN = 227 * 1024          # sm_90's most dynamic shared memory a block may ask for
 
 
-def few_seq_launch(num_seqs, nh, nkv, hd, norm, stages=None, min_tiles=None, block_ids=None):
-    """The plan's launch record for a decode bucket of num_seqs (stages / min_tiles: a variant of it; block_ids:
-    room for fewer block ids than a split spans, so the kernel reads the block table directly)."""
+def few_seq_launch(num_seqs, nh, nkv, hd, norm, stages=None, min_tiles=None, solo=None, block_ids=None):
+    """The plan's launch record for a decode bucket of num_seqs (stages / min_tiles / solo: a variant of it;
+    block_ids: room for fewer block ids than a split spans, so the kernel reads the block table directly)."""
     rope = QkNormRopeCache(qkv="qkv", positions="positions", slot_mapping="slot_mapping",
                            q_norm="q_norm" if norm else None, k_norm="k_norm" if norm else None, cos="cos", sin="sin",
                            q_out="q", kv_cache="kv_cache", layer=0, rows=num_seqs, eps=EPS, num_heads=nh,
@@ -39,9 +39,10 @@ def few_seq_launch(num_seqs, nh, nkv, hd, norm, stages=None, min_tiles=None, blo
     tail = [("i32", BS), ("i32", MAX_SEQ_LEN // BS), ("i32", -1), ("f32", attn.scale)]   # num_slots set per case
     rec = ap.few_seq_attn_launch(attn, rope, m, MAX_SEQ_LEN, common, tail)
     if stages is not None:
-        ids = block_ids or ap.few_seq_block_ids(MAX_SEQ_LEN, rec.grid[2], min_tiles, BS)
+        ids = block_ids or ap.few_seq_block_ids(MAX_SEQ_LEN, rec.grid[2], min_tiles, solo, BS)
         rec = type(rec)(rec.fn.replace(f"_s{ap.FEW_ATTN_STAGES}_", f"_s{stages}_"),
-                        rec.args[:-1] + (("i32", min_tiles),), rec.grid, rec.block, ap.few_seq_smem(stages, hd, ids))
+                        rec.args[:-2] + (("i32", min_tiles), ("i32", solo)), rec.grid, rec.block,
+                        ap.few_seq_smem(stages, hd, ids))
     return rec
 
 
@@ -141,13 +142,15 @@ def test_fused_decode_attention_qwen3_8b_heads(lib, rng, ctx, lens_of):  # noqa:
     run_and_check(lib, c, few_seq_launch(len(lens), nh, nkv, hd, True), nh, nkv, hd)
 
 
-@pytest.mark.parametrize("stages,min_tiles", [(2, 1), (2, 4), (3, 1), (4, 2), (4, 8), (6, 1), (6, 8)])
-@pytest.mark.parametrize("ctx", [17, 700, 4096])
-def test_fused_decode_attention_variants(lib, rng, stages, min_tiles, ctx):  # noqa: F811
-    """The stage / split variants the kernel benchmark compares compute the same thing."""
+@pytest.mark.parametrize("stages,min_tiles,solo", [(2, 1, 1), (2, 4, 0), (3, 1, 2), (4, 2, 0), (4, 8, 3), (6, 1, 5),
+                                                    (6, 8, 0), (3, 2, 40)])
+@pytest.mark.parametrize("ctx", [17, 200, 700, 4096])
+def test_fused_decode_attention_variants(lib, rng, stages, min_tiles, solo, ctx):  # noqa: F811
+    """The stage / split variants the kernel benchmark compares compute the same thing (solo: one split up to
+    that many tiles, past the ring's depth too)."""
     nh, nkv, hd = 32, 8, 128
     c = make_case(rng, [ctx, max(1, ctx // 3)], nh, nkv, hd, norm=True)
-    run_and_check(lib, c, few_seq_launch(2, nh, nkv, hd, True, stages, min_tiles), nh, nkv, hd)
+    run_and_check(lib, c, few_seq_launch(2, nh, nkv, hd, True, stages, min_tiles, solo), nh, nkv, hd)
 
 
 @pytest.mark.parametrize("ctx", [200, 4096])
@@ -155,7 +158,7 @@ def test_fused_decode_attention_block_ids_past_shared_memory(lib, rng, ctx):  # 
     """A split spanning more KV blocks than its shared-memory room takes them from the block table itself."""
     nh, nkv, hd = 32, 8, 128
     c = make_case(rng, [ctx, ctx - 7], nh, nkv, hd, norm=True)
-    run_and_check(lib, c, few_seq_launch(2, nh, nkv, hd, True, 3, 8, block_ids=2), nh, nkv, hd)
+    run_and_check(lib, c, few_seq_launch(2, nh, nkv, hd, True, 3, 8, 0, block_ids=2), nh, nkv, hd)
 
 
 @pytest.mark.parametrize("ctx", [1, 64, 65, 300])

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("cuda.core")
 
 from xserv_aot.plan import kernel_build as kb  # noqa: E402
-from xserv_aot.plan.attention_plan import BATCHED_ATTN_MIN_SEQS, FEW_ATTN_MIN_TILES  # noqa: E402
+from xserv_aot.plan.attention_plan import BATCHED_ATTN_MIN_SEQS, FEW_ATTN_MIN_TILES, FEW_ATTN_STAGES  # noqa: E402
 
 CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 1000, "hidden_size": 256,
           "intermediate_size": 768, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -124,7 +124,7 @@ def test_few_seq_attention_launch_reads_the_rope_ops_inputs(tmp_path, monkeypatc
                 "block_tables": attn.block_tables, "out": attn.out}
             assert args["kv_layer"] == ("kv", attn.layer)
             assert args["eps"][1] == pytest.approx(rope.eps) and args["scale"][1] == pytest.approx(attn.scale)
-            assert args["min_tiles"][1] == FEW_ATTN_MIN_TILES
+            assert args["min_tiles"][1] == FEW_ATTN_MIN_TILES and args["solo_tiles"][1] == FEW_ATTN_STAGES - 1
             assert rec.grid[:2] == (bk.num_seqs, CONFIG["num_key_value_heads"])
             assert 1 <= rec.grid[2] <= -(-512 // 64) and attn.cuda.splits == rec.grid[2]
             assert plan.arena["attn_part_o"].shape[0] >= bk.num_seqs * rec.grid[2]

@@ -14,7 +14,8 @@ BATCHED_ATTN_TILE = 64       # keys per tile of either kernel (cc instantiates 6
 BATCHED_ATTN_STAGES = 2      # tiles in the cp.async ring (cc: 2; tc: 2, 3, 4)
 BATCHED_ATTN_BLOCKS = 4 * 132  # splits per seq chosen so a full bucket launches about this many blocks
 FEW_ATTN_STAGES = 2          # fused few-seq kernel: tiles of 64 keys in its cp.async ring (2, 3, 4, 6 built)
-FEW_ATTN_MIN_TILES = 1       # ... a split holds >= this many tiles (ctx <= 64: one split, no combine)
+FEW_ATTN_MIN_TILES = 1       # ... a split holds >= this many tiles
+# ... and a sequence of <= stages - 1 tiles (all copied at once) is one split: no combine
 FEW_ATTN_BLOCKS = 2 * 132    # ... grid z: the longest context's splits fill the SMs about twice
 TC_TILE = 64                 # keys per tile of attention_decode_tc.cu (both kernels)
 
@@ -25,12 +26,12 @@ def few_seq_smem(stages: int, hd: int, block_ids: int) -> int:
     return (stages * 2 * TC_TILE * (hd + 8) + 16 * (hd + 8) + 2 * hd) * 2 + 4 * block_ids
 
 
-def few_seq_block_ids(max_seq_len: int, splits: int, min_tiles: int, block_size: int) -> int:
+def few_seq_block_ids(max_seq_len: int, splits: int, min_tiles: int, solo_tiles: int, block_size: int) -> int:
     """Most KV blocks one split of the fused kernel spans, over every context <= max_seq_len (its split rule:
-    attention_split.cuh split_range)."""
+    attention_decode_tc.cu fused_min_tiles, attention_split.cuh split_range)."""
     most = 0
     for tiles in range(1, -(-max_seq_len // TC_TILE) + 1):
-        want = min(splits, -(-tiles // min_tiles))
+        want = 1 if tiles <= solo_tiles else min(splits, -(-tiles // min_tiles))
         most = max(most, -(-tiles // want))
     return -(-most * TC_TILE // block_size) + 1
 
@@ -52,13 +53,15 @@ def few_seq_attn_launch(op: Attention, rope: QkNormRopeCache, m: dict, max_seq_l
     """The fused kernel over the bucket's seqs; grid z = the most splits a seq may use (short ones exit at once)."""
     nkv, hd = m["num_kv_heads"], m["head_dim"]
     splits = few_seq_splits(op.num_seqs, nkv, max_seq_len)
-    smem = few_seq_smem(FEW_ATTN_STAGES, hd, few_seq_block_ids(max_seq_len, splits, FEW_ATTN_MIN_TILES, tail[0][1]))
+    solo = FEW_ATTN_STAGES - 1
+    smem = few_seq_smem(FEW_ATTN_STAGES, hd, few_seq_block_ids(max_seq_len, splits, FEW_ATTN_MIN_TILES, solo,
+                                                                tail[0][1]))
     rope_args = [ptr(rope.qkv), ptr(rope.positions), ptr(rope.slot_mapping), ptr(rope.q_norm), ptr(rope.k_norm),
                  ptr(rope.cos), ptr(rope.sin), ptr(rope.q_out)]
     return launch(f"attn_decode_fused_s{FEW_ATTN_STAGES}_hd{hd}", [op.num_seqs, nkv, splits], [128], smem,
                   rope_args + common[1:] + [ptr("attn_part_o"), ptr("attn_part_ml"), ptr("attn_counters"),
                                             ptr(op.out), i32(op.rows), i32(m["num_heads"]), i32(nkv), *tail[:3],
-                                            f32(rope.eps), tail[3], i32(FEW_ATTN_MIN_TILES)])
+                                            f32(rope.eps), tail[3], i32(FEW_ATTN_MIN_TILES), i32(solo)])
 
 
 def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, tail: list) -> LaunchRecord:

@@ -6,6 +6,9 @@ Each variant's output is checked against the old pair's (rel. err); times are gr
 copies that together exceed L2; GB/s counts the KV read (K and V of every context token) against the 4.6 TB/s read
 ceiling. "pdl": launched with programmatic dependent launch (the graph's previous kernel is the same kernel, so
 this shows how much of a launch its pre-wait prologue hides, an upper bound for the plan's other neighbours).
+Then the step's real neighbour: the plan's qkv GEMV (weights rotated over 3 copies, writing the qkv row the
+attention reads) alone and followed by the old pair / the fused kernel, PDL off and on; "attention after the
+GEMV" = pair - GEMV alone.
 """
 from __future__ import annotations
 
@@ -13,12 +16,15 @@ import torch
 
 from bench_kernels import L2_BYTES, Kernels, rel_err, stream, time_graph
 from xserv_aot.plan import attention_plan as ap
+from xserv_aot.plan.kernel_build import plan_linear
 from xserv_aot.plan.kernel_constants import P_KEYS
+from xserv_aot.plan.op_records import Linear
 from xserv_aot.runtime.cuda.driver import Launch
 
 READ_TBS = 4.6
 STAGES = (2, 3, 4, 6)
 NH, NKV, HD, BS, MAX_SEQ_LEN, EPS = 32, 8, 128, 16, 8192, 1e-6
+QKV_N, QKV_K = (NH + 2 * NKV) * HD, 4096
 
 
 def ptrs(*ts):
@@ -27,7 +33,7 @@ def ptrs(*ts):
 
 def bench_attn_few(args) -> None:
     torch.zeros(1, device="cuda")
-    kern = Kernels("rope_cache.cu", "attention_decode.cu", "attention_decode_tc.cu")
+    kern = Kernels("rope_cache.cu", "attention_decode.cu", "attention_decode_tc.cu", "gemv.cu")
     rope_fn = kern.fn("rope_cache.cu", f"qk_norm_rope_cache_hd{HD}")
     old_fn = kern.fn("attention_decode.cu", f"attn_decode_hd{HD}")
     fused = {st: kern.fn("attention_decode_tc.cu", f"attn_decode_fused_s{st}_hd{HD}", ap.few_seq_smem(st, HD, 1024))
@@ -38,8 +44,12 @@ def bench_attn_few(args) -> None:
     ang = torch.arange(MAX_SEQ_LEN, device="cuda")[:, None].double() / \
         10000.0 ** (torch.arange(0, HD, 2, device="cuda").double() / HD)[None, :]
     cos, sin = ang.cos().float().contiguous(), ang.sin().float().contiguous()
+    wq = [torch.randn(QKV_N, QKV_K, device="cuda", generator=gen).mul_(QKV_K ** -0.5).bfloat16() for _ in range(3)]
     for B in [int(b) for b in args.batches.split(",")]:
         ns_plan = ap.few_seq_splits(B, NKV, MAX_SEQ_LEN)
+        gemv = plan_linear(Linear(inp="h", weight="w", bias=None, out="qkv", rows=B, n=QKV_N, k=QKV_K), "bfloat16",
+                           None, None, True).launch[0]          # the plan's qkv GEMV for B rows
+        gemv_fn = kern.fn("gemv.cu", gemv.fn)
         for ctx in [int(c) for c in args.contexts.split(",")]:
             nb = -(-ctx // BS)
             num_slots = (B * nb + 3) * BS
@@ -61,6 +71,12 @@ def bench_attn_few(args) -> None:
             part_ml = torch.empty(B * NH * s_cap * 2, device="cuda")
             counters = torch.zeros(B * NKV, dtype=torch.int32, device="cuda")
             geo = [("i32", BS), ("i32", max_blocks), ("i32", num_slots)]
+            h = torch.randn(B, QKV_K, device="cuda", generator=gen).bfloat16()
+
+            def gemv_launch(j, pdl):
+                return Launch("qkv", gemv_fn, gemv.grid, gemv.block, 0,
+                              ptrs(h, wq[j % len(wq)], None, qkv) + [("i32", B), ("i32", QKV_N), ("i32", QKV_K)],
+                              pdl=pdl)
 
             def old_pair(kv, attn_only=False):
                 rope = Launch("rope", rope_fn, (B, -(-(NH + 2 * NKV) // 4), 1), (128, 1, 1), 0,
@@ -105,5 +121,26 @@ def bench_attn_few(args) -> None:
                 gbs = kv_bytes / ms / 1e6
                 print(f"{B:5} {ctx:5} {vname:28} {ms * 1e3:8.2f} {gbs:7.0f} {gbs / READ_TBS / 10:7.1f}% {err:8.1e}",
                       flush=True)
+
+            def with_gemv(pdl, attn):                  # the qkv GEMV (writing qkv) then the attention launches
+                return lambda j: [gemv_launch(j, pdl)] + (attn(kvs[j]) if attn else [])
+
+            pairs = [("qkv gemv alone", with_gemv(False, None)), ("qkv gemv alone pdl", with_gemv(True, None)),
+                     ("gemv + old pair", with_gemv(False, old_pair))]
+            for st, mt, pdl in ((ap.FEW_ATTN_STAGES, ap.FEW_ATTN_MIN_TILES, False),
+                                (ap.FEW_ATTN_STAGES, ap.FEW_ATTN_MIN_TILES, True), (3, 1, True), (6, 1, True)):
+                pairs.append((f"gemv + fused s{st} mt{mt} o{st - 1}{' pdl' if pdl else ''}",
+                               with_gemv(pdl, lambda kv, a=(st, mt, st - 1, ns_plan, pdl): fused_launch(kv, *a))))
+            alone = {}
+            for vname, mk in pairs:
+                lts = [mk(j) for j in range(ncopy)]
+                ms = time_graph(lambda j: [ln(stream()) for ln in lts[j]], ncopy)
+                pdl = vname.endswith("pdl")
+                if vname.startswith("qkv gemv alone"):
+                    alone[pdl] = ms
+                    extra = ""
+                else:
+                    extra = f"  attention after the GEMV: {(ms - alone[pdl]) * 1e3:.2f} us"
+                print(f"{B:5} {ctx:5} {vname:28} {ms * 1e3:8.2f}{extra}", flush=True)
             del kvs
             torch.cuda.empty_cache()

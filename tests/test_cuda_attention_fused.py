@@ -16,11 +16,12 @@ from tests.test_cuda_kernels import check, rope_tables
 from xserv_aot.dtypes import encode
 from xserv_aot.plan import attention_plan as ap
 from xserv_aot.plan.op_records import Attention, QkNormRopeCache
+from xserv_aot.plan.signatures import kernel_signatures
 from xserv_aot.runtime import numpy_ops as ref
 
 pytestmark = pytest.mark.gpu
 BS, MAX_SEQ_LEN, EPS = 16, 8192, 1e-6
-SMEM_OPT_IN = 227 * 1024          # sm_90's most dynamic shared memory a block may ask for
+SMEM_MAX = ap.few_seq_smem(6, 128, 1024)   # >= every variant below (6 stages, room for 1024 block ids)
 
 
 def few_seq_launch(num_seqs, nh, nkv, hd, norm, stages=None, min_tiles=None, solo=None, block_ids=None):
@@ -103,7 +104,8 @@ def device_args(lib, rec, c, nh, hd):  # noqa: F811
             args.append(("ptr", bufs[v] if v is not None else 0))
         else:
             args.append((kind, v))
-    args[-4] = ("i32", c["kv"].shape[1])                    # num_slots (after block_size, max_blocks)
+    names = [p["name"] for p in kernel_signatures("attention_decode_tc.cu")[rec.fn]]
+    args[names.index("num_slots")] = ("i32", c["kv"].shape[1])
     return bufs, args
 
 
@@ -115,7 +117,7 @@ def poison(lib, *arrs):
 def run_and_check(lib, c, rec, nh, nkv, hd):  # noqa: F811
     q_ref, out_ref, kv_ref = reference(c, nh, nkv, hd)
     bufs, args = device_args(lib, rec, c, nh, hd)
-    lib.func(rec.fn, SMEM_OPT_IN)                         # first use sets the function's limit: the largest variant
+    lib.func(rec.fn, SMEM_MAX)                            # first use sets the function's limit: the largest variant
     lib.launch(rec.fn, rec.grid, rec.block, args, smem=rec.smem)
     out, q, kv = bufs["out"].numpy(), bufs["q"].numpy(), bufs["kv"].numpy()
     live = int(c["qsl"][-1])

@@ -13,7 +13,7 @@ BATCHED_ATTN_KERNEL = "tc"   # tc: kernels/attention_decode_tc.cu (tensor cores)
 BATCHED_ATTN_TILE = 64       # keys per tile of either kernel (cc instantiates 64 and 32, tc 64)
 BATCHED_ATTN_STAGES = 2      # tiles in the cp.async ring (cc: 2; tc: 2, 3, 4)
 BATCHED_ATTN_BLOCKS = 4 * 132  # splits per seq chosen so a full bucket launches about this many blocks
-FEW_ATTN_STAGES = 2          # fused few-seq kernel: tiles of 64 keys in its cp.async ring (2, 3, 4, 6 built)
+FEW_ATTN_STAGES = 3          # fused few-seq kernel: tiles of 64 keys in its cp.async ring (2, 3, 4, 6 built)
 FEW_ATTN_MIN_TILES = 1       # ... a split holds >= this many tiles
 # ... and a sequence of <= stages - 1 tiles (all copied at once) is one split: no combine
 FEW_ATTN_BLOCKS = 2 * 132    # ... grid z: the longest context's splits fill the SMs about twice

@@ -1,4 +1,5 @@
-// Paged decode attention, split over the KV length, GQA inside the block (no repeat_kv).
+// Paged decode attention, split over the KV length, GQA inside the block (no repeat_kv). No plan routes to it since
+// the fused few-seq kernel (attention_decode_tc.cu attn_decode_fused_*); kept as the benchmark's baseline.
 // Block (seq i, kv head, split s) reads keys [s*P, s*P + P) of seq i once for all G = nh / nkv query heads
 // (P = P_KEYS; the P argument must equal it).
 // A seq may hold n >= 1 query rows (query j at position Lc - n + j); each row gets its own partial.

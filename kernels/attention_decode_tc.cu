@@ -4,59 +4,184 @@
 // elements: conflict-free fragment loads); warp w owns keys [16w, 16w + 16) of every tile with its own online
 // softmax (log2 domain), and the 4 warps' (o, m, l) merge once at the end. Splits and partials as in
 // attention_split.cuh (m in log2 units).
+// The few-seq variant (attn_decode_fused_*, decode buckets of 1-2 seqs) also does the QK-norm / RoPE / KV write of
+// the step: every block normalises and rotates q of its G heads from the raw qkv row (split-0 blocks store it in
+// q_out), and the block owning the new token (position seq_len - 1, the last split) computes its k / v, writes
+// them to the cache at slot_mapping[row] and puts them in its tile itself (that row gets no cp.async). Its split
+// count follows the context at run time (one split of all tiles up to solo_tiles, else >= min_tiles tiles a
+// split; one split writes out directly). Before
+// griddepcontrol.wait (programmatic dependent launch) it only reads what no kernel of the step writes (the step's
+// inputs, the RoPE tables, the context's KV): block ids of its keys into shared memory, the first tiles' copies.
 #include "attention_split.cuh"
+#include "qk_rope.cuh"
 
 #define TC_THREADS 128
 #define TC_TILE 64
 
-template <int HD>
+// The inputs of the fused QK-norm / RoPE / KV write (FUSED kernels only).
+struct FusedRope {
+    const bf16* qkv; const int* positions; const int* slot_mapping; const bf16* q_norm; const bf16* k_norm;
+    const float* cos_t; const float* sin_t; bf16* q_out; bf16* kv_out; float eps; int min_tiles; int solo_tiles;
+};
+
+// Tiles a split of a sequence of Lc keys holds at least: all of them (one split, no combine) when they are at
+// most solo_tiles, else min_tiles.
+__device__ __forceinline__ int fused_min_tiles(const FusedRope& fr, int Lc) {
+    const int tiles = (Lc + TC_TILE - 1) / TC_TILE;
+    return tiles <= fr.solo_tiles ? max(tiles, 1) : fr.min_tiles;
+}
+
+// NEW: key position newkey gets no copy; its K / V rows come from knew / vnew (null: the prologue writes them);
+// bt[p / block_size - b0] is the block of key p.
+template <int HD, bool NEW = false>
 __device__ __forceinline__ void tc_issue(bf16* stage, const bf16* kbase, const bf16* vbase, size_t kv_stride,
-                                         const int* bt, int block_size, int k0, int kend) {
+                                         const int* bt, int block_size, int k0, int kend, int newkey = -1,
+                                         const bf16* knew = nullptr, const bf16* vnew = nullptr, int b0 = 0) {
     constexpr int LD = HD + 8, DCH = HD / 8;
 #pragma unroll
     for (int j = 0; j < TC_TILE * DCH / TC_THREADS; j++) {
         const int idx = threadIdx.x + j * TC_THREADS, key = idx / DCH, u = idx % DCH, p = k0 + key;
         const bool ok = p < kend;
-        const size_t slot = ok ? (size_t)bt[p / block_size] * block_size + p % block_size : 0;
+        if constexpr (NEW) {
+            if (p == newkey) {
+                if (knew) {
+                    st16(stage + key * LD + u * 8, ld16(knew + u * 8));
+                    st16(stage + (TC_TILE + key) * LD + u * 8, ld16(vnew + u * 8));
+                }
+                continue;
+            }
+        }
+        const size_t slot = ok ? (size_t)bt[p / block_size - b0] * block_size + p % block_size : 0;
         cp_async16(stage + key * LD + u * 8, kbase + slot * kv_stride + u * 8, ok ? 16 : 0);
         cp_async16(stage + (TC_TILE + key) * LD + u * 8, vbase + slot * kv_stride + u * 8, ok ? 16 : 0);
     }
 }
 
+// Fused: q of the block's G heads from the raw qkv row into qs (bf16, as q_out holds it), and for the block owning
+// the new token (newkey >= 0) its k / v into kv_new and the cache, and into its ring row when that tile is
+// already being copied (prologue tiles). One warp per head.
+// cs / sn: this lane's RoPE table entries at positions[row]; slot: slot_mapping[row].
 template <int HD, int STAGES>
+__device__ __forceinline__ void fused_qkv_rope(const FusedRope& fr, bf16 (*qs)[HD + 8], bf16 (*kv_new)[HD],
+                                               bf16* stages, int row, int nh, int nkv, int kvh, int num_slots,
+                                               int newkey, int k0, const float* cs, const float* sn, int slot) {
+    constexpr int E = HD / 32, LD = HD + 8, STAGE = 2 * TC_TILE * LD;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, G = nh / nkv;
+    const bf16* src = fr.qkv + (size_t)row * (nh + 2 * nkv) * HD;
+    for (int g = warp; g < G; g += TC_THREADS / 32) {
+        float x[E], y[E];
+#pragma unroll
+        for (int e = 0; e < E; e++) x[e] = bf2f(src[(kvh * G + g) * HD + lane + 32 * e]);
+        qk_norm_rope_head<HD>(x, fr.q_norm, cs, sn, fr.eps, lane, y);
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const bf16 b = f2bf(y[e]);
+            qs[g][lane + 32 * e] = b;
+            if (blockIdx.z == 0) fr.q_out[((size_t)row * nh + kvh * G + g) * HD + lane + 32 * e] = b;
+        }
+    }
+    if (newkey < 0 || warp >= 2) return;
+    const int head = warp == 0 ? nh + kvh : nh + nkv + kvh;                                  // warp 0: k, 1: v
+    float x[E], y[E];
+#pragma unroll
+    for (int e = 0; e < E; e++) x[e] = bf2f(src[head * HD + lane + 32 * e]);
+    if (warp == 0) {
+        qk_norm_rope_head<HD>(x, fr.k_norm, cs, sn, fr.eps, lane, y);
+    } else {
+#pragma unroll
+        for (int e = 0; e < E; e++) y[e] = x[e];
+    }
+    const int key = newkey - k0, t = key / TC_TILE;
+    bf16* ring = t < STAGES - 1 ? stages + t * STAGE + (warp * TC_TILE + key % TC_TILE) * LD : nullptr;
+    bf16* cache = slot >= 0 ? fr.kv_out + ((size_t)warp * num_slots + slot) * nkv * HD + (size_t)kvh * HD : nullptr;
+#pragma unroll
+    for (int e = 0; e < E; e++) {
+        const bf16 b = f2bf(y[e]);
+        kv_new[warp][lane + 32 * e] = b;
+        if (ring) ring[lane + 32 * e] = b;
+        if (cache) cache[lane + 32 * e] = b;
+    }
+}
+
+template <int HD, int STAGES, bool FUSED = false>
 __device__ __forceinline__ void attn_decode_tc_impl(
         const bf16* __restrict__ q, const bf16* __restrict__ kv_layer, const int* __restrict__ qsl,
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables, float* __restrict__ part_o,
         float* __restrict__ part_ml, int* __restrict__ counters, bf16* __restrict__ out, int T, int nh, int nkv,
-        int block_size, int max_blocks, int num_slots, float scale) {
+        int block_size, int max_blocks, int num_slots, float scale, const FusedRope& fr = FusedRope{}) {
     constexpr int LD = HD + 8, KS = HD / 16, DT = HD / 8, STAGE = 2 * TC_TILE * LD, GM = 16;
     extern __shared__ __align__(16) unsigned char tc_smem[];
     bf16* stages = reinterpret_cast<bf16*>(tc_smem);                  // [STAGES][K, V][TC_TILE][LD]
     __shared__ float wm[4][GM], wl[4][GM];
+    // fused: after the ring, this block's q heads [GM][LD], the new token's k, v [2][HD] (bf16), then the block
+    // ids of its keys (as many ints as the rest of the dynamic shared memory holds)
+    bf16 (*qs)[LD] = reinterpret_cast<bf16 (*)[LD]>(stages + STAGES * STAGE);
+    bf16 (*kv_new)[HD] = reinterpret_cast<bf16 (*)[HD]>(stages + STAGES * STAGE + GM * LD);
+    int* bts = reinterpret_cast<int*>(stages + STAGES * STAGE + GM * LD + 2 * HD);
 
     const int i = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int G = nh / nkv;
-    zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
+    if constexpr (FUSED) {
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    } else {
+        zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
+    }
     SplitRange sr;
-    if (!split_range(qsl, seq_lens, i, blockIdx.z, gridDim.z, TC_TILE, sr)) return;
+    if (!split_range(qsl, seq_lens, i, blockIdx.z, gridDim.z, TC_TILE, sr,
+                     FUSED ? fused_min_tiles(fr, seq_lens[i]) : SPLIT_MIN_TILES)) {
+        if constexpr (FUSED) {
+            asm volatile("griddepcontrol.wait;" ::: "memory");
+            zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
+        }
+        return;
+    }
+    const int newkey = FUSED && sr.kend == seq_lens[i] ? sr.kend - 1 : -1;
 
     const size_t kv_stride = (size_t)nkv * HD;
     const bf16* kbase = kv_layer + (size_t)kvh * HD;
     const bf16* vbase = kv_layer + (size_t)num_slots * kv_stride + (size_t)kvh * HD;
     const int* bt = block_tables + (size_t)i * max_blocks;
+    int b0 = 0;                                                  // fused: bt[k / block_size - b0] = block of key k
+    float cs[FUSED ? HD / 64 : 1], sn[FUSED ? HD / 64 : 1];
+    int slot = -1;
+    if constexpr (FUSED) {
+        const int row = sr.row;
+        slot = fr.slot_mapping[row];
+        rope_load<HD>(fr.cos_t, fr.sin_t, fr.positions[row], lane, cs, sn);
+        u32 smem_bytes;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+        const int cap = (int)(smem_bytes / 2 - (STAGES * STAGE + GM * LD + 2 * HD)) / 2;
+        const int first = sr.k0 / block_size, nblk = (sr.kend - 1) / block_size - first + 1;
+        if (nblk <= cap) {
+            for (int b = tid; b < nblk; b += TC_THREADS) bts[b] = bt[first + b];
+            __syncthreads();
+            bt = bts;
+            b0 = first;
+        }
+    }
 #pragma unroll
     for (int st = 0; st < STAGES - 1; st++) {
         if (st < sr.ntiles)
-            tc_issue<HD>(stages + st * STAGE, kbase, vbase, kv_stride, bt, block_size, sr.k0 + st * TC_TILE, sr.kend);
+            tc_issue<HD, FUSED>(stages + st * STAGE, kbase, vbase, kv_stride, bt, block_size, sr.k0 + st * TC_TILE,
+                                sr.kend, newkey, nullptr, nullptr, b0);
         cp_async_commit();
+    }
+    if constexpr (FUSED) {
+        asm volatile("griddepcontrol.wait;" ::: "memory");      // from here on: the previous kernels' outputs
+        zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
+        fused_qkv_rope<HD, STAGES>(fr, qs, kv_new, stages, sr.row, nh, nkv, kvh, num_slots, newkey, sr.k0, cs, sn,
+                                   slot);
+        __syncthreads();
     }
 
     // A fragments of Q: rows = heads ga = lane / 4 and gb = ga + 8 (zero past G), k = head dims.
     const int ga = lane >> 2, gb = ga + 8, tig = lane & 3;
     u32 qa[KS][4];
     {
-        const u32* pa = reinterpret_cast<const u32*>(q + ((size_t)sr.row * nh + kvh * G + min(ga, G - 1)) * HD);
-        const u32* pb = reinterpret_cast<const u32*>(q + ((size_t)sr.row * nh + kvh * G + min(gb, G - 1)) * HD);
+        const u32* pa = reinterpret_cast<const u32*>(FUSED ? &qs[min(ga, G - 1)][0]
+                                                           : q + ((size_t)sr.row * nh + kvh * G + min(ga, G - 1)) * HD);
+        const u32* pb = reinterpret_cast<const u32*>(FUSED ? &qs[min(gb, G - 1)][0]
+                                                           : q + ((size_t)sr.row * nh + kvh * G + min(gb, G - 1)) * HD);
 #pragma unroll
         for (int ks = 0; ks < KS; ks++) {
             const int c = ks * 8 + tig;
@@ -80,8 +205,8 @@ __device__ __forceinline__ void attn_decode_tc_impl(
         {
             const int nt = t + STAGES - 1;
             if (nt < sr.ntiles)
-                tc_issue<HD>(stages + (nt % STAGES) * STAGE, kbase, vbase, kv_stride, bt, block_size,
-                             sr.k0 + nt * TC_TILE, sr.kend);
+                tc_issue<HD, FUSED>(stages + (nt % STAGES) * STAGE, kbase, vbase, kv_stride, bt, block_size,
+                                    sr.k0 + nt * TC_TILE, sr.kend, newkey, kv_new[0], kv_new[FUSED ? 1 : 0], b0);
             cp_async_commit();
         }
         const bf16* Ks = stages + (t % STAGES) * STAGE;
@@ -182,7 +307,8 @@ __device__ __forceinline__ void attn_decode_tc_impl(
         store_split(part_o, part_ml, out, i, sr.row, kvh * G + g, d, HD, nh, sr.active, acc, M, L);
     }
     if (sr.active == 1) return;
-    combine_splits_if_last<HD, GM, true>(part_o, part_ml, counters, out, i, kvh, sr.row, nh, nkv, sr.active, red);
+    combine_splits_if_last<HD, GM, true, FUSED>(part_o, part_ml, counters, out, i, kvh, sr.row, nh, nkv, sr.active,
+                                                red);
 }
 
 // attn_decode_tc_sSTAGES_hdHD (G = nh / nkv <= 16)
@@ -199,3 +325,27 @@ DECODE_TC_KERNEL(64, 3)
 DECODE_TC_KERNEL(128, 2)
 DECODE_TC_KERNEL(128, 3)
 DECODE_TC_KERNEL(128, 4)
+
+// attn_decode_fused_sSTAGES_hdHD: decode buckets of 1-2 seqs, QK-norm / RoPE / KV write included (q_norm, k_norm
+// null: no norm). kv_layer is read (the context) and written (the new token's k / v). Dynamic shared memory:
+// the ring (STAGES * 2 * 64 * (HD + 8) bf16) + (16 * (HD + 8) + 2 * HD) bf16 + block ids (int; the plan sizes them
+// for its longest split: plan.attention_plan.few_seq_smem; a split with more reads the block table directly).
+#define DECODE_FUSED_KERNEL(HD, STAGES)                                                                      \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) attn_decode_fused_s##STAGES##_hd##HD(          \
+        const bf16* qkv, const int* positions, const int* slot_mapping, const bf16* q_norm,                  \
+        const bf16* k_norm, const float* cos_t, const float* sin_t, bf16* q_out, bf16* kv_layer,             \
+        const int* qsl, const int* seq_lens, const int* block_tables, float* part_o, float* part_ml,         \
+        int* counters, bf16* out, int T, int nh, int nkv, int block_size, int max_blocks, int num_slots,     \
+        float eps, float scale, int min_tiles, int solo_tiles) {                                             \
+        const FusedRope fr{qkv, positions, slot_mapping, q_norm, k_norm, cos_t, sin_t, q_out, kv_layer, eps,  \
+                           min_tiles, solo_tiles};                                                           \
+        attn_decode_tc_impl<HD, STAGES, true>(nullptr, kv_layer, qsl, seq_lens, block_tables, part_o,        \
+                                              part_ml, counters, out, T, nh, nkv, block_size, max_blocks,    \
+                                              num_slots, scale, fr); }
+
+DECODE_FUSED_KERNEL(64, 2)
+DECODE_FUSED_KERNEL(64, 3)
+DECODE_FUSED_KERNEL(128, 2)
+DECODE_FUSED_KERNEL(128, 3)
+DECODE_FUSED_KERNEL(128, 4)
+DECODE_FUSED_KERNEL(128, 6)

@@ -14,13 +14,14 @@ struct SplitRange {
 };
 
 // False when the block has nothing to do (not a one-row sequence, empty, or a split past the context).
+// A split holds >= min_tiles tiles (fewer splits than NS for short contexts; one split: no combine).
 __device__ __forceinline__ bool split_range(const int* qsl, const int* seq_lens, int i, int s, int NS, int tile,
-                                            SplitRange& r) {
+                                            SplitRange& r, int min_tiles = SPLIT_MIN_TILES) {
     r.row = qsl[i];
     const int Lc = seq_lens[i];
     if (qsl[i + 1] - r.row != 1 || Lc <= 0) return false;
     const int tiles = (Lc + tile - 1) / tile;
-    const int want = min(NS, (tiles + SPLIT_MIN_TILES - 1) / SPLIT_MIN_TILES);
+    const int want = min(NS, (tiles + min_tiles - 1) / min_tiles);
     const int chunk = ((tiles + want - 1) / want) * tile;
     r.active = (Lc + chunk - 1) / chunk;
     r.k0 = blockIdx.z * chunk;
@@ -45,7 +46,8 @@ __device__ __forceinline__ float split_weight(float m, float M) {
 
 // After this block wrote its partials for seq i: the last block of (i, kvh) to finish combines the `active`
 // splits into out (normalized bf16) and resets the counter. wbuf: >= GM * gridDim.z floats of shared memory.
-template <int HD, int GM, bool LOG2>
+// UNROLL8: the split loop's loads unrolled by 8 (the few-seq kernel, whose one combining block is its tail).
+template <int HD, int GM, bool LOG2, bool UNROLL8 = false>
 __device__ __forceinline__ void combine_splits_if_last(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                                        int* __restrict__ counters, bf16* __restrict__ out, int i,
                                                        int kvh, int row, int nh, int nkv, int active, float* wbuf) {
@@ -82,10 +84,19 @@ __device__ __forceinline__ void combine_splits_if_last(const float* __restrict__
         const int g = c / (HD / 4), d4 = (c % (HD / 4)) * 4, h = kvh * G + g;
         const float* po = part_o + ((size_t)i * nh + h) * NS * HD + d4;
         float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int z = 0; z < active; z++) {
-            const float w = wbuf[g * NS + z];
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(po + (size_t)z * HD));
-            a.x += w * v.x; a.y += w * v.y; a.z += w * v.z; a.w += w * v.w;
+        if constexpr (UNROLL8) {
+#pragma unroll 8
+            for (int z = 0; z < active; z++) {
+                const float w = wbuf[g * NS + z];
+                const float4 v = __ldcg(reinterpret_cast<const float4*>(po + (size_t)z * HD));
+                a.x += w * v.x; a.y += w * v.y; a.z += w * v.z; a.w += w * v.w;
+            }
+        } else {
+            for (int z = 0; z < active; z++) {
+                const float w = wbuf[g * NS + z];
+                const float4 v = __ldcg(reinterpret_cast<const float4*>(po + (size_t)z * HD));
+                a.x += w * v.x; a.y += w * v.y; a.z += w * v.z; a.w += w * v.w;
+            }
         }
         const float inv = Ls[g] > 0.f ? 1.f / Ls[g] : 0.f;
         u32* dst = reinterpret_cast<u32*>(out + ((size_t)row * nh + h) * HD + d4);

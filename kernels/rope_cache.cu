@@ -1,7 +1,7 @@
 // Fused per-head QK RMSNorm + NeoX RoPE + paged KV write. Grid (rows, head groups); one warp per head
 // (q heads, then k heads, then v heads). HD % 64 == 0: lane holds elements lane + 32 e, RoPE pairs e, e + E/2.
 // kv_layer: [2, num_slots, nkv, HD] of this layer; rows with slot < 0 write no KV.
-#include "common.cuh"
+#include "qk_rope.cuh"
 
 template <int HD>
 __device__ __forceinline__ void qk_rope_impl(const bf16* __restrict__ qkv, const int* __restrict__ positions,
@@ -10,7 +10,7 @@ __device__ __forceinline__ void qk_rope_impl(const bf16* __restrict__ qkv, const
                                              const float* __restrict__ sin_t, bf16* __restrict__ q_out,
                                              bf16* __restrict__ kv_layer, int nh, int nkv, float eps, int num_slots) {
     pdl_entry();
-    constexpr int E = HD / 32, HALF = HD / 2;
+    constexpr int E = HD / 32;
     const int r = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     const int pos = positions[r], slot = slot_mapping[r];
     const int width = (nh + 2 * nkv) * HD;
@@ -19,11 +19,7 @@ __device__ __forceinline__ void qk_rope_impl(const bf16* __restrict__ qkv, const
         float x[E], cs[E / 2], sn[E / 2];
 #pragma unroll
         for (int e = 0; e < E; e++) x[e] = bf2f(src[head * HD + lane + 32 * e]);
-#pragma unroll
-        for (int e = 0; e < E / 2; e++) {                    // table loads issued with x's, before the norm
-            cs[e] = cos_t[(size_t)pos * HALF + lane + 32 * e];
-            sn[e] = sin_t[(size_t)pos * HALF + lane + 32 * e];
-        }
+        rope_load<HD>(cos_t, sin_t, pos, lane, cs, sn);       // table loads issued with x's, before the norm
         if (head >= nh + nkv) {                               // v: copy into the cache
             if (slot >= 0) {
                 bf16* dst = kv_layer + ((size_t)num_slots + slot) * nkv * HD + (size_t)(head - nh - nkv) * HD;
@@ -34,23 +30,8 @@ __device__ __forceinline__ void qk_rope_impl(const bf16* __restrict__ qkv, const
         }
         const bool is_q = head < nh;
         if (!is_q && slot < 0) continue;
-        const bf16* nw = is_q ? q_norm : k_norm;
-        if (nw) {
-            float ss = 0.f;
-#pragma unroll
-            for (int e = 0; e < E; e++) ss += x[e] * x[e];
-            float inv = rsqrtf(warp_sum(ss) / (float)HD + eps);
-#pragma unroll
-            for (int e = 0; e < E; e++) x[e] = x[e] * inv * bf2f(nw[lane + 32 * e]);
-        }
         float y[E];
-#pragma unroll
-        for (int e = 0; e < E / 2; e++) {
-            float c = cs[e], s = sn[e];
-            float x1 = x[e], x2 = x[e + E / 2];
-            y[e] = x1 * c - x2 * s;
-            y[e + E / 2] = x2 * c + x1 * s;
-        }
+        qk_norm_rope_head<HD>(x, is_q ? q_norm : k_norm, cs, sn, eps, lane, y);
         bf16* dst = is_q ? q_out + ((size_t)r * nh + head) * HD
                          : kv_layer + (size_t)slot * nkv * HD + (size_t)(head - nh) * HD;
 #pragma unroll

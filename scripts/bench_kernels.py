@@ -5,6 +5,7 @@
   python3 scripts/bench_kernels.py attn [--batches 16,64,256 --contexts 256,1024,4096]
   python3 scripts/bench_kernels.py prefill [--prompts 2048,4096,8192,4x1024 --variants v1,w8s2]
   python3 scripts/bench_kernels.py fp8 [--lib PATH/libxserv_gemm.so] [--rows 1,2,16,64]   (scripts/bench_fp8.py)
+  python3 scripts/bench_kernels.py attn-few --batches 1,2 --contexts 128,512,4096
 
 gemm: every decode linear shape of Qwen3-8B (qkv, o, gate_up, down, lm_head) x rows: the CUTLASS swap-AB
 stream-K / split-K configs, the NVRTC skinny kernel (rows <= 64) and the CUTLASS tile configs (rows >= 128);
@@ -12,6 +13,7 @@ each output poisoned with NaN, checked against torch float32 (rel. err), then ti
 rotating over weight copies that together exceed L2 (median of replays). GB/s counts weights + activations.
 attn: the split-KV decode kernel (attention_decode.cu) vs the batched flash-decoding kernel
 (attention_decode_batched.cu) over a shuffled paged KV, checked against torch, timed the same way.
+attn-few: decode buckets of 1-2 seqs, the old rope + split-KV pair vs the fused kernel (scripts/bench_attn_few.py).
 Reference and timing use torch only as memory and as the oracle; kernels come from the project's build.
 """
 from __future__ import annotations
@@ -327,7 +329,7 @@ def bench_prefill(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["gemm", "attn", "prefill", "fp8"])
+    ap.add_argument("what", choices=["gemm", "attn", "attn-few", "prefill", "fp8"])
     ap.add_argument("--lib")
     ap.add_argument("--rows", default=None, help="gemm: 16,32,64,128,256; fp8: 1,2,16,64")
     ap.add_argument("--batches", default="1,16,64,128,256")
@@ -337,6 +339,9 @@ def main() -> None:
     args = ap.parse_args()
     args.rows = args.rows or ("1,2,16,64" if args.what == "fp8" else "16,32,64,128,256")
     torch.cuda.init()
+    if args.what == "attn-few":
+        from bench_attn_few import bench_attn_few
+        return bench_attn_few(args)
     {"gemm": bench_gemm, "attn": bench_attn, "prefill": bench_prefill, "fp8": bench_fp8}[args.what](args)
 
 

@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("cuda.core")
 
 from xserv_aot.plan import kernel_build as kb  # noqa: E402
+from xserv_aot.plan.attention_plan import BATCHED_ATTN_MIN_SEQS, FEW_ATTN_MIN_TILES, FEW_ATTN_STAGES  # noqa: E402
 
 CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 1000, "hidden_size": 256,
           "intermediate_size": 768, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -86,6 +87,9 @@ def test_build_kernels_annotates_every_op(tmp_path, monkeypatch):
         if bk.kind == "decode":
             assert kinds["attention"].startswith("attn_decode")
             assert (kinds["silu_mul"] == "fused_into_previous") == (bk.num_tokens <= kb.GEMV_MAX_ROWS)
+            few = bk.num_seqs < BATCHED_ATTN_MIN_SEQS        # rope + KV write inside the fused attention kernel
+            assert (kinds["qk_norm_rope_cache"] == "fused_into_next") == few
+            assert kinds["attention"].startswith("attn_decode_fused" if few else "attn_decode_tc")
         else:
             assert kinds["attention"].startswith("attn_prefill")
     for c in plan.kernels["cubins"].values():
@@ -96,6 +100,34 @@ def test_build_kernels_annotates_every_op(tmp_path, monkeypatch):
     assert {"attn_part_o", "attn_part_ml", "sample_scaled", "gemm_splitk_ws"} <= set(plan.arena)
     splitk = [op for bk in plan.buckets for op in bk.ops if op.cuda.kernel == "gemm_64x64_splitk"]
     assert splitk and all(op.cuda.splits * op.rows * op.n <= plan.arena["gemm_splitk_ws"].shape[0] for op in splitk)
+
+
+def test_few_seq_attention_launch_reads_the_rope_ops_inputs(tmp_path, monkeypatch):
+    """decode_1 / decode_2: the fused kernel gets the rope op's buffers, this layer's KV, a grid sized for
+    max_seq_len (64-key tiles, >= FEW_ATTN_MIN_TILES a split) and partials that fit the arena."""
+    plan = compile_tiny(tmp_path, monkeypatch)
+    sig = plan.kernels["signatures"]
+    for bk in plan.buckets:
+        if bk.kind != "decode" or bk.num_seqs >= BATCHED_ATTN_MIN_SEQS:
+            continue
+        pairs = [(a, b) for a, b in zip(bk.ops, bk.ops[1:]) if a.op == "qk_norm_rope_cache"]
+        assert len(pairs) == CONFIG["num_hidden_layers"]
+        for rope, attn in pairs:
+            assert attn.op == "attention" and rope.cuda.launch == ()
+            (rec,) = attn.cuda.launch
+            args = {p["name"]: a for p, a in zip(sig[rec.fn], rec.args)}
+            assert {k: args[k][1] for k in ("qkv", "positions", "slot_mapping", "q_norm", "k_norm", "cos_t", "sin_t",
+                                           "q_out", "qsl", "seq_lens", "block_tables", "out")} == {
+                "qkv": rope.qkv, "positions": rope.positions, "slot_mapping": rope.slot_mapping,
+                "q_norm": rope.q_norm, "k_norm": rope.k_norm, "cos_t": rope.cos, "sin_t": rope.sin,
+                "q_out": rope.q_out, "qsl": attn.query_start_loc, "seq_lens": attn.seq_lens,
+                "block_tables": attn.block_tables, "out": attn.out}
+            assert args["kv_layer"] == ("kv", attn.layer)
+            assert args["eps"][1] == pytest.approx(rope.eps) and args["scale"][1] == pytest.approx(attn.scale)
+            assert args["min_tiles"][1] == FEW_ATTN_MIN_TILES and args["solo_tiles"][1] == FEW_ATTN_STAGES - 1
+            assert rec.grid[:2] == (bk.num_seqs, CONFIG["num_key_value_heads"])
+            assert 1 <= rec.grid[2] <= -(-512 // 64) and attn.cuda.splits == rec.grid[2]
+            assert plan.arena["attn_part_o"].shape[0] >= bk.num_seqs * rec.grid[2]
 
 
 def test_float32_plan_is_refused(tmp_path, monkeypatch):

@@ -42,11 +42,13 @@ def test_decode_costs_match_the_weights_and_shape(gpu_plan):
 
 def test_ops_that_launch_nothing_have_no_row(gpu_plan):
     for bk in gpu_plan.buckets:
-        fused = [i for i, op in enumerate(bk.ops) if op.cuda.kernel == "fused_into_previous"]
+        fused = [i for i, op in enumerate(bk.ops) if op.cuda.kernel in ("fused_into_previous", "fused_into_next")]
+        assert all(not bk.ops[i].cuda.launch for i in fused)
         rows = [c[0] for c in rl.bucket_costs(gpu_plan, bk, 128)]
         assert not set(fused) & set(rows)
         assert len(rows) == len(bk.ops) - len(fused)
-    assert any(op.cuda.kernel == "fused_into_previous" for op in gpu_plan.buckets[0].ops)
+    kinds = {op.cuda.kernel for op in gpu_plan.buckets[0].ops}
+    assert {"fused_into_previous", "fused_into_next"} <= kinds
 
 
 def test_floor_takes_the_binding_ceiling():

@@ -86,6 +86,11 @@ def gpu_plans(tmp_path_factory):
             for tp in (1, 4)}
 
 
+def rope_launch(bk, op):
+    """The launch doing a qk_norm_rope_cache op: its own, or the attention kernel's it is fused into."""
+    return op.cuda.launch[0] if op.cuda.launch else bk.ops[bk.ops.index(op) + 1].cuda.launch[0]
+
+
 def args_of(rec, plan) -> dict:
     return {p["name"]: a[1] for p, a in zip(plan.kernels["signatures"][rec.fn], rec.args)}
 
@@ -111,9 +116,9 @@ def test_cuda_plan_has_rank_shapes_and_nccl_records(gpu_plans):
                 assert args_of(place, four) == {"gathered": "logits_gathered", "out": "logits",
                                                 "rows": bk4.num_seqs, "n": vocab // 4, "ranks": 4}
             elif op.op == "qk_norm_rope_cache":   # one rank's heads: 4 / 4 q heads, 1 (replicated) kv head
-                a = args_of(op.cuda.launch[0], four)
+                a = args_of(rope_launch(bk4, op), four)
                 assert (a["nh"], a["nkv"]) == (1, 1), a
-                b = args_of(ops1["qk_norm_rope_cache"].cuda.launch[0], one)
+                b = args_of(rope_launch(bk1, ops1["qk_norm_rope_cache"]), one)
                 assert (b["nh"], b["nkv"]) == (4, 2)
     assert not any(op.op.startswith("all_") or "nccl" in op.cuda.kernel for bk in one.buckets for op in bk.ops)
     assert "collectives" not in one.kernels

@@ -1,5 +1,6 @@
-"""Which attention kernels an op runs, with their launch records: the split-KV decode kernel for a few
-sequences, the batched flash-decoding kernels (tensor cores or CUDA cores) for larger decode buckets, and for
+"""Which attention kernels an op runs, with their launch records: for decode buckets of a few sequences the
+fused kernel (QK-norm + RoPE + KV write of the step's token, then split-KV attention, splits chosen per sequence
+at run time from seq_lens, combined in-kernel), the batched flash-decoding kernels (tensor cores or CUDA cores) for larger decode buckets, and for
 prefill buckets the flash prefill kernel plus the batched decode kernel on the one-row (decode) sequences of a
 mixed step. Constants here are the H200 sweep's choices (docs/cuda-notes.md)."""
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import re
 
 from xserv_aot.plan.launch_records import f32, i32, kernel, kv, launch, ptr
-from xserv_aot.plan.op_records import Attention, KernelChoice, LaunchRecord
+from xserv_aot.plan.op_records import Attention, KernelChoice, LaunchRecord, QkNormRopeCache
 
 BATCHED_ATTN_MIN_SEQS = 3    # decode attention for >= 3 seqs: the batched kernels below
 BATCHED_ATTN_KERNEL = "tc"   # tc: kernels/attention_decode_tc.cu (tensor cores); cc: attention_decode_batched.cu
@@ -23,6 +24,55 @@ PREFILL_ATTN_BOTH_HD = ("v1", "w8m1k64s2", "w4m2k32s2")
 PREFILL_ATTN_KERNEL = {128: "w4m2k16s4"}   # per head size: the H200 winner at 2k - 8k tokens (docs/cuda-notes.md)
 PREFILL_ATTN_OTHER_HD = "w8m1k64s2"         # head sizes without a sweep (hd 64: tested, not timed)
 _PIPE = re.compile(r"w(\d+)m(\d+)k(\d+)s(\d+)")
+FEW_ATTN_STAGES = 3          # fused few-seq kernel: tiles of 64 keys in its cp.async ring (2, 3, 4, 6 built)
+FEW_ATTN_MIN_TILES = 1       # ... a split holds >= this many tiles
+# ... and a sequence of <= stages - 1 tiles (all copied at once) is one split: no combine
+FEW_ATTN_BLOCKS = 2 * 132    # ... grid z: the longest context's splits fill the SMs about twice
+TC_TILE = 64                 # keys per tile of attention_decode_tc.cu (both kernels)
+
+
+def few_seq_smem(stages: int, hd: int, block_ids: int) -> int:
+    """Dynamic shared memory of attn_decode_fused_s{stages}_hd{hd}: the K/V ring (rows padded to hd + 8), q of
+    16 MMA rows and the new token's k and v (bf16), then block_ids ints (the block ids of a split's keys)."""
+    return (stages * 2 * TC_TILE * (hd + 8) + 16 * (hd + 8) + 2 * hd) * 2 + 4 * block_ids
+
+
+def few_seq_block_ids(max_seq_len: int, splits: int, min_tiles: int, solo_tiles: int, block_size: int) -> int:
+    """Most KV blocks one split of the fused kernel spans, over every context <= max_seq_len (its split rule:
+    attention_decode_tc.cu fused_min_tiles, attention_split.cuh split_range)."""
+    most = 0
+    for tiles in range(1, -(-max_seq_len // TC_TILE) + 1):
+        want = 1 if tiles <= solo_tiles else min(splits, -(-tiles // min_tiles))
+        most = max(most, -(-tiles // want))
+    return -(-most * TC_TILE // block_size) + 1
+
+
+def few_seq_splits(num_seqs: int, nkv: int, max_seq_len: int) -> int:
+    """Grid z of the fused kernel: the most splits a sequence may use (FEW_ATTN_BLOCKS blocks at max_seq_len)."""
+    return max(1, min(-(-max_seq_len // TC_TILE), -(-FEW_ATTN_BLOCKS // (num_seqs * nkv))))
+
+
+def fuses_rope(kind: str, rope: QkNormRopeCache, attn: Attention) -> bool:
+    """Decode buckets of < BATCHED_ATTN_MIN_SEQS seqs: the attention kernel does the QK-norm / RoPE / KV write of the
+    rope op just before it (which then launches nothing)."""
+    return (kind == "decode" and attn.num_seqs < BATCHED_ATTN_MIN_SEQS and rope.q_out == attn.q
+            and rope.layer == attn.layer and rope.kv_cache == attn.kv_cache)
+
+
+def few_seq_attn_launch(op: Attention, rope: QkNormRopeCache, m: dict, max_seq_len: int, common: list,
+                        tail: list) -> LaunchRecord:
+    """The fused kernel over the bucket's seqs; grid z = the most splits a seq may use (short ones exit at once)."""
+    nkv, hd = m["num_kv_heads"], m["head_dim"]
+    splits = few_seq_splits(op.num_seqs, nkv, max_seq_len)
+    solo = FEW_ATTN_STAGES - 1
+    smem = few_seq_smem(FEW_ATTN_STAGES, hd, few_seq_block_ids(max_seq_len, splits, FEW_ATTN_MIN_TILES, solo,
+                                                                tail[0][1]))
+    rope_args = [ptr(rope.qkv), ptr(rope.positions), ptr(rope.slot_mapping), ptr(rope.q_norm), ptr(rope.k_norm),
+                 ptr(rope.cos), ptr(rope.sin), ptr(rope.q_out)]
+    return launch(f"attn_decode_fused_s{FEW_ATTN_STAGES}_hd{hd}", [op.num_seqs, nkv, splits], [128], smem,
+                  rope_args + common[1:] + [ptr("attn_part_o"), ptr("attn_part_ml"), ptr("attn_counters"),
+                                            ptr(op.out), i32(op.rows), i32(m["num_heads"]), i32(nkv), *tail[:3],
+                                            f32(rope.eps), tail[3], i32(FEW_ATTN_MIN_TILES), i32(solo)])
 
 
 def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, tail: list) -> LaunchRecord:
@@ -31,7 +81,7 @@ def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, 
     g = m["num_heads"] // nkv
     splits = max(1, min(-(-max_seq_len // BATCHED_ATTN_TILE), -(-BATCHED_ATTN_BLOCKS // (seqs * nkv))))
     if BATCHED_ATTN_KERNEL == "tc":                                 # K and V tiles, rows padded to hd + 8
-        smem = BATCHED_ATTN_STAGES * 2 * BATCHED_ATTN_TILE * (hd + 8) * 2
+        smem = BATCHED_ATTN_STAGES * 2 * TC_TILE * (hd + 8) * 2
         name = f"attn_decode_tc_s{BATCHED_ATTN_STAGES}_hd{hd}"
     else:
         smem = BATCHED_ATTN_STAGES * 2 * BATCHED_ATTN_TILE * hd * 2
@@ -58,18 +108,16 @@ def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, varian
 
 
 def plan_attention(op: Attention, kind: str, m: dict, attn: dict, block_size: int, max_blocks: int,
-                   num_slots: int) -> KernelChoice:
-    """Decode buckets: split-KV kernel (few seqs) or the batched flash-decoding kernel. Prefill buckets: the
-    flash prefill kernel, plus the batched decode kernel for the one-row (decode) seqs of a mixed step."""
+                   num_slots: int, rope: QkNormRopeCache | None = None) -> KernelChoice:
+    """Decode buckets: the fused few-seq kernel (rope: the op it absorbs, see fuses_rope) or the batched
+    flash-decoding kernel. Prefill buckets: the flash prefill kernel, plus the batched decode kernel for the
+    one-row (decode) seqs of a mixed step."""
     hd, nh, nkv = m["head_dim"], m["num_heads"], m["num_kv_heads"]
     common = [ptr(op.q), kv(op.layer), ptr(op.query_start_loc), ptr(op.seq_lens), ptr(op.block_tables)]
     tail = [i32(block_size), i32(max_blocks), i32(num_slots), f32(op.scale)]
-    if kind == "decode" and op.num_seqs < BATCHED_ATTN_MIN_SEQS:
-        s_max = attn["splits"]
-        return kernel(launch(f"attn_decode_hd{hd}", [op.num_seqs, nkv, s_max], [128], 0,
-                             common + [ptr("attn_part_o"), ptr("attn_part_ml"), ptr("attn_counters"), ptr(op.out),
-                                       i32(op.rows), i32(nh), i32(nkv), *tail, i32(s_max)]),
-                      split=attn["split"], splits=s_max)
+    if rope is not None:
+        rec = few_seq_attn_launch(op, rope, m, attn["max_seq_len"], common, tail)
+        return kernel(rec, splits=rec.grid[2])
     dec = batched_attn_launch(op, m, attn["max_seq_len"], common, tail)
     if kind == "decode":
         return KernelChoice(dec.fn, (dec,), splits=dec.grid[2])

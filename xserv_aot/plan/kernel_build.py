@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from xserv_aot.plan.kernel_constants import G_MAX, NORM_NC, P_KEYS, gemm_smem, skinny_smem
-from xserv_aot.plan.attention_plan import plan_attention
+from xserv_aot.plan.attention_plan import fuses_rope, plan_attention
 from xserv_aot.plan.launch_records import check_launches, f32, i32, kernel, kv, launch, library_call, ptr
 from xserv_aot.plan.manifest import place
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
@@ -161,7 +161,7 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
     row_threads = [min(ELEMWISE_THREADS, hidden // 8)]
     out: list[KernelChoice] = []
     for idx, op in enumerate(ops):
-        rows = op.rows
+        rows, nxt = op.rows, ops[idx + 1] if idx + 1 < len(ops) else None
         if isinstance(op, ResolveInputIds):
             c = kernel(launch("resolve_input_ids", [-(-rows // ELEMWISE_THREADS)], [ELEMWISE_THREADS], 0,
                               [ptr(op.ids), ptr(op.prev_rows), ptr(op.sampled), i32(rows)]))
@@ -186,19 +186,21 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
                 c = kernel(launch("silu_mul", [min(-(-(rows * op.inter // 8) // 256), 4096)], [256], 0,
                                   [ptr(op.inp), ptr(op.out), i32(rows), i32(op.inter)]))
         elif isinstance(op, Linear):
-            nxt = ops[idx + 1] if idx + 1 < len(ops) else None
             fuse = nxt.out if isinstance(nxt, SiluMul) and nxt.inp == op.out else None
             c = plan_linear(op, arena[op.out]["dtype"], fuse, cutlass, kind == "decode")
         elif isinstance(op, QuantizeFp8):
             from xserv_aot.plan.fp8_build import plan_quantize
             c = plan_quantize(op)
+        elif isinstance(op, QkNormRopeCache) and isinstance(nxt, Attention) and fuses_rope(kind, op, nxt):
+            c = KernelChoice("fused_into_next")
         elif isinstance(op, QkNormRopeCache):
             c = kernel(launch(f"qk_norm_rope_cache_hd{hd}", [rows, -(-(nh + 2 * nkv) // 4)], [128], 0,
                               [ptr(op.qkv), ptr(op.positions), ptr(op.slot_mapping), ptr(op.q_norm), ptr(op.k_norm),
                                ptr(op.cos), ptr(op.sin), ptr(op.q_out), kv(op.layer), i32(nh), i32(nkv), f32(op.eps),
                                i32(num_slots)]))
         elif isinstance(op, Attention):
-            c = plan_attention(op, kind, m, attn, block_size, arena[op.block_tables]["shape"][1], num_slots)
+            rope = ops[idx - 1] if idx and out[-1].kernel == "fused_into_next" else None
+            c = plan_attention(op, kind, m, attn, block_size, arena[op.block_tables]["shape"][1], num_slots, rope)
         elif isinstance(op, COLLECTIVES):
             c = nccl_records.plan_collective(op, arena)
         elif isinstance(op, ApplyTokenBitmask):
@@ -286,7 +288,8 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
         signatures.update(host_signatures())
     nh, hd = m["num_heads"], m["head_dim"]
     # partials: [rows, nh, splits, ..] (split-KV kernel), [num_seqs, nh, splits, ..] (batched kernels)
-    part_rows = max([(op.num_seqs if any(r.fn.startswith(("attn_decode_b", "attn_decode_tc")) for r in c.launch)
+    part_rows = max([(op.num_seqs if any(r.fn.startswith(("attn_decode_b", "attn_decode_tc", "attn_decode_fused"))
+                                         for r in c.launch)
                       else op.rows) * c.splits
                      for name, ops in records.items() for op, c in zip(ops, choices[name]) if isinstance(op, Attention)]
                     or [1])

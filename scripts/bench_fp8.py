@@ -9,12 +9,14 @@ at sustained clocks). Weights rotate over copies that together exceed L2 (timing
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from xserv_aot import fp8
 from xserv_aot.plan.cutlass_build import FP8_CONFIG
+from xserv_aot.plan.kernel_build import GEMV_MAX_ROWS
 from xserv_aot.plan.fp8_build import SCHEME_TAG, plan_fp8_linear, plan_quantize
 from xserv_aot.plan.op_records import Linear, QuantizeFp8
 from xserv_aot.runtime.cuda.driver import Launch
@@ -52,7 +54,7 @@ def bench_fp8(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
     print(f"{'scheme':12} {'shape':8} {'rows':>4} {'kernel':34} {'ms':>8} {'GB/s':>7} {'%4.6T':>6} {'err':>8}")
-    step = {}
+    step, step_skinny = {}, {}
     for scheme in (fp8.CHANNEL, fp8.BLOCK128):
         for name, (N, K) in FP8_SHAPES.items():
             f32 = name == "lm_head"
@@ -74,6 +76,9 @@ def bench_fp8(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
                     if M == 1:
                         recs.append((type(grec)(f"gemv_fp8_{SCHEME_TAG[scheme]}_bt_gate_m1", grec.args, grec.grid,
                                                 grec.block, 0), silu, gref))
+                if M <= GEMV_MAX_ROWS:                   # the tensor-core skinny kernel at GEMV rows (m8 tile)
+                    recs.append((plan_fp8_linear(replace(op, rows=8), "float32" if f32 else "bfloat16", None,
+                                                 None).launch[0], y, ref))
                 if M == 1 and not f32:
                     base = recs[0][0]
                     variants = [(f"r{r}u{u}_m1_bf16", r) for r, u in SWEEP] + BT_SWEEP
@@ -96,7 +101,9 @@ def bench_fp8(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
                     gbs = nbytes / ms / 1e6
                     print(f"{scheme:12} {name:8} {M:4} {rec.fn:34} {ms:8.4f} {gbs:7.0f} {gbs / HBM_GBS:6.0%} "
                           f"{err:8.1e}", flush=True)
-                    if "_r" not in rec.fn.split("_m")[0] and "_bt" not in rec.fn and (gate or name != "gate_up" or M > 2):
+                    if rec.fn.startswith("skinny") and M <= GEMV_MAX_ROWS:
+                        step_skinny[(scheme, name, M)] = ms
+                    elif "_r" not in rec.fn.split("_m")[0] and "_bt" not in rec.fn and (gate or name != "gate_up" or M > 2):
                         step[(scheme, name, M)] = ms
             del ws
             torch.cuda.empty_cache()
@@ -105,6 +112,10 @@ def bench_fp8(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
             if all((scheme, n, M) in step for n in ("qkv", "o_proj", "gate_up", "down")):
                 t = 36 * sum(step[(scheme, n, M)] for n in ("qkv", "o_proj", "gate_up", "down"))
                 print(f"Qwen3-8B FP8 linears ({scheme}, rows {M}, 36 layers, lm_head not counted): {t:.3f} ms/step")
+            if all((scheme, n, M) in step_skinny for n in ("qkv", "o_proj", "gate_up", "down")):
+                t = 36 * sum(step_skinny[(scheme, n, M)] for n in ("qkv", "o_proj", "gate_up", "down"))
+                print(f"  the same with the skinny kernel at rows {M} (gate_up unfused, silu_mul not counted): "
+                      f"{t:.3f} ms/step")
     if args.lib:
         bench_w8a8(args, kern, time_graph, stream, rel_err)
 

@@ -121,6 +121,27 @@ def test_w8a16_linear(lib, rng, scheme, M, N, K, out_dtype, bias):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("M,N,K,out_dtype", [(1, 4096, 4096, "bfloat16"), (2, 1000, 576, "float32"),
+                                             (1, 6144, 4096, "float32"), (2, 4096, 12288, "bfloat16")])
+def test_skinny_at_gemv_rows(lib, rng, scheme, M, N, K, out_dtype):
+    """The tensor-core skinny kernel (m8 tile) with 1-2 live rows: what rows 1-2 would run if routed there (the
+    batch-1 FP8 sweep of scripts/bench_fp8.py times it beside the GEMV)."""
+    q, s = make_weight(rng, N, K, scheme)
+    x = bf(rng.standard_normal((M, K), dtype=np.float32))
+    op = Linear(rows=8, n=N, k=K, inp="x", weight="w", bias=None, out="out", weight_scale="w.scale", quant=scheme)
+    rec = fp8_build.plan_fp8_linear(op, out_dtype, None, None).launch[0]
+    assert rec.fn.startswith("skinny_fp8_") and rec.fn.split("_")[-2] == "m8"
+    args = [("i32", M) if i == 5 else a for i, a in enumerate(rec.args)]             # (X, W, scale, bias, out, M, N, K)
+    choice = kernel(type(rec)(rec.fn, tuple(args), rec.grid, rec.block, rec.smem))
+    bufs = {"x": lib.to_device(x, "bfloat16"), "w": to_dev_fp8(lib, q), "w.scale": lib.to_device(s)}
+    out, _ = run_choice(lib, choice, bufs, (M, N), out_dtype)
+    want = numpy_ops.linear_w8a16(x, fp8.dequantize(q, s, scheme), None)
+    tol = 1e-2 if out_dtype == "bfloat16" else 2e-5
+    assert rel_err(out, want) <= tol and rel_err(out, ref_linear(x, q, s, scheme)) <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("M,inter,K,kind", [(1, 12288, 4096, "gemv"), (2, 1000, 576, "gemv"),
                                             (3, 768, 576, "skinny"), (21, 1000, 592, "skinny"),
                                             (64, 12288, 4096, "skinny")])

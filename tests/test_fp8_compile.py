@@ -60,7 +60,7 @@ def test_fp8_plan_weights_and_logits(tmp_path, seed, dims, scheme):
     model_dir = make_tiny_model(tmp_path / "hf", "qwen3", seed=int(rng.integers(1 << 30)), dtype="bfloat16", **dims)
     plan = compile_plan(model_dir, tmp_path / "plan", BuildConfig(**BUILD))
     q = plan.manifest["quantization"]
-    assert q["method"] == "fp8" and q["lm_head"] is False and q["source"] == "compile"
+    assert q["method"] == "fp8" and q["lm_head"] is False and q["from_checkpoint"] == []
     assert q["schemes"] == {f"layers.{li}.{n}": scheme for li in range(2) for n in LINEARS}    # "auto" by shape
     assert plan.weights["embed_tokens"].dtype == "bfloat16" and plan.weights["layers.0.input_norm"].dtype == "bfloat16"
     ref = hf_weights(model_dir, 1)

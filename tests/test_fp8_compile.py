@@ -202,3 +202,30 @@ def test_bad_quantization_settings():
         BuildConfig(quantization="int4").validate()
     with pytest.raises(ConfigError, match="fp8_scheme 'tensor'"):
         BuildConfig(quantization="fp8", fp8_scheme="tensor").validate()
+
+
+def test_inspect_shows_the_scheme_and_fp8_bytes(tmp_path, seed):
+    from xserv_aot.plan import roofline
+    from xserv_aot.plan.inspect import describe
+    model_dir = make_tiny_model(tmp_path / "hf", "qwen3", seed=seed % (1 << 30), **TILED)
+    fp8_plan = compile_plan(model_dir, tmp_path / "fp8", BuildConfig(**BUILD))
+    bf16_plan = compile_plan(model_dir, tmp_path / "bf16", BuildConfig(**{**BUILD, "quantization": "none"}))
+    text = describe(fp8_plan.dir)
+    assert "quantization: fp8, 8 weights (0 stored FP8 by the checkpoint), lm_head bfloat16" in text
+    for kind in LINEARS:
+        assert f"  {kind:<8} fp8_block128  x2" in text
+    # layer linears of this model: 2 x (256*128 + 128*128 + 512*128 + 128*256) e4m3 bytes + their block scales
+    fp8_bytes = 2 * (256 * 128 + 128 * 128 + 512 * 128 + 128 * 256) + 2 * 4 * (2 + 1 + 4 + 2)
+    assert f"FP8 weights + scales {fp8_bytes / 2**20:10.1f} MiB" in text and "2.00x" in text
+    assert "quantization" not in describe(bf16_plan.dir)
+    # roofline: a decode linear reads n * k bytes + scales instead of 2 n k
+    op8 = next(op for op in fp8_plan.buckets[0].ops if op.op == "linear" and op.weight == "layers.0.down")
+    op16 = next(op for op in bf16_plan.buckets[0].ops if op.op == "linear" and op.weight == "layers.0.down")
+    b8, b16 = (roofline.op_bytes(op, p, 128, 1) for op, p in ((op8, fp8_plan), (op16, bf16_plan)))
+    assert b16 - b8 == 128 * 256 - 2 * 4
+    ops = fp8_plan.buckets[-1].ops                                    # prefill_80: quantize_fp8 + W8A8 down
+    i = next(i for i, op in enumerate(ops) if op.op == "linear" and op.weight == "layers.0.down")
+    q, lin = ops[i - 1], ops[i]
+    assert (q.op, q.k, lin.inp_scale) == ("quantize_fp8", 256, "xq_scale")
+    assert roofline.op_bytes(q, fp8_plan, 128, 1) == 80 * 256 * 3 + 80 * 2 * 4
+    assert roofline.op_bytes(lin, fp8_plan, 128, 1) == 128 * 256 + 2 * 4 + 80 * 256 + 80 * 2 * 4 + 80 * 128 * 2

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from xserv_aot import fp8
+
 from xserv_aot.dtypes import ITEMSIZE
 from xserv_aot.plan.op_records import Op
 from xserv_aot.plan.tensor_parallel import local_model
@@ -70,10 +72,14 @@ def op_bytes(op: Op, plan, context: int, num_seqs: int) -> int:
     m, dt, kv_dt = rank_config(plan), ITEMSIZE[plan.build.dtype], ITEMSIZE[plan.kv_cache["dtype"]]
     rows, H = op.rows, m.hidden_size
     kind = op.op
-    if kind == "linear":
+    if kind == "linear":                                      # weights (and FP8 scales) as the plan stores them
         out_b = ITEMSIZE[plan.arena[op.out].dtype]
         out_n = op.n // 2 if op.cuda and op.cuda.fused_silu_out else op.n
-        return op.n * op.k * dt + rows * op.k * dt + rows * out_n * out_b
+        w = sum(plan.weights[n].nbytes for n in (op.weight, op.weight_scale) if n)
+        scales_in = rows * fp8.groups(op.k, fp8.act_group(op.quant, op.k)) * 4 if op.inp_scale else 0
+        return w + rows * op.k * ITEMSIZE[plan.arena[op.inp].dtype] + scales_in + rows * out_n * out_b
+    if kind == "quantize_fp8":
+        return rows * op.k * (dt + 1) + rows * fp8.groups(op.k, op.group) * 4
     if kind == "attention":
         kv = num_seqs * context * m.num_kv_heads * m.head_dim * kv_dt * 2
         return kv + 2 * rows * m.num_heads * m.head_dim * dt

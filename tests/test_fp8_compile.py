@@ -229,3 +229,20 @@ def test_inspect_shows_the_scheme_and_fp8_bytes(tmp_path, seed):
     assert (q.op, q.k, lin.inp_scale) == ("quantize_fp8", 256, "xq_scale")
     assert roofline.op_bytes(q, fp8_plan, 128, 1) == 80 * 256 * 3 + 80 * 2 * 4
     assert roofline.op_bytes(lin, fp8_plan, 128, 1) == 128 * 256 + 2 * 4 + 80 * 256 + 80 * 2 * 4 + 80 * 128 * 2
+
+
+def test_cli_fp8_flags_and_refusals(tmp_path):
+    from tests.conftest import ROOT
+    from tests.test_cli import assert_one_line_error, cli
+    cfg = ROOT / "plans" / "qwen3-0.6b.config.json"
+    base = ("compile", cfg, "--dummy-weights", "--max-seq-len", "256", "--quantization", "fp8")
+    assert_one_line_error(cli(*base, "-o", tmp_path / "a", "--target", "sm_80"), "need FP8 tensor cores")
+    assert_one_line_error(cli(*base, "-o", tmp_path / "b", "--target", "cpu", "--fp8-scheme", "tensor"),
+                          "fp8_scheme 'tensor'")
+    r = cli(*base, "-o", tmp_path / "c", "--target", "cpu", "--fp8-scheme", "channel", "--quantize-lm-head")
+    assert r.returncode == 0, r.stderr
+    plan = Plan.load(tmp_path / "c", verify="none")
+    assert set(plan.fp8_schemes.values()) == {"fp8_channel"} and "lm_head" in plan.fp8_schemes
+    assert (plan.build.quantization, plan.build.fp8_scheme, plan.build.quantize_lm_head) == ("fp8", "channel", True)
+    shown = cli("inspect", tmp_path / "c")
+    assert shown.returncode == 0 and "quantization: fp8, 113 weights" in shown.stdout and "lm_head fp8" in shown.stdout

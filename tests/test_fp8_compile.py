@@ -246,3 +246,21 @@ def test_cli_fp8_flags_and_refusals(tmp_path):
     assert (plan.build.quantization, plan.build.fp8_scheme, plan.build.quantize_lm_head) == ("fp8", "channel", True)
     shown = cli("inspect", tmp_path / "c")
     assert shown.returncode == 0 and "quantization: fp8, 113 weights" in shown.stdout and "lm_head fp8" in shown.stdout
+
+
+def test_plan_load_checks_fp8_weights_against_the_ops(tmp_path, seed):
+    from xserv_aot.plan.integrity import PlanError
+    model_dir = make_tiny_model(tmp_path / "hf", "qwen3", seed=seed % (1 << 30), **TILED)
+    compile_plan(model_dir, tmp_path / "plan", BuildConfig(**BUILD))
+    path = tmp_path / "plan" / "manifest.json"
+    good = json.loads(path.read_text())
+    for edit, match in [(lambda m: m["weights"]["tensors"]["layers.0.down.scale"].update(shape=[2, 2]),
+                         r"scale layers.0.down.scale is \[2, 2\] float32, fp8_block128 needs \[1, 2\] float32"),
+                        (lambda m: [op.pop(f) for op in m["buckets"][0]["ops"] if op.get("weight") == "layers.1.qkv"
+                                    for f in ("quant", "weight_scale")],
+                         "linear layers.1.qkv: weight dtype float8_e4m3fn does not fit quant None")]:
+        bad = json.loads(json.dumps(good))
+        edit(bad)
+        path.write_text(json.dumps(bad))
+        with pytest.raises(PlanError, match=match):
+            Plan.load(tmp_path / "plan", verify="none")

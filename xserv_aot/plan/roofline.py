@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xserv_aot import fp8
-
 from xserv_aot.dtypes import ITEMSIZE
 from xserv_aot.plan.op_records import Op
 from xserv_aot.plan.tensor_parallel import local_model
@@ -68,18 +67,20 @@ def rank_config(plan):
 
 def op_bytes(op: Op, plan, context: int, num_seqs: int) -> int:
     """Fewest bytes the op must move through device memory (inputs once, outputs once); the KV cache in the plan's
-    kv_cache dtype, activations and weights in the build dtype."""
+    kv_cache dtype, activations in their arena dtype, weights in their own (FP8 ones with their scales)."""
     m, dt, kv_dt = rank_config(plan), ITEMSIZE[plan.build.dtype], ITEMSIZE[plan.kv_cache["dtype"]]
     rows, H = op.rows, m.hidden_size
     kind = op.op
-    if kind == "linear":                                      # weights (and FP8 scales) as the plan stores them
-        out_b = ITEMSIZE[plan.arena[op.out].dtype]
+    if kind == "linear":
+        out_b, in_b = ITEMSIZE[plan.arena[op.out].dtype], ITEMSIZE[plan.arena[op.inp].dtype]
         out_n = op.n // 2 if op.cuda and op.cuda.fused_silu_out else op.n
-        w = sum(plan.weights[n].nbytes for n in (op.weight, op.weight_scale) if n)
-        scales_in = rows * fp8.groups(op.k, fp8.act_group(op.quant, op.k)) * 4 if op.inp_scale else 0
-        return w + rows * op.k * ITEMSIZE[plan.arena[op.inp].dtype] + scales_in + rows * out_n * out_b
-    if kind == "quantize_fp8":
-        return rows * op.k * (dt + 1) + rows * fp8.groups(op.k, op.group) * 4
+        w = plan.weights.get(op.weight)
+        w_bytes = op.n * op.k * (ITEMSIZE[w.dtype] if w else dt)
+        scales = plan.weights[op.weight_scale].nbytes if op.weight_scale else 0
+        x_scales = rows * fp8.groups(op.k, fp8.act_group(op.quant, op.k)) * 4 if op.inp_scale else 0
+        return w_bytes + scales + x_scales + rows * op.k * in_b + rows * out_n * out_b
+    if kind == "quantize_fp8":                                 # bf16 in, e4m3 + float32 scales out
+        return rows * op.k * (dt + 1) + rows * -(-op.k // op.group) * 4
     if kind == "attention":
         kv = num_seqs * context * m.num_kv_heads * m.head_dim * kv_dt * 2
         return kv + 2 * rows * m.num_heads * m.head_dim * dt

@@ -60,7 +60,7 @@ def test_fp8_plan_weights_and_logits(tmp_path, seed, dims, scheme):
     model_dir = make_tiny_model(tmp_path / "hf", "qwen3", seed=int(rng.integers(1 << 30)), dtype="bfloat16", **dims)
     plan = compile_plan(model_dir, tmp_path / "plan", BuildConfig(**BUILD))
     q = plan.manifest["quantization"]
-    assert q["method"] == "fp8" and q["lm_head"] is False and q["source"] == "compile"
+    assert q["method"] == "fp8" and q["lm_head"] is False and q["from_checkpoint"] == []
     assert q["schemes"] == {f"layers.{li}.{n}": scheme for li in range(2) for n in LINEARS}    # "auto" by shape
     assert plan.weights["embed_tokens"].dtype == "bfloat16" and plan.weights["layers.0.input_norm"].dtype == "bfloat16"
     ref = hf_weights(model_dir, 1)
@@ -203,3 +203,65 @@ def test_bad_quantization_settings():
         BuildConfig(quantization="int4").validate()
     with pytest.raises(ConfigError, match="fp8_scheme 'tensor'"):
         BuildConfig(quantization="fp8", fp8_scheme="tensor").validate()
+
+
+def test_inspect_shows_the_scheme_and_fp8_bytes(tmp_path, seed):
+    from xserv_aot.plan import roofline
+    from xserv_aot.plan.inspect import describe
+    model_dir = make_tiny_model(tmp_path / "hf", "qwen3", seed=seed % (1 << 30), **TILED)
+    fp8_plan = compile_plan(model_dir, tmp_path / "fp8", BuildConfig(**BUILD))
+    bf16_plan = compile_plan(model_dir, tmp_path / "bf16", BuildConfig(**{**BUILD, "quantization": "none"}))
+    text = describe(fp8_plan.dir)
+    assert "quantization: fp8, 8 weights (0 stored FP8 by the checkpoint), lm_head bfloat16" in text
+    for kind in LINEARS:
+        assert f"  {kind:<8} fp8_block128  x2" in text
+    # layer linears of this model: 2 x (256*128 + 128*128 + 512*128 + 128*256) e4m3 bytes + their block scales
+    fp8_bytes = 2 * (256 * 128 + 128 * 128 + 512 * 128 + 128 * 256) + 2 * 4 * (2 + 1 + 4 + 2)
+    assert f"FP8 weights + scales {fp8_bytes / 2**20:10.1f} MiB" in text and "2.00x" in text
+    assert "quantization" not in describe(bf16_plan.dir)
+    # roofline: a decode linear reads n * k bytes + scales instead of 2 n k
+    op8 = next(op for op in fp8_plan.buckets[0].ops if op.op == "linear" and op.weight == "layers.0.down")
+    op16 = next(op for op in bf16_plan.buckets[0].ops if op.op == "linear" and op.weight == "layers.0.down")
+    b8, b16 = (roofline.op_bytes(op, p, 128, 1) for op, p in ((op8, fp8_plan), (op16, bf16_plan)))
+    assert b16 - b8 == 128 * 256 - 2 * 4
+    ops = fp8_plan.buckets[-1].ops                                    # prefill_80: quantize_fp8 + W8A8 down
+    i = next(i for i, op in enumerate(ops) if op.op == "linear" and op.weight == "layers.0.down")
+    q, lin = ops[i - 1], ops[i]
+    assert (q.op, q.k, lin.inp_scale) == ("quantize_fp8", 256, "xq_scale")
+    assert roofline.op_bytes(q, fp8_plan, 128, 1) == 80 * 256 * 3 + 80 * 2 * 4
+    assert roofline.op_bytes(lin, fp8_plan, 128, 1) == 128 * 256 + 2 * 4 + 80 * 256 + 80 * 2 * 4 + 80 * 128 * 2
+
+
+def test_cli_fp8_flags_and_refusals(tmp_path):
+    from tests.conftest import ROOT
+    from tests.test_cli import assert_one_line_error, cli
+    cfg = ROOT / "plans" / "qwen3-0.6b.config.json"
+    base = ("compile", cfg, "--dummy-weights", "--max-seq-len", "256", "--quantization", "fp8")
+    assert_one_line_error(cli(*base, "-o", tmp_path / "a", "--target", "sm_80"), "need FP8 tensor cores")
+    assert_one_line_error(cli(*base, "-o", tmp_path / "b", "--target", "cpu", "--fp8-scheme", "tensor"),
+                          "fp8_scheme 'tensor'")
+    r = cli(*base, "-o", tmp_path / "c", "--target", "cpu", "--fp8-scheme", "channel", "--quantize-lm-head")
+    assert r.returncode == 0, r.stderr
+    plan = Plan.load(tmp_path / "c", verify="none")
+    assert set(plan.fp8_schemes.values()) == {"fp8_channel"} and "lm_head" in plan.fp8_schemes
+    assert (plan.build.quantization, plan.build.fp8_scheme, plan.build.quantize_lm_head) == ("fp8", "channel", True)
+    shown = cli("inspect", tmp_path / "c")
+    assert shown.returncode == 0 and "quantization: fp8, 113 weights" in shown.stdout and "lm_head fp8" in shown.stdout
+
+
+def test_plan_load_checks_fp8_weights_against_the_ops(tmp_path, seed):
+    from xserv_aot.plan.integrity import PlanError
+    model_dir = make_tiny_model(tmp_path / "hf", "qwen3", seed=seed % (1 << 30), **TILED)
+    compile_plan(model_dir, tmp_path / "plan", BuildConfig(**BUILD))
+    path = tmp_path / "plan" / "manifest.json"
+    good = json.loads(path.read_text())
+    for edit, match in [(lambda m: m["weights"]["tensors"]["layers.0.down.scale"].update(shape=[2, 2]),
+                         r"scale layers.0.down.scale is \[2, 2\] float32, fp8_block128 needs \[1, 2\] float32"),
+                        (lambda m: [op.pop(f) for op in m["buckets"][0]["ops"] if op.get("weight") == "layers.1.qkv"
+                                    for f in ("quant", "weight_scale")],
+                         "linear layers.1.qkv: weight dtype float8_e4m3fn does not fit quant None")]:
+        bad = json.loads(json.dumps(good))
+        edit(bad)
+        path.write_text(json.dumps(bad))
+        with pytest.raises(PlanError, match=match):
+            Plan.load(tmp_path / "plan", verify="none")

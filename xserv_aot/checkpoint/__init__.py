@@ -40,7 +40,23 @@ def open_checkpoint(path: Path) -> tuple[ModelConfig, TensorSource, str]:
         config = read_hf_config(path)
         source = SafetensorsCheckpoint(path)
         config.source_dtype = source.dtype_name() or config.source_dtype
-        return config, source, "safetensors"
+        return config, with_quantization(path, source), "safetensors"
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     raise CheckpointError(f"{path}: expected a Hugging Face model directory or a .gguf file")
+
+
+def with_quantization(model_dir: Path, source):
+    """The source as its config.json's quantization_config says to read it (checkpoint/fp8_layouts.py); FP8
+    tensors without one are refused."""
+    import json
+
+    from xserv_aot.checkpoint.fp8_layouts import Fp8Checkpoint
+    qcfg = json.loads((model_dir / "config.json").read_text()).get("quantization_config")
+    if qcfg is not None:
+        return Fp8Checkpoint(source, qcfg)
+    for name in source.names():
+        if source.dtype(name).startswith("F8"):
+            raise CheckpointError(f"checkpoint tensor {name}: {source.dtype(name)} but config.json has no "
+                                  f"quantization_config to say how it is scaled")
+    return source

@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from xserv_aot.checkpoint import CheckpointError, one_line
@@ -18,7 +19,8 @@ from xserv_aot.dtypes import from_bf16_bits
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"),
+          "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}   # FP8: its e4m3 values; scales in checkpoint/fp8_layouts.py
 DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 ITEMSIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
              "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
@@ -115,6 +117,10 @@ class SafetensorsCheckpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entry(name).shape
+
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype string of a tensor (F32, BF16, F8_E4M3, ...)."""
+        return self._entry(name).dtype
 
     def dtype_name(self) -> str | None:
         """The most common tensor dtype, as a ModelConfig.source_dtype string."""

@@ -111,7 +111,7 @@ def stored_fp8(model: ModelConfig, tensors) -> tuple[dict[str, str], dict]:
     """A pre-quantized checkpoint's FP8 plan weights: (plan name -> scheme, plan name -> scales)."""
     if tensors is None or not hasattr(tensors, "plan_fp8"):
         return {}, {}
-    return tensors.plan_fp8(weight_specs(model))
+    return tensors.plan_fp8({k: v for k, v in weight_specs(model).items() if quantize.is_linear(k)})
 
 
 def check_fp8_build(build: BuildConfig) -> None:
@@ -222,7 +222,7 @@ def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress, schem
     if tp > 1:
         manifest["tensor_parallel"] = manifest_section(model, tp)
     if schemes:
-        manifest["quantization"] = quantize.manifest_section(schemes, build, "checkpoint" if scales else "compile")
+        manifest["quantization"] = quantize.manifest_section(schemes, scales, getattr(tensors, "ignored_inputs", []))
     if build.target != "cpu":
         from xserv_aot.plan.kernel_build import build_kernels
         manifest["kernels"] = build_kernels(manifest, tmp, build.target, progress=progress)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -51,6 +52,7 @@ def describe(plan_dir: Path, ops_bucket: str | None = None, roofline: bool = Fal
         kinds = Counter(op.op for op in bk.ops)
         lines.append(f"  {bk.name:<14} {bk.kind:<8} tokens {bk.num_tokens:>5} seqs {bk.num_seqs:>4}  {len(bk.ops)} ops"
                      f"  ({', '.join(f'{k} x{v}' for k, v in kinds.items())})")
+    lines += fp8_lines(plan, mib)
     lines += ["", f"bytes read per decode step (batch 1{', one rank' if tp > 1 else ''}):"]
     bw = ceilings_for(b.target).read_bytes_per_s
     for ctx in sorted({min(128, b.max_seq_len), min(4096, b.max_seq_len)}):
@@ -70,6 +72,24 @@ def describe(plan_dir: Path, ops_bucket: str | None = None, roofline: bool = Fal
                 lines.append(f"       kernel {op.cuda.kernel}" + (f" {json.dumps(facts)}" if facts else ""))
                 lines += [f"       -> {format_launch(rec, sigs.get(rec.fn))}" for rec in op.cuda.launch]
     return "\n".join(lines)
+
+
+def fp8_lines(plan: Plan, mib) -> list[str]:
+    """The FP8 scheme of each quantized weight kind, and the linear weight bytes of one step as stored vs in the
+    build dtype."""
+    schemes = plan.fp8_schemes
+    if not schemes:
+        return []
+    q = plan.quantization or {}
+    kinds = Counter((name.rsplit(".", 1)[-1], scheme) for name, scheme in schemes.items())
+    stored = sum(plan.weights[n].nbytes + plan.weights[n + ".scale"].nbytes for n in schemes)
+    wide = sum(math.prod(plan.weights[n].shape) * ITEMSIZE[plan.build.dtype] for n in schemes)
+    return ["", f"quantization: fp8, {len(schemes)} weights ({len(q.get('from_checkpoint') or [])} stored FP8 by the "
+                f"checkpoint), lm_head {'fp8' if 'lm_head' in schemes else plan.build.dtype}"
+                + (f", {q['ignored_input_scales']} static input scales ignored" if q.get("ignored_input_scales") else ""),
+            *(f"  {kind:<8} {scheme:<13} x{count}" for (kind, scheme), count in sorted(kinds.items())),
+            f"  FP8 weights + scales {mib(stored)} per step (as {plan.build.dtype}: {mib(wide)}, "
+            f"{wide / stored:.2f}x)"]
 
 
 def format_launch(rec, params: list[dict] | None) -> str:

@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 
 from xserv_aot.config import BuildConfig, ConfigError, ModelConfig
-from xserv_aot.dtypes import ITEMSIZE
+from xserv_aot import fp8
+from xserv_aot.dtypes import FP8, ITEMSIZE
 from xserv_aot.plan.integrity import (PlanError, check_file, check_kv_cache, check_layout, inside,
                                       verify_chunks)
 from xserv_aot.plan.tensor_parallel import local_model
-from xserv_aot.plan.op_records import Op, OpRecordError, buffer_names, op_from_dict
+from xserv_aot.plan.op_records import Linear, Op, OpRecordError, buffer_names, op_from_dict
 
 SCHEMA_VERSION = 2            # 2: launch records carry their arguments (docs/plan-format.md)
 ALIGN = 256
@@ -74,6 +75,21 @@ def layout(buffers: dict[str, tuple[list[int], str]], align: int = ALIGN) -> tup
     return table, off
 
 
+def check_linear_weights(op: Linear, weights: dict[str, TensorInfo]) -> None:
+    """A linear's weight dtype agrees with its quant field, and FP8 scales have the scheme's shape."""
+    w = weights.get(op.weight)
+    if w is None:
+        return                                   # an arena buffer; Bucket.from_dict checked the name
+    if (w.dtype == FP8) != (op.quant is not None):
+        raise PlanError(f"linear {op.weight}: weight dtype {w.dtype} does not fit quant {op.quant!r}")
+    if op.quant is not None:
+        want = fp8.weight_scale_shape(op.quant, op.n, op.k)
+        scale = weights.get(op.weight_scale)
+        if scale is None or scale.dtype != "float32" or scale.shape != want:
+            got = f"{scale.shape} {scale.dtype}" if scale else "missing"
+            raise PlanError(f"linear {op.weight}: scale {op.weight_scale} is {got}, {op.quant} needs {want} float32")
+
+
 class Plan:
     def __init__(self, plan_dir: Path, manifest: dict):
         self.dir = Path(plan_dir)
@@ -101,6 +117,10 @@ class Plan:
         for f in self.weight_files:
             inside(self.dir, f["file"], "weights")
         check_layout(self.weights, int(w["size"]), layout)
+        for bucket in self.buckets:
+            for op in bucket.ops:
+                if isinstance(op, Linear):
+                    check_linear_weights(op, self.weights)
         check_kv_cache(self.kv_cache, local_model(self.model, self.tensor_parallel), self.build, ITEMSIZE)
 
     @classmethod

@@ -99,8 +99,16 @@ def _quantized(name: str, arr: np.ndarray, scheme: str) -> Iterator[tuple[str, n
     yield scale_name(name), s, True
 
 
-def manifest_section(schemes: dict[str, str], b: BuildConfig, source: str) -> dict | None:
-    """The manifest's `quantization` entry; None for a plan without FP8 weights."""
+def is_linear(name: str) -> bool:
+    """A plan weight that may be FP8: a layer linear or the lm_head."""
+    return name == "lm_head" or name.rsplit(".", 1)[-1] in LINEARS
+
+
+def manifest_section(schemes: dict[str, str], stored: dict, ignored: list[str]) -> dict | None:
+    """The manifest's `quantization` entry (None for a plan without FP8 weights): per weight its scheme and whether
+    it came FP8 from the checkpoint or was quantized by the compile; the checkpoint's static input scales, dropped."""
     if not schemes:
         return None
-    return {"method": "fp8", "source": source, "lm_head": "lm_head" in schemes, "schemes": dict(schemes)}
+    out = {"method": "fp8", "lm_head": "lm_head" in schemes, "schemes": dict(schemes),
+           "from_checkpoint": sorted(stored), "ignored_input_scales": len(ignored)}
+    return out

@@ -415,15 +415,18 @@ def test_h200_nvtx_names_are_the_ops_ranges(q8_plan):
     bk = next(b for b in q8_plan.buckets if b.name == "decode_1")
     names = ncu_report.parse_kernel_names(H200_DECODE1_NVTX.read_text())
     assert sorted(names) == list(range(12))
+    # the fixture is decode_1 of main at 8be0667; since then its qk_norm_rope_cache (kernel 4) runs inside the
+    # attention kernel, so only kernels 0-3 (resolve_input_ids, embedding, rmsnorm, qkv) are today's launches
+    names = {n: name for n, name in names.items() if n < 4}
     for n, name in names.items():
         i = launching(bk)[n]
         assert ncu_report.range_name(name, bk.ops[i].cuda.launch[0].fn) == op_name("decode_1", i, bk.ops[i])
     assert ncu_report.range_name("rmsnorm", "rmsnorm") == "-"
     # a kernel renamed with a differently spelled kernel part still counts as carrying its op's range
-    kernels = [ncu_report.KernelMetrics(n, bk.ops[launching(bk)[n]].cuda.launch[0].fn) for n in range(12)]
+    kernels = [ncu_report.KernelMetrics(n, bk.ops[launching(bk)[n]].cuda.launch[0].fn) for n in range(4)]
     odd = {n: name.rsplit("/", 1)[0] + "/other_spelling(int)" for n, name in names.items()}
     table = ncu_report.format_ncu(q8_plan, bk, 128, kernels, nvtx_names=odd)
-    assert "nvtx: 12 of 12 profiled kernels carry their op's NVTX range" in table
+    assert "nvtx: 4 of 4 profiled kernels carry their op's NVTX range" in table
 
 
 def test_profiled_ops_of_the_8b_plan(q8_plan):

@@ -223,7 +223,7 @@ def format_ncu(plan, bucket, context: int, kernels: list[KernelMetrics], kernel_
         lines.append(f"{'' if i is None else i:>4} {k.name[:36]:36s} {t * 1e6:8.2f} {k.dram_gb_per_s:9.0f} "
                      f"{_pct(m, DRAM_PCT)} {_pct(m, SM_PCT)} {_pct(m, OCCUPANCY)} {cols} {range_name(rng, k.name)}")
     lines.append(agreement(ratios) + (f"; events: {TIMING[events['timing']]}" if events else
-                                      "; no event times (the profiled child wrote none)"))
+                                      "; no event times (the event-timed run wrote none)"))
     lines.append(f"nvtx: {named} of {len(matched)} profiled kernels carry their op's NVTX range"
                  if nvtx_names else "nvtx: ncu gave no NVTX range names (--print-nvtx-rename kernel)")
     return "\n".join(lines)

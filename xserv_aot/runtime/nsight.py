@@ -17,8 +17,10 @@ may write, which the 8B plan's 110 GB of weights and KV pool make slow (last ses
 "RANGE/KERNEL" by its innermost NVTX push/pop range: the op's name, op_name); kernels are matched to the plan by
 the first read's real names and paired with their ranges by ID.
 
-Before the profiled step, with the profiler off, the child times the same step with CUDA events inside one graph
-replay (profile.op_times) and writes the times to a JSON file: ncu_report.format_ncu sets them beside ncu's.
+After ncu, a second child of the same command line, not under ncu (events_command), times the same step with CUDA
+events inside one graph replay (profile.op_times) and writes the times to a JSON file: ncu_report.format_ncu sets
+them beside ncu's. Not in ncu's child: under ncu every launch is intercepted even with the profiler off, which on
+the H200 made each op of a decode_1 graph replay take ~90 us (2026-12-01, docs/benchmarks/2026-12-01-ncu-h200.md).
 """
 from __future__ import annotations
 
@@ -44,14 +46,19 @@ def nsys_command(plan_dir: Path, bucket: str, context: int, out: Path) -> list[s
             *_self_command(plan_dir, bucket, context)]
 
 
-def ncu_command(plan_dir: Path, bucket: str, context: int, report: Path, events: Path,
+def ncu_command(plan_dir: Path, bucket: str, context: int, report: Path,
                 layers: int = DEFAULT_LAYERS, kernel: str | None = None, all_metrics: bool = False) -> list[str]:
     metrics = NCU_METRICS + (EXTRA_METRICS if all_metrics else ())
     cmd = ["ncu", *NCU_OPTIONS, "--metrics", ",".join(metrics), "--export", str(report), "--force-overwrite"]
     if kernel:
         cmd += ["--kernel-name", f"regex:{kernel}"]
-    return cmd + _self_command(plan_dir, bucket, context) + ["--one-step", "--layers", str(layers),
-                                                            "--events-out", str(events)]
+    return cmd + _self_command(plan_dir, bucket, context) + ["--one-step", "--layers", str(layers)]
+
+
+def events_command(plan_dir: Path, bucket: str, context: int, events: Path, layers: int = DEFAULT_LAYERS) -> list[str]:
+    """The event-timed run of the same step, outside ncu (its profiler calls are no-ops there)."""
+    return _self_command(plan_dir, bucket, context) + ["--one-step", "--layers", str(layers), "--events-out",
+                                                        str(events)]
 
 
 def ncu_import_command(report: Path, nvtx_names: bool = False) -> list[str]:
@@ -120,7 +127,12 @@ def run_ncu(plan_dir: Path, bucket: str, context: int, kernel: str | None, layer
         report = report_path(Path(out)) if out is not None else Path(d) / f"{bucket}.ncu-rep"
         report.parent.mkdir(parents=True, exist_ok=True)
         events_path = Path(d) / "events.json"
-        _run(ncu_command(plan_dir, bucket, context, report, events_path, layers, kernel, all_metrics), "ncu")
+        _run(ncu_command(plan_dir, bucket, context, report, layers, kernel, all_metrics), "ncu")
+        try:
+            _run(events_command(plan_dir, bucket, context, events_path, layers), "the event-timed step")
+        except ToolError:
+            pass                                     # the table says it has no event times
+
         kernels = parse_ncu_csv(_run(ncu_import_command(report), "ncu --import", capture=True))
         try:
             names = parse_kernel_names(_run(ncu_import_command(report, nvtx_names=True), "ncu --import", True))

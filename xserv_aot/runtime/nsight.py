@@ -20,7 +20,7 @@ the first read's real names and paired with their ranges by ID.
 After ncu, a second child of the same command line, not under ncu (events_command), times the same step with CUDA
 events inside one graph replay (profile.op_times) and writes the times to a JSON file: ncu_report.format_ncu sets
 them beside ncu's. Not in ncu's child: under ncu every launch is intercepted even with the profiler off, which on
-the H200 made each op of a decode_1 graph replay take ~90 us (2026-12-01, docs/benchmarks/2026-12-01-ncu-h200.md).
+the H200 made each op of a decode_1 graph replay take ~90 us (2026-12-01, docs/benchmarks/2026-12-01-session3-h200.md).
 """
 from __future__ import annotations
 

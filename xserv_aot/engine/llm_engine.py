@@ -5,16 +5,10 @@ Stop conditions, checked after each new token: EOS (unless ignore_eos) or a stop
 is returned as an id but not detokenized); a stop string -> "stop" (text from the stop string on is dropped);
 max_tokens or max_seq_len -> "length".
 
-Failures: when step() raises, the caller calls recover(error). The requests of the failed step end with
-finish_reason "error", the others restart from their tokens so far on a reset KV pool. A successful step resets
-the failure count; after `max_consecutive_failures` failed steps in a row (with no success in between, idle time
-included) the engine has failed permanently: every open request ends with "error", add_request raises
-EngineFailedError, and healthy is False for good. A single failed step leaves healthy True (stats().last_error
-and consecutive_failures say what happened).
+Failures (step_or_recover, recover, healthy and the failure counters): engine/failures.py, a mixin of LLMEngine.
 """
 from __future__ import annotations
 
-import logging
 import random
 from typing import Callable
 
@@ -23,6 +17,7 @@ import numpy as np
 from xserv_aot.config import BuildConfig
 from xserv_aot.engine.api import (EngineFailedError, EngineStats, InvalidRequestError, RequestOutput, SamplingParams,
                                   TokenLogprob)
+from xserv_aot.engine.failures import FailurePolicy, one_line
 from xserv_aot.engine.grammar import GrammarCompiler, GrammarError, allowed_ids, stage_masks
 from xserv_aot.engine.request_checks import check_guided, check_request
 from xserv_aot.engine.sampler import sample_token
@@ -33,13 +28,8 @@ from xserv_aot.runtime.numpy_ops import no_token
 from xserv_aot.runtime.input_batch import InputBatch
 from xserv_aot.runtime.nvtx import ranges as nvtx_ranges
 
-log = logging.getLogger(__name__)
+__all__ = ["LLMEngine", "NONFINITE_ERROR", "one_line"]     # one_line lives in engine/failures.py
 NONFINITE_ERROR = "the model produced non-finite logits (NaN/Inf); no token was sampled"
-
-
-def one_line(e: BaseException) -> str:
-    msg = " ".join(str(e).split())
-    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
 def _default_detokenizer(tokenizer):
@@ -47,7 +37,7 @@ def _default_detokenizer(tokenizer):
     return IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
 
 
-class LLMEngine:
+class LLMEngine(FailurePolicy):
     def __init__(self, runner, tokenizer=None, *, build: BuildConfig | None = None,
                  eos_token_ids: list[int] | None = None, vocab_size: int | None = None,
                  enable_prefix_caching: bool = True, detokenizer_factory: Callable | None = None,
@@ -61,8 +51,7 @@ class LLMEngine:
         None: when the runner says it overlaps (runner.overlaps). Outputs are the same either way; a step in which a
         row with a grammar samples completes at once (its matcher must see the token before the next mask).
         grammar_tokenizer: compiles structured-output grammars when tokenizer is None (the ids-only engine core)."""
-        if not (isinstance(max_consecutive_failures, int) and max_consecutive_failures >= 1):
-            raise ValueError(f"max_consecutive_failures must be an integer >= 1, got {max_consecutive_failures!r}")
+        self._init_failures(max_consecutive_failures)
         plan = getattr(runner, "plan", None)
         model = getattr(plan, "model", None)
         self.runner = runner
@@ -79,11 +68,6 @@ class LLMEngine:
         self.bitmask_words = arena["token_bitmask"].shape[1] if "token_bitmask" in arena else 0
         self.scheduler = Scheduler(self.build, enable_prefix_caching, device_masks=bool(self.bitmask_words))
         self.input_batch = InputBatch(self.build)
-        self.max_consecutive_failures = max_consecutive_failures
-        self.failed: str | None = None                 # set when the engine has failed permanently
-        self.consecutive_failures = 0
-        self.num_step_failures = 0
-        self.last_error: str | None = None
         self._detokenizer_factory = detokenizer_factory or _default_detokenizer
         self._seqs: dict[str, Sequence] = {}
         self._rng = random.Random(seed)
@@ -186,14 +170,6 @@ class LLMEngine:
         self.input_batch.resolve(record, result.sampled_ids)
         return self.postprocess(out, result, latest)
 
-    def step_or_recover(self) -> list[RequestOutput]:
-        """One step; when it raises, the failure policy (recover) decides which requests end."""
-        try:
-            return self.step()
-        except Exception as e:
-            log.exception("engine step failed")
-            return self.recover(f"engine step failed: {one_line(e)}")
-
     def postprocess(self, out: SchedulerOutput, result: StepResult, latest: SchedulerOutput) -> list[RequestOutput]:
         """Resolve the step's placeholders with its tokens; register the blocks out and latest (the step launched
         last) computed, whose tokens are all known now; then check stop conditions, in row order."""
@@ -275,47 +251,6 @@ class LLMEngine:
     def _output(self, seq: Sequence, tokens: list[int], text: str, lps=None) -> RequestOutput:
         return RequestOutput(seq.request_id, tokens, text, seq.finish_reason, lps, seq.num_prompt_tokens,
                              seq.num_known_output_tokens, seq.num_prompt_cached_tokens or 0, seq.error)
-
-    def recover(self, error: str) -> list[RequestOutput]:
-        """After step() raised: the requests of the failed step end with finish_reason "error" (all requests when
-        scheduling itself failed); the others restart from their tokens so far on a reset KV pool, unless this was
-        the max_consecutive_failures-th failure in a row: then every open request ends with "error" too."""
-        steps, self._inflight, self._running = self._inflight, [], None
-        affected = ([s for o in steps for s in o.seqs + o.failed] if steps is not None
-                    else list(self._seqs.values()))
-        for seq in self._seqs.values():
-            seq.drop_pending()                         # survivors restart from the tokens seen so far
-        outputs, seen = [], set()
-        for seq in affected:
-            if seq.request_id in seen:
-                continue
-            seen.add(seq.request_id)
-            if self._seqs.get(seq.request_id) is seq:
-                del self._seqs[seq.request_id]
-            seq.finish_reason, seq.error = "error", error
-            outputs.append(self._output(seq, [], ""))
-        self.scheduler.recover(affected)
-        return outputs + self._count_failure(error)
-
-    def _count_failure(self, error: str) -> list[RequestOutput]:
-        """One more failed step (a raised step, or one whose logits were not finite); the
-        max_consecutive_failures-th in a row fails the engine for good, ending every open request."""
-        outputs = []
-        self.num_step_failures += 1
-        self.consecutive_failures += 1
-        self.last_error = error
-        if self.consecutive_failures >= self.max_consecutive_failures:
-            self.failed = (f"engine failed permanently after {self.consecutive_failures} consecutive step "
-                           f"failures; last: {error}")
-            for seq in list(self._seqs.values()):
-                del self._seqs[seq.request_id]
-                self.scheduler.finish(seq, "error", self.failed)
-                outputs.append(self._output(seq, [], ""))
-        return outputs
-
-    @property
-    def healthy(self) -> bool:
-        return self.failed is None
 
     # reporting
 

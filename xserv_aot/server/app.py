@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP app: /v1/chat/completions, /v1/completions, /v1/models, /health, /version, /metrics,
-/openapi.json.
+"""The OpenAI-compatible HTTP app: OpenAIServer (the /v1/chat/completions, /v1/completions, /tokenize and
+/detokenize handlers) and create_app (option checks, the route table, the Gate middleware). The read-only endpoints
+(/v1/models, /health, /version, /metrics, /openapi.json) are InfoRoutes, a mixin in server/info.py.
 
 Every generation request is one engine request. A client that disconnects (while waiting or mid-stream) has
 its engine request closed and aborted; so has one that runs past request_timeout. Errors use the OpenAI error
@@ -21,7 +22,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from xserv_aot import __version__
 from xserv_aot.engine.api import SamplingParams
 from xserv_aot.server import protocol as P
 from xserv_aot.server import tokenize as T
@@ -29,6 +29,7 @@ from xserv_aot.server.body import BODY_TIMEOUT_S, read_json
 from xserv_aot.server.errors import (GENERATION_FAILED, HANDLERS, REFUSALS, RequestTimeout, error_response,
                                      timeout_body)
 from xserv_aot.server.gate import MAX_HEADER_BYTES, MAX_IN_FLIGHT, OPEN_PATHS, Gate, check_api_key
+from xserv_aot.server.info import InfoRoutes
 from xserv_aot.server.lifecycle import Admission
 from xserv_aot.server.metrics import ServerMetrics
 from xserv_aot.server.openapi import openapi_document
@@ -45,7 +46,7 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
 __all__ = ["create_app", "MAX_HEADER_BYTES", "OpenAIServer"]
 
 
-class OpenAIServer:
+class OpenAIServer(InfoRoutes):
     def __init__(self, engine, model_name: str, max_request_bytes: int, reasoning: bool | None,
                  request_timeout: float | None, api_key_set: bool, tool_call_parser: str | None = None,
                  open_paths: tuple[str, ...] = OPEN_PATHS, body_timeout: float = BODY_TIMEOUT_S,
@@ -193,39 +194,6 @@ class OpenAIServer:
             return Response(status_code=499) if gone else JSONResponse(body)       # 499: nobody is listening
         return SSEResponse(events(gens, rp, firsts, self.sse_keepalive), lambda: _close(gens))
 
-    def _card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "xserv-aot",
-                "root": self.model_name, "parent": None, "max_model_len": self.engine.max_seq_len}
-
-    async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._card()]})
-
-    async def model(self, request: Request) -> Response:
-        name = request.path_params["name"]
-        if name != self.model_name:
-            return error_response(404, f"the model '{name[:200]}' does not exist", "model", "model_not_found")
-        return JSONResponse(self._card())
-
-    async def health(self, request: Request) -> Response:
-        if self.admission.draining:
-            return error_response(503, "the server is draining for shutdown", code="draining")
-        try:
-            stats = self.engine.stats()
-        except Exception:
-            log.exception("engine.stats() failed in /health")
-            return error_response(503, "engine stats are unavailable", code="engine_unhealthy")
-        if not stats.healthy:
-            return error_response(503, "the inference engine has failed and refuses requests", code="engine_unhealthy")
-        if not getattr(stats, "accepting", True):
-            return error_response(503, "the inference engine is not running", code="engine_stopped")
-        failures = getattr(stats, "consecutive_failures", 0)
-        if failures:
-            return JSONResponse({"status": "degraded", "consecutive_step_failures": failures})
-        return JSONResponse({"status": "ok"})
-
-    async def version(self, request: Request) -> Response:
-        return JSONResponse({"version": __version__})
-
     async def tokenize(self, request: Request) -> Response:
         t = self._check_model(T.parse_tokenize(await read_json(request, self.max_request_bytes)))
         if "chat" in t:
@@ -248,13 +216,6 @@ class OpenAIServer:
         ids = T.parse_detokenize(body, self.vocab_size)
         self._check_model(body)
         return JSONResponse({"prompt": self.tokenizer.decode(ids, skip_special_tokens=False)})
-
-    async def metrics_text(self, request: Request) -> Response:
-        body, content_type = self.metrics.render()
-        return Response(body, media_type=content_type)
-
-    async def openapi_json(self, request: Request) -> Response:
-        return JSONResponse(self.openapi)
 
 
 async def _close(gens: list[Generation]) -> None:

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import json
-import signal
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from xserv_aot.errors import UsageError, XservError, one_line
+from xserv_aot.errors import XservError, one_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Ahead-of-time compiled LLM inference: compile a model into a static-shape plan, then serve it.")
@@ -53,18 +52,6 @@ def guarded(fn):
     return wrapper
 
 
-def read_json_file(path: Path, what: str) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except OSError as e:
-        raise UsageError(f"{path}: cannot read the {what} ({e.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path}: the {what} is not valid JSON ({one_line(e)})") from None
-    if not isinstance(value, dict):
-        raise UsageError(f"{path}: the {what} must be a JSON object")
-    return value
-
-
 @app.command()
 @guarded
 def compile(
@@ -94,49 +81,14 @@ def compile(
                                           "generation_config.json), vllm (none) or a path to one"),
 ):
     """Compile MODEL into a plan directory (no GPU needed)."""
-    from rich.progress import Progress
-
-    from xserv_aot.config import BuildConfig
-    from xserv_aot.plan.builder import compile_plan
+    from xserv_aot.cli_compile import read_json_file, run_compile
 
     base = read_json_file(build_config, "build config") if build_config else {}
     given = dict(max_num_seqs=max_num_seqs, decode_buckets=_ints(decode_buckets), prefill_buckets=_ints(prefill_buckets),
                  max_seq_len=max_seq_len, block_size=block_size, num_blocks=num_blocks, dtype=dtype, target=target,
                  gemm_library=gemm_library, pdl=pdl, tensor_parallel=tensor_parallel, quantization=quantization,
                  fp8_scheme=fp8_scheme, quantize_lm_head=quantize_lm_head)
-    base.update({k: v for k, v in given.items() if v is not None})
-    if "target" not in base:
-        from xserv_aot.runtime.select import CUDA_EXTRA_HINT, cuda_python_available
-        if not cuda_python_available():
-            base["target"] = "cpu"
-            typer.secho(f"note: cuda-python is not installed, so this plan targets the CPU (--target cpu); "
-                        f"{CUDA_EXTRA_HINT} for GPU plans", fg="yellow", err=True)
-    if max_num_seqs and not decode_buckets and "decode_buckets" not in base:
-        base["decode_buckets"] = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_num_seqs] + [max_num_seqs]
-    build = BuildConfig.from_dict(base)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # unwind: the temp directory is removed
-    if kv_memory_gib is not None:
-        build.num_blocks = kv_blocks_for_memory(model, build, kv_memory_gib, dummy_weights)
-    with Progress(transient=True) as bar:
-        tasks: dict[str, int] = {}
-
-        def progress(stage: str, done: int, total: int):
-            if stage not in tasks:
-                tasks[stage] = bar.add_task(stage, total=total)
-            bar.update(tasks[stage], completed=done, total=total)
-
-        plan = compile_plan(model, out, build, dummy_weights=dummy_weights, dummy_seed=seed, force=force,
-                            progress=progress, generation_config=generation_config)
-    typer.echo(f"wrote plan {out} ({plan.model.arch}, {len(plan.buckets)} buckets, "
-               f"weights {plan.manifest['weights']['size'] / 2**20:.1f} MiB, KV pool {plan.build.num_blocks} blocks)")
-
-
-def kv_blocks_for_memory(model: Path, build, gib: float, dummy: bool) -> int:
-    from xserv_aot.plan.builder import read_source
-
-    m, _, _ = read_source(model, dummy)
-    per_block = m.num_layers * 2 * build.block_size * m.num_kv_heads * m.head_dim * (2 if build.dtype == "bfloat16" else 4)
-    return max(1, int(gib * 2**30) // per_block)
+    run_compile(model, out, base, given, kv_memory_gib, dummy_weights, seed, force, generation_config)
 
 
 @app.command()

@@ -4,16 +4,16 @@ scale epilogues (more rows, kernels/cutlass/gemm_sm90_fp8*.{h,cuh,cu}). Called b
 from __future__ import annotations
 
 from xserv_aot import fp8
-from xserv_aot.plan.kernel_build import GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS, KernelBuildError
 from xserv_aot.plan.kernel_constants import skinny_smem
 from xserv_aot.plan.launch_records import i32, kernel, launch, library_call, ptr
-from xserv_aot.plan.nvrtc_build import KERNEL_DIR
+from xserv_aot.plan.linear_plan import GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS
+from xserv_aot.plan.nvrtc_build import KERNEL_DIR, KernelBuildError
 from xserv_aot.plan.op_records import KernelChoice, Linear, QuantizeFp8
 from xserv_aot.plan.signatures import host_signature
 
 FP8_ENTRY = "xserv_gemm_fp8"              # the CUTLASS library's W8A8 entry point
 FP8_SOURCE = KERNEL_DIR / "cutlass" / "gemm_sm90_fp8.cu"
-FP8_SKINNY_FUSE_GATE = False              # as kernel_build.SKINNY_FUSE_GATE: gate_up and silu_mul stay two kernels
+FP8_SKINNY_FUSE_GATE = False              # as linear_plan.SKINNY_FUSE_GATE: gate_up and silu_mul stay two kernels
 QUANTIZE_WARPS = 8                        # (row, group) pairs per quantize_fp8 block
 SCHEME_TAG = {fp8.CHANNEL: "ch", fp8.BLOCK128: "blk"}
 

@@ -3,7 +3,7 @@ version), choose one kernel for every op of every bucket and write its launch re
 arguments as data, checked against the parsed kernel signatures), add workspace buffers.
 
 Called by plan.builder when target != "cpu". The runtime (runtime/cuda/launch.py) replays the records as they are:
-adding a kernel is a kernel source plus a routing rule here.
+adding a kernel is a kernel source plus a routing rule here (the bf16 linears' rules: plan/linear_plan.py).
 """
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from xserv_aot.plan.kernel_constants import G_MAX, NORM_NC, P_KEYS, gemm_smem, skinny_smem
+from xserv_aot.plan.kernel_constants import G_MAX, NORM_NC, P_KEYS
 from xserv_aot.plan.attention_plan import fuses_rope, plan_attention
-from xserv_aot.plan.launch_records import check_launches, f32, i32, kernel, kv, launch, library_call, ptr
+from xserv_aot.plan.launch_records import check_launches, f32, i32, kernel, kv, launch, ptr
+from xserv_aot.plan.linear_plan import (CUTLASS_MIN_ROWS, GEMM_ENTRY, GEMM_ENTRY_EX, GEMM_SOURCE,  # noqa: F401
+                                        GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS, SWAP_MIN_ROWS, plan_linear,
+                                        plan_skinny)
 from xserv_aot.plan.manifest import place
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
@@ -24,18 +27,7 @@ from xserv_aot.plan.op_records import (COLLECTIVES, AddRmsNorm, ApplyTokenBitmas
 from xserv_aot.plan.signatures import check_sizes, cubin_param_sizes, host_signature, kernel_signatures
 from xserv_aot.plan.tensor_parallel import rank_model
 
-GEMV_MAX_ROWS = 2            # above this the x re-reads make the GEMV L1/ALU-bound: tensor cores instead
-CUTLASS_MIN_ROWS = 128
-SKINNY_MAX_ROWS = 64         # decode rows 3..64: kernels/gemm_skinny.cu (weights streamed once, tensor cores)
-SKINNY_WIDE_MIN_BLOCKS = 264 # 64-row blocks (half the activation re-reads) only when they still fill 2 per SM
-SKINNY_FUSE_GATE = False     # gate_up + silu_mul in one skinny kernel (tests/test_kernel_build.py expects it off)
-SPLITK_TARGET_BLOCKS = 264   # 2 blocks per SM on 132 SMs
-SPLITK_MAX = 8
 ELEMWISE_THREADS = 256
-SWAP_MIN_ROWS = 16           # decode rows 16..256: CUTLASS GEMMs by decode_gemm_route (cutlass_build.SWAP_CONFIGS)
-GEMM_ENTRY = "xserv_gemm_bf16"   # the CUTLASS library's C entry points (kernels/cutlass/gemm_sm90.cu)
-GEMM_ENTRY_EX = "xserv_gemm_bf16_ex"   # ... with splits and a workspace (the swap-AB decode configs)
-GEMM_SOURCE = KERNEL_DIR / "cutlass" / "gemm_sm90.cu"
 FP8_KERNELS = True           # FP8 linears and quantize_fp8 route to plan/fp8_build.py (plan.builder checks it)
 
 
@@ -45,105 +37,6 @@ def add_arena_buffer(manifest: dict, name: str, shape: list[int], dtype: str) ->
     if name not in arena["buffers"]:
         info, arena["size"] = place(arena["size"], shape, dtype)
         arena["buffers"][name] = info.to_dict()
-
-
-def linear_args(op: Linear, fused_silu_out: str | None = None) -> list:
-    """(X, W, bias, out, M, N, K) of the GEMV/GEMM kernels; fused: (X, W, silu_out, M, I, K)."""
-    if fused_silu_out:
-        return [ptr(op.inp), ptr(op.weight), ptr(fused_silu_out), i32(op.rows), i32(op.n // 2), i32(op.k)]
-    return [ptr(op.inp), ptr(op.weight), ptr(op.bias), ptr(op.out), i32(op.rows), i32(op.n), i32(op.k)]
-
-
-def plan_skinny(op: Linear, suffix: str, fuse_into: str | None, bn: int | None = None) -> KernelChoice:
-    """Rows 3..64: one block per 32 (or 64) weight rows, all of K split over its 8 warps (kernels/gemm_skinny.cu).
-    bn: force the block width (tests); by default 64 only where that still gives SKINNY_WIDE_MIN_BLOCKS blocks."""
-    mt = next(m for m in (8, 16, 32, 64) if m >= op.rows)
-    bn = bn or (64 if -(-op.n // 64) >= SKINNY_WIDE_MIN_BLOCKS else 32)
-    if fuse_into:
-        fn, grid = f"skinny{bn}_gate_m{mt}", -(-(op.n // 2) // (bn // 2))
-    else:
-        fn, grid = f"skinny{bn}_m{mt}_{suffix}", -(-op.n // bn)
-    return kernel(launch(fn, [grid], [256], skinny_smem(mt), linear_args(op, fuse_into)), fused_silu_out=fuse_into)
-
-
-def swap_splits(n: int, k: int, width: int) -> int:
-    """CUTLASS scheduler mode of a swap-AB decode GEMM (H200 sweep, docs/cuda-notes.md): split-K 4 for the long
-    K of down_proj; data-parallel (1) when 128-row weight tiles alone fill the SMs and the tile is narrow;
-    otherwise stream-K (0) over every SM."""
-    if k >= 8192:
-        return 4
-    return 1 if -(-n // 128) >= 132 and width <= 64 else 0
-
-
-def decode_gemm_route(rows: int, n: int, k: int, out_dtype: str) -> str:
-    """skinny (NVRTC, small weights, few rows) | tile (CUTLASS data-parallel tiles) | swap (CUTLASS swap-AB)."""
-    small = n <= 8192 and k <= 4096 and out_dtype == "bfloat16"          # qkv / o_proj shapes
-    if rows < SWAP_MIN_ROWS or (small and rows <= 32):
-        return "skinny"
-    if rows > 128 and k <= 4096 and out_dtype == "bfloat16":
-        return "tile"
-    return "swap"
-
-
-def plan_swap(op: Linear, out_dtype: str, cutlass: dict) -> KernelChoice:
-    """Decode rows on the N side of a CUTLASS tile, the weights on its 128-wide M side; the call's stream-K /
-    split-K scratch is the arena's gemm_ws (sized in build_kernels to the largest call)."""
-    from xserv_aot.plan.cutlass_build import SWAP_CONFIGS, library_workspace_size
-    rows, n, k = op.rows, op.n, op.k
-    widths = SWAP_CONFIGS[out_dtype]
-    width = next(w for w in sorted(widths) if w >= rows)
-    cfg, splits = widths[width], swap_splits(n, k, width)
-    ws = library_workspace_size(cutlass["path"], cfg, rows, n, k, splits)
-    cutlass["workspace"] = max(cutlass.get("workspace", 0), ws)
-    cutlass.setdefault("used", {})[f"{rows}x{n}x{k}"] = cutlass["configs"][cfg]
-    call = library_call("gemm_library", GEMM_ENTRY_EX,
-                        [i32(cfg), ptr(op.inp), ptr(op.weight), ptr(op.out), ptr(op.bias), i32(rows), i32(n), i32(k),
-                         i32(splits), ptr("gemm_ws" if ws else None), ("u64", ws)])
-    return KernelChoice("cutlass", (call,), gemm_config=cfg, splits=splits)
-
-
-def plan_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: dict | None,
-                decode: bool = False) -> KernelChoice:
-    """fuse_into: the silu_mul output buffer when the next op is silu_mul of this op's output."""
-    rows, n, k = op.rows, op.n, op.k
-    if op.quant:
-        from xserv_aot.plan.fp8_build import plan_fp8_linear
-        return plan_fp8_linear(op, out_dtype, fuse_into, cutlass)
-    if k % 8 or n % 2:
-        raise KernelBuildError(f"linear {op.weight}: n={n}, k={k} (CUDA kernels need k % 8 == 0, n even)")
-    suffix = "f32" if out_dtype == "float32" else "bf16"
-    if rows <= GEMV_MAX_ROWS:
-        mt = next(m for m in (1, 2, 4, 8) if m >= rows)
-        if fuse_into:
-            return kernel(launch(f"gemv_gate_m{mt}", [-(-(n // 2) // 8)], [256], 0, linear_args(op, fuse_into)),
-                          fused_silu_out=fuse_into)
-        return kernel(launch(f"gemv_m{mt}_{suffix}", [-(-n // 16)], [256], 0, linear_args(op)))
-    route = decode_gemm_route(rows, n, k, out_dtype) if decode and cutlass is not None and n % 8 == 0 else None
-    if route == "swap":
-        return plan_swap(op, out_dtype, cutlass)
-    if decode and rows <= SKINNY_MAX_ROWS and route in (None, "skinny"):
-        return plan_skinny(op, suffix, fuse_into if SKINNY_FUSE_GATE else None)
-    if cutlass is not None and (rows >= CUTLASS_MIN_ROWS or route == "tile") and n % 8 == 0:
-        from xserv_aot.plan.cutlass_build import CFG_128x128, choose_gemm_config
-        cfg = CFG_128x128 if route == "tile" else choose_gemm_config(rows, n, k, out_dtype)   # tile: H200 sweep
-        cutlass.setdefault("used", {})[f"{rows}x{n}x{k}"] = cutlass["configs"][cfg]
-        call = library_call("gemm_library", GEMM_ENTRY, [i32(cfg), ptr(op.inp), ptr(op.weight), ptr(op.out),
-                                                         ptr(op.bias), i32(rows), i32(n), i32(k)])
-        return KernelChoice("cutlass", (call,), gemm_config=cfg)
-    tile = "128x128" if rows >= 128 and -(-rows // 128) * -(-n // 128) >= 132 else "64x64"
-    bm, bn = (int(x) for x in tile.split("x"))
-    blocks = -(-n // bn) * -(-rows // bm)
-    splits = min(SPLITK_MAX, -(-SPLITK_TARGET_BLOCKS // blocks), max(1, k // 32 // 8))
-    if tile == "64x64" and splits > 1:
-        ws = "gemm_splitk_ws"
-        return KernelChoice("gemm_64x64_splitk", (
-            launch("gemm_64x64_splitk", [-(-n // bn), -(-rows // bm), splits], [128], gemm_smem(tile),
-                   [ptr(op.inp), ptr(op.weight), ptr(None), ptr(ws), i32(rows), i32(n), i32(k)]),
-            launch("splitk_reduce", [min(-(-rows * n // 2 // 256), 4096)], [256], 0,
-                   [ptr(ws), ptr(op.bias), ptr(op.out), i32(rows), i32(n), i32(splits), i32(out_dtype == "float32")])),
-            splits=splits)
-    return kernel(launch(f"gemm_{tile}_{suffix}", [-(-n // bn), -(-rows // bm)], [256 if bm == 128 else 128],
-                         gemm_smem(tile), linear_args(op)))
 
 
 def norm_threads(hidden: int) -> int:

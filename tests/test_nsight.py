@@ -168,7 +168,6 @@ def test_profile_nsys_with_a_fake_nsys(gpu_plan, tmp_path):  # noqa: F811
                                   path=f"{bin_dir}:{os.environ['PATH']}"), "no bucket 'decode_9'")
 
 
-EVENT_MS = [0.0030, 0.0025, 0.0040, 0.0020]          # event times of the four gemv ops of the sample
 
 
 def gemv_ops(plan) -> list[int]:
@@ -190,14 +189,11 @@ def renamed_sample(plan) -> str:
     return out.getvalue()
 
 
-def fake_ncu(bin_dir: Path, plan, events: dict | None) -> None:
-    """Collection: an empty report at --export and `events` at --events-out (what the child writes); --import:
-    SAMPLE, or the renamed sample with --print-nvtx-rename; every call's arguments appended to ncu.args."""
-    import json
+def fake_ncu(bin_dir: Path, plan) -> None:
+    """Collection: an empty report at --export (event times come from a run outside ncu, nsight.events_command);
+    --import: SAMPLE, or the renamed sample with --print-nvtx-rename; every call's arguments appended to ncu.args."""
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "renamed.csv").write_text(renamed_sample(plan))
-    (bin_dir / "events.json").write_text(json.dumps(events))
-    copy_events = ":"                     # event times come from a run outside ncu (nsight.events_command)
     p = bin_dir / "ncu"
     p.write_text(f"""#!/bin/sh
 printf '%s\\n' "$@" -- >> {bin_dir}/ncu.args
@@ -205,8 +201,8 @@ case " $* " in
   *" --version "*) echo "Version 2099.1 (fake)" ;;
   *" --print-nvtx-rename kernel "*) cat {bin_dir}/renamed.csv ;;
   *" --import "*) cat {SAMPLE} ;;
-  *) while [ $# -gt 0 ]; do case "$1" in --export) rep=$2;; --events-out) ev=$2;; esac; shift; done
-     : > "$rep"; {copy_events} ;;
+  *) while [ $# -gt 0 ]; do case "$1" in --export) rep=$2;; esac; shift; done
+     : > "$rep" ;;
 esac
 """)
     p.chmod(p.stat().st_mode | stat.S_IEXEC)
@@ -227,7 +223,7 @@ def ncu_calls(bin_dir: Path) -> list[list[str]]:
 def test_profile_ncu_with_a_fake_ncu(gpu_plan, tmp_path):  # noqa: F811
     from xserv_aot.plan.roofline import op_bytes, op_name
     bin_dir, ops = tmp_path / "bin", gemv_ops(gpu_plan)
-    fake_ncu(bin_dir, gpu_plan, {"timing": "graph", "ops": {str(i): ms for i, ms in zip(ops, EVENT_MS)}})
+    fake_ncu(bin_dir, gpu_plan)
     r = run_cli("profile", gpu_plan.dir, "--ncu", "--kernel", "gemv", "--out", tmp_path / "rep" / "d1",
                 path=f"{bin_dir}:{os.environ['PATH']}")
     assert r.returncode == 0, r.stderr
@@ -254,7 +250,7 @@ def test_profile_ncu_with_a_fake_ncu(gpu_plan, tmp_path):  # noqa: F811
 
 def test_profile_ncu_without_events_or_ranges(gpu_plan, tmp_path):  # noqa: F811
     bin_dir = tmp_path / "bin"
-    fake_ncu(bin_dir, gpu_plan, None)
+    fake_ncu(bin_dir, gpu_plan)
     (bin_dir / "renamed.csv").write_text("==PROF== no NVTX\n")
     r = run_cli("profile", gpu_plan.dir, "--ncu", "--layers", "1", "--all-metrics",
                 path=f"{bin_dir}:{os.environ['PATH']}")
@@ -272,8 +268,8 @@ def test_profile_ncu_without_events_or_ranges(gpu_plan, tmp_path):  # noqa: F811
 
 def test_ncu_check_script(gpu_plan, tmp_path):  # noqa: F811
     import subprocess
-    bin_dir, ops = tmp_path / "bin", gemv_ops(gpu_plan)
-    fake_ncu(bin_dir, gpu_plan, {"timing": "graph", "ops": {str(i): ms for i, ms in zip(ops, EVENT_MS)}})
+    bin_dir = tmp_path / "bin"
+    fake_ncu(bin_dir, gpu_plan)
     (bin_dir / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     (bin_dir / "python3").chmod(0o755)
     script = Path(__file__).parents[1] / "scripts" / "ncu_check.sh"

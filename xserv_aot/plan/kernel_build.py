@@ -180,12 +180,9 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
         from xserv_aot.plan.fp8_build import host_signatures
         signatures.update(host_signatures())
     nh, hd = m["num_heads"], m["head_dim"]
-    # partials: [rows, nh, splits, ..] (split-KV kernel), [num_seqs, nh, splits, ..] (batched kernels)
-    part_rows = max([(op.num_seqs if any(r.fn.startswith(("attn_decode_b", "attn_decode_tc", "attn_decode_fused"))
-                                         for r in c.launch)
-                      else op.rows) * c.splits
-                     for name, ops in records.items() for op, c in zip(ops, choices[name]) if isinstance(op, Attention)]
-                    or [1])
+    # partials [num_seqs, nh, splits, ..] of every decode attention kernel a plan launches (attention_plan.py)
+    part_rows = max([op.num_seqs * c.splits for name, ops in records.items() for op, c in zip(ops, choices[name])
+                     if isinstance(op, Attention)] or [1])
     add_arena_buffer(manifest, "attn_part_o", [part_rows, nh, hd], "float32")
     add_arena_buffer(manifest, "attn_part_ml", [part_rows, nh, 2], "float32")
     add_arena_buffer(manifest, "attn_counters", [b["max_num_seqs"], m["num_kv_heads"]], "int32")  # zeroed at start

@@ -11,7 +11,6 @@ import torch
 
 from tests.tiny_models import load_hf_model, make_tiny_model
 from xserv_aot.config import BuildConfig, ConfigError
-from xserv_aot.plan import kernel_build
 from xserv_aot.plan.builder import compile_plan
 from xserv_aot.plan.manifest import Plan
 from xserv_aot.runtime.numpy_backend import NumpyRunner
@@ -182,14 +181,6 @@ def test_fp8_refused_below_sm89(tmp_path, target):
 def _compile_tiny(tmp_path, target):
     model_dir = make_tiny_model(tmp_path / "hf", "qwen3", seed=1)
     compile_plan(model_dir, tmp_path / "plan", BuildConfig(**{**BUILD, "target": target}))
-
-
-def test_fp8_cuda_plan_refused_until_fp8_kernels(tmp_path):
-    if getattr(kernel_build, "FP8_KERNELS", False):
-        pytest.skip("this build has the FP8 CUDA kernels")
-    with pytest.raises(ConfigError, match="need the FP8 CUDA kernels"):
-        _compile_tiny(tmp_path, "sm_90a")
-    assert not (tmp_path / "plan").exists()
 
 
 def test_fp8_with_tensor_parallel_refused(tmp_path):

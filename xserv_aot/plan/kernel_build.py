@@ -28,7 +28,6 @@ from xserv_aot.plan.signatures import check_sizes, cubin_param_sizes, host_signa
 from xserv_aot.plan.tensor_parallel import rank_model
 
 ELEMWISE_THREADS = 256
-FP8_KERNELS = True           # FP8 linears and quantize_fp8 route to plan/fp8_build.py (plan.builder checks it)
 
 
 def add_arena_buffer(manifest: dict, name: str, shape: list[int], dtype: str) -> None:

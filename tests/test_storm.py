@@ -155,12 +155,24 @@ def test_disconnect_storm_leaves_nothing_behind(server, plan, seed):
 
 
 def test_kv_exhaustion_preempts_under_load_and_outputs_stay_exact(server, plan):
-    """Four long requests need 4 x 22 blocks of a 64-block pool; six short ones squeeze in between."""
+    """Four long requests need 4 x 22 blocks of a 64-block pool; six short ones squeeze in between. The four long
+    prompts go in one request (a prompt list), so they reach the engine together and overlap however the host
+    schedules the client threads: with four separate requests a loaded machine could run them one after another."""
     ae, url = server
     tok = ae.tokenizer
     texts = prompts(10)
     jobs = [(tok.encode(t), 80 if i < 4 else 6, i % 2 == 1) for i, t in enumerate(texts)]
     preempted_before = ae.stats().num_preemptions
+
+    def long_client(long_jobs):
+        body = {"model": "tiny", "prompt": [ids for ids, _, _ in long_jobs], "max_tokens": long_jobs[0][1],
+                "temperature": 0, "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200
+        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+        assert [c["index"] for c in choices] == list(range(len(long_jobs)))
+        assert all(c["finish_reason"] == "length" for c in choices)
+        return [c["text"] for c in choices]
 
     def client(job):
         ids, max_tokens, stream = job
@@ -178,10 +190,10 @@ def test_kv_exhaustion_preempts_under_load_and_outputs_stay_exact(server, plan):
         return r.json()["choices"][0]["text"]
 
     with ThreadPoolExecutor(len(jobs)) as pool:
-        futures = [pool.submit(client, job) for job in jobs[:4]]
+        longs = pool.submit(long_client, jobs[:4])
         time.sleep(0.05)
-        futures += [pool.submit(client, job) for job in jobs[4:]]
-        got = [f.result(timeout=120) for f in futures]   # bounded: a deadlock fails here
+        futures = [pool.submit(client, job) for job in jobs[4:]]
+        got = longs.result(timeout=120) + [f.result(timeout=120) for f in futures]   # bounded: a deadlock fails here
 
     assert ae.stats().num_preemptions > preempted_before
     assert scrape(url)[("xserv_num_preemptions_total", frozenset())] == ae.stats().num_preemptions

@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                    help="a build setting on top of BUILD, e.g. --set megakernel_sms=132")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else int(np.random.default_rng().integers(1 << 30))
     log(f"seed {seed}")
@@ -69,7 +71,7 @@ def main() -> None:
     log("HF bf16 and float32 logits done")
 
     build = work / "build.json"
-    build.write_text(json.dumps(BUILD))
+    build.write_text(json.dumps({**BUILD, **{k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}}))
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "xserv_aot.cli", "compile", str(hf_dir), "-o", str(plan_dir),
                         "--build-config", str(build), "--force"], capture_output=True, text=True)

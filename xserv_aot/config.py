@@ -174,6 +174,8 @@ class BuildConfig:
     target: str = "sm_90a"                # GPU arch for cubins, or "cpu" (no kernels built)
     gemm_library: bool = True             # CUDA: CUTLASS GEMMs for linears of >= 128 rows, when nvcc can build them
     pdl: bool = False                     # CUDA: programmatic dependent launch of every kernel (docs/cuda-notes.md)
+    megakernel_sms: int = 0               # CUDA: decode buckets of 1-2 seqs as one persistent kernel of this many
+                                          # blocks, the GPU's SM count (plan/megakernel_plan.py); 0: per-op kernels
     tensor_parallel: int = 1              # ranks (GPUs) the weights, heads and KV pool are split over (1, 2, 4, 8)
     quantization: str = "none"            # none | fp8: linear weights stored as e4m3 with scales (plan/quantize.py)
     fp8_scheme: str = "auto"              # fp8: channel | block128 | auto (block128 where N and K divide by 128)
@@ -231,6 +233,8 @@ class BuildConfig:
             raise ConfigError(f"quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
         if self.fp8_scheme not in FP8_SCHEME_CHOICES:
             raise ConfigError(f"fp8_scheme {self.fp8_scheme!r} is not one of {', '.join(FP8_SCHEME_CHOICES)}")
+        if isinstance(self.megakernel_sms, bool) or not isinstance(self.megakernel_sms, int) or self.megakernel_sms < 0:
+            raise ConfigError(f"megakernel_sms must be a block count >= 0 (the GPU's SMs), got {self.megakernel_sms!r}")
         for name in ("gemm_library", "pdl", "quantize_lm_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")

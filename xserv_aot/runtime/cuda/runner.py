@@ -16,6 +16,7 @@ import numpy as np
 
 from xserv_aot.dtypes import STORAGE, decode
 from xserv_aot.errors import XservError
+from xserv_aot.plan.megakernel_plan import MK_PREFIX
 from xserv_aot.plan.ops import INPUT_BUFFERS
 from xserv_aot.plan.roofline import op_name
 from xserv_aot.runtime.batch import BatchDescription, StepResult, stage_inputs
@@ -77,6 +78,12 @@ class CudaRunner:
                     if not rec.library:
                         smem[rec.fn] = max(smem.get(rec.fn, 0), rec.smem)
         self._smem = smem
+        persistent = max((rec.grid[0] for bk in self.plan.buckets for op in bk.ops for rec in
+                          (op.cuda.launch if op.cuda else ()) if rec.fn.startswith(MK_PREFIX)), default=0)
+        if persistent > self.dev.num_sms:
+            raise CudaRunnerError(f"{self.plan.dir}: the decode megakernel needs {persistent} resident blocks, "
+                                  f"{self.dev.name} has {self.dev.num_sms} SMs; recompile with megakernel_sms "
+                                  f"{self.dev.num_sms} (or 0)")
         self._funcs: dict[str, object] = {}
         self.libraries = {}
         lib = k.get("gemm_library")

@@ -1,0 +1,618 @@
+// Persistent decode megakernel for buckets of M (1, 2) sequences: every layer of the step in one launch of one
+// block per SM (grid NB = the plan's SM count, all co-resident). Per layer five phases, each ended by a grid
+// barrier: (1) rmsnorm(x) -> qkv GEMV; (2) QK-norm + RoPE + KV write + split-KV attention, the last split of a
+// kv head combines; (3) o_proj GEMV + residual; (4) rmsnorm(x) -> gate_up GEMV -> silu * up; (5) down GEMV +
+// residual. After the last layer block 0 writes h = rmsnorm(x) * final_norm.
+// Warp MK_CONSUMERS (the producer) streams every weight row the block owns, for the whole step, through an
+// MK_STAGES-deep ring of MK_STAGE_BYTES shared-memory slots (cp.async.bulk + mbarriers); it never waits for a grid
+// barrier, so the next phase's weights arrive while the consumers sit at one. Block b owns rows
+// [b N / NB, (b + 1) N / NB) of every matrix (gate_up: pairs j, gate row j and up row I + j).
+// Data written inside the launch by other blocks (x, qkv, attn, act, partials) is read with ld.global.cg (L2).
+// Rounding: every GEMV output to bf16, x + o to bf16, silu(g) * u of bf16 g, u: the unfused kernels' rules.
+#include "qk_rope.cuh"
+
+#define MK_CONSUMERS 8                       // consumer warps; warp 8 is the producer
+#define MK_THREADS ((MK_CONSUMERS + 1) * 32)
+#define MK_CTHREADS (MK_CONSUMERS * 32)
+// MK_STAGES, MK_STAGE_BYTES (the weight ring), MK_H_BYTES (GEMV input / attention scratch), MK_PART_FLOATS
+// (partial sums): plan/kernel_constants.py, as -D options
+#define MK_TILE 128                          // keys an attention tile: two consumer threads a key
+#define MK_HD 128
+// dynamic smem = ring + h + part + 2 * MK_STAGES mbarriers + 64 floats of scratch (plan/megakernel_plan.py)
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;" :: "n"(MK_CTHREADS) : "memory"); }
+__device__ __forceinline__ void mbar_init(u64* b, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(b)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_addr(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u64* b, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* b, u32 parity) {
+    u32 ok = 0;
+    while (!ok) {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     " selp.u32 %0, 1, 0, p;\n}" : "=r"(ok) : "r"(smem_addr(b)), "r"(parity) : "memory");
+    }
+}
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* bar, u64 policy) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy) : "memory");
+}
+__device__ __forceinline__ vec16 ld_l2(const void* p) {
+    vec16 v;
+    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float ld_l2_bf(const bf16* p) {
+    unsigned short v;
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return bf2f(v);
+}
+__device__ __forceinline__ float ld_l2_f(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ void ld_stream8(const void* p, u32& a, u32& b) {
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(a), "=r"(b) : "l"(p));
+}
+
+// A shared-memory float4 the compiler may not hoist out of the tile loop (it would keep all of q in registers).
+__device__ __forceinline__ float4 lds_f4(const float* p) {
+    float4 v;
+    asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(smem_addr(p)));
+    return v;
+}
+
+// Block-wide (consumer threads) sum; every consumer gets it. scratch: >= MK_CONSUMERS floats.
+__device__ __forceinline__ float csum(float v, float* scratch) {
+    v = warp_sum(v);
+    csync();
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    csync();
+    float t = (threadIdx.x & 31) < MK_CONSUMERS ? scratch[threadIdx.x & 31] : 0.f;
+    return warp_sum(t);
+}
+
+// Grid barrier over NB blocks: a monotonic 64-bit counter (a multiple of NB between launches); barrier k of this
+// launch completes at base + k NB.
+__device__ __forceinline__ void grid_sync(long long* ctr, u64 target) {
+    csync();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        asm volatile("red.release.gpu.global.add.u64 [%0], 1;" :: "l"(ctr) : "memory");
+        u64 v;
+        do { asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(ctr) : "memory"); } while (v < target);
+    }
+    csync();
+}
+
+struct Ring { u64* full; u64* empty; char* slots; int stage; u32 phase; };
+__device__ __forceinline__ void ring_next(Ring& r) { if (++r.stage == MK_STAGES) { r.stage = 0; r.phase ^= 1u; } }
+
+// Rows per ring slot of a K-wide matrix: a power of two <= 8 (a slot's rows split the 8 consumer warps evenly).
+__device__ __forceinline__ int slot_rows(int K) {
+    int r = MK_STAGE_BYTES / (2 * K);
+    return r >= 8 ? 8 : r >= 4 ? 4 : r >= 2 ? 2 : 1;
+}
+
+// One ring slot's copy: bytes from src (and from src2 to offset up: the up rows of a gate_up slot).
+struct Chunk { const bf16* src; const bf16* src2; u32 bytes, up; };
+
+// Consumers: the same slots in the same order; part[(local row * wpr + warp part) * M + m] = partial dot.
+// Local rows: plain, j - r0; gate, 2 (j - r0) (gate) and 2 (j - r0) + 1 (up).
+template <int M>
+__device__ __forceinline__ void consume(Ring& r, const bf16* hs, float* part, int r0, int r1, int K, bool gate) {
+    const int rc = slot_rows(K), step = gate ? rc / 2 : rc, wpr = MK_CONSUMERS / rc;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, row = warp / wpr, wp = warp % wpr;
+    for (int j = r0; j < r1; j += step) {
+        const int n = min(step, r1 - j);
+        mbar_wait(&r.full[r.stage], r.phase);
+        const bool up = gate && row >= step;
+        const int pair = up ? row - step : row;
+        if (pair < n) {
+            const bf16* w = (const bf16*)(r.slots + (size_t)r.stage * MK_STAGE_BYTES) + (size_t)row * K;
+            float acc[M];
+#pragma unroll
+            for (int m = 0; m < M; m++) acc[m] = 0.f;
+#pragma unroll 4
+            for (int v = wp * 32 + lane; v < K / 8; v += wpr * 32) {
+                float a[8]; unpack8(ld16(w + v * 8), a);
+#pragma unroll
+                for (int m = 0; m < M; m++) {
+                    float x[8]; unpack8(ld16(hs + (size_t)m * K + v * 8), x);
+#pragma unroll
+                    for (int i = 0; i < 8; i++) acc[m] += a[i] * x[i];
+                }
+            }
+            const int lr = gate ? 2 * (j - r0 + pair) + (up ? 1 : 0) : j - r0 + pair;
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                const float s = warp_sum(acc[m]);
+                if (lane == 0) part[(lr * wpr + wp) * M + m] = s;
+            }
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&r.empty[r.stage]);
+        ring_next(r);
+    }
+}
+
+// Sum of the wpr partials of local row lr, sequence m.
+template <int M>
+__device__ __forceinline__ float part_sum(const float* part, int lr, int wpr, int m) {
+    float s = 0.f;
+    for (int p = 0; p < wpr; p++) s += part[(lr * wpr + p) * M + m];
+    return s;
+}
+
+// hs[m] = rmsnorm(x[m]) * w (bf16), from x in global memory (L2); the same value in every block.
+// One L2 round trip: a thread keeps its MK_NORM_NV chunks of every row and of w in registers (H <= 8192).
+#define MK_NORM_NV 4
+template <int M>
+__device__ __forceinline__ void norm_to_smem(const bf16* x, const bf16* w, bf16* hs, int H, float eps,
+                                             float* scratch) {
+    vec16 xv[M][MK_NORM_NV], wv[MK_NORM_NV];
+#pragma unroll
+    for (int j = 0; j < MK_NORM_NV; j++) {
+        const int v = threadIdx.x + j * MK_CTHREADS;
+        if (v < H / 8) {
+            wv[j] = ld16(w + v * 8);
+#pragma unroll
+            for (int m = 0; m < M; m++) xv[m][j] = ld_l2(x + (size_t)m * H + v * 8);
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        float ss = 0.f;
+#pragma unroll
+        for (int j = 0; j < MK_NORM_NV; j++) {
+            if (threadIdx.x + j * MK_CTHREADS < H / 8) {
+                float f[8]; unpack8(xv[m][j], f);
+#pragma unroll
+                for (int i = 0; i < 8; i++) ss += f[i] * f[i];
+            }
+        }
+        const float inv = rsqrtf(csum(ss, scratch + 8 * m) / (float)H + eps);
+#pragma unroll
+        for (int j = 0; j < MK_NORM_NV; j++) {
+            const int v = threadIdx.x + j * MK_CTHREADS;
+            if (v < H / 8) {
+                float f[8], g[8]; unpack8(xv[m][j], f); unpack8(wv[j], g);
+#pragma unroll
+                for (int i = 0; i < 8; i++) g[i] = f[i] * inv * g[i];
+                st16(hs + (size_t)m * H + v * 8, pack8(g));
+            }
+        }
+    }
+    csync();
+}
+
+template <int M>
+__device__ __forceinline__ void copy_to_smem(const bf16* src, bf16* hs, int K) {
+    for (int v = threadIdx.x; v < M * K / 8; v += MK_CTHREADS) st16(hs + v * 8, ld_l2(src + v * 8));
+    csync();
+}
+
+// The attention work of one block for the whole step (seq m, kv head kvh, keys [k0, k1) of split s of S).
+struct AttnItem { int m, kvh, s, S, ctx, k0, k1, slot, pos; bool live; };
+
+struct Args {
+    bf16* x; bf16* h_out; bf16* qkv; bf16* attn; bf16* act;
+    const bf16 *in_norm, *w_qkv, *q_norm, *k_norm, *w_o, *post_norm, *w_gu, *w_down, *final_norm;
+    u64 layer_stride;                          // elements between layer l and l + 1 of every layer weight
+    const float *cos_t, *sin_t; const int *positions, *seq_lens, *slot_mapping, *block_tables;
+    bf16* kv; float* part_o; float* part_ml; int* counters; long long* bar;
+    int layers, H, I, nh, nkv, block_size, max_blocks, num_slots, smax, l2_ahead; float eps, scale;
+};
+
+// This block's rows and its slots a layer (qkv, o, gate_up, down), from blockIdx.
+struct Rows { int q0, q1, h0, h1, i0, i1, nq, no, ng, nd; };
+
+__device__ __forceinline__ Rows block_rows(const Args& a) {
+    Rows r;
+    const int NB = gridDim.x, b = blockIdx.x, nqkv = (a.nh + 2 * a.nkv) * MK_HD, rh = slot_rows(a.H);
+    r.q0 = (int)((long long)b * nqkv / NB); r.q1 = (int)((long long)(b + 1) * nqkv / NB);
+    r.h0 = (int)((long long)b * a.H / NB); r.h1 = (int)((long long)(b + 1) * a.H / NB);
+    r.i0 = (int)((long long)b * a.I / NB); r.i1 = (int)((long long)(b + 1) * a.I / NB);
+    r.nq = (r.q1 - r.q0 + rh - 1) / rh; r.no = (r.h1 - r.h0 + slot_rows(a.nh * MK_HD) - 1) / slot_rows(a.nh * MK_HD);
+    r.ng = (r.i1 - r.i0 + rh / 2 - 1) / (rh / 2);
+    r.nd = (r.h1 - r.h0 + slot_rows(a.I) - 1) / slot_rows(a.I);
+    return r;
+}
+
+// Slot c of the block's whole-step sequence: per layer its qkv, o_proj, gate_up, down rows in slot_rows steps.
+__device__ __forceinline__ Chunk chunk_at(const Args& a, const Rows& r, int c) {
+    const int per = r.nq + r.no + r.ng + r.nd, l = c / per, rh = slot_rows(a.H);
+    int i = c % per;
+    const size_t lw = (size_t)l * a.layer_stride;
+    if (i < r.nq) { const int j = r.q0 + i * rh; return {a.w_qkv + lw + (size_t)j * a.H, nullptr, (u32)(min(rh, r.q1 - j) * a.H * 2), 0}; }
+    i -= r.nq;
+    if (i < r.no) {
+        const int ko = a.nh * MK_HD, ro = slot_rows(ko), j = r.h0 + i * ro;
+        return {a.w_o + lw + (size_t)j * ko, nullptr, (u32)(min(ro, r.h1 - j) * ko * 2), 0};
+    }
+    i -= r.no;
+    if (i < r.ng) {
+        const int step = rh / 2, j = r.i0 + i * step;
+        return {a.w_gu + lw + (size_t)j * a.H, a.w_gu + lw + (size_t)(a.I + j) * a.H, (u32)(min(step, r.i1 - j) * a.H * 2),
+                (u32)(step * a.H * 2)};
+    }
+    i -= r.ng;
+    const int rd = slot_rows(a.I), j = r.h0 + i * rd;
+    return {a.w_down + lw + (size_t)j * a.I, nullptr, (u32)(min(rd, r.h1 - j) * a.I * 2), 0};
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+}
+
+// Producer: every slot of the step in order; l2_ahead slots further on are prefetched into L2, so the stream
+// goes on while the ring is full (the consumers at a grid barrier).
+__device__ __forceinline__ void produce_all(Ring& r, const Args& a, const Rows& rows, u64 policy) {
+    const int total = a.layers * (rows.nq + rows.no + rows.ng + rows.nd);
+    for (int c = 0; c < total; c++) {
+        if (a.l2_ahead && c + a.l2_ahead < total) {
+            const Chunk f = chunk_at(a, rows, c + a.l2_ahead);
+            prefetch_l2(f.src, f.bytes);
+            if (f.src2) prefetch_l2(f.src2, f.bytes);
+        }
+        const Chunk ch = chunk_at(a, rows, c);
+        mbar_wait(&r.empty[r.stage], r.phase ^ 1u);
+        char* dst = r.slots + (size_t)r.stage * MK_STAGE_BYTES;
+        mbar_expect_tx(&r.full[r.stage], ch.src2 ? 2 * ch.bytes : ch.bytes);
+        bulk_load(dst, ch.src, ch.bytes, &r.full[r.stage], policy);
+        if (ch.src2) bulk_load(dst + ch.up, ch.src2, ch.bytes, &r.full[r.stage], policy);
+        ring_next(r);
+    }
+}
+
+// Registers of an attention tile: half of this thread's key row (key t / 2, dims 64 (t % 2) ..) and its warp's
+// V rows (4 dims a lane, keys w + 8 i).
+struct KVTile { vec16 k[MK_HD / 16]; u32 v[MK_TILE / MK_CONSUMERS][2]; };
+
+__device__ __forceinline__ size_t key_slot(const Args& a, const AttnItem& it, int p) {
+    return (size_t)a.block_tables[(size_t)it.m * a.max_blocks + p / a.block_size] * a.block_size + p % a.block_size;
+}
+
+__device__ __forceinline__ void load_tile(const Args& a, const AttnItem& it, const bf16* kvl, int t0, KVTile& t) {
+    const size_t stride = (size_t)a.nkv * MK_HD;
+    const bf16* kb = kvl + (size_t)it.kvh * MK_HD;
+    const bf16* vb = kvl + (size_t)a.num_slots * stride + (size_t)it.kvh * MK_HD;
+    const int p = t0 + (threadIdx.x >> 1);
+    if (p < it.k1 && p != it.ctx - 1) {
+        const bf16* kr = kb + key_slot(a, it, p) * stride + (threadIdx.x & 1) * (MK_HD / 2);
+#pragma unroll
+        for (int e = 0; e < MK_HD / 16; e++) t.k[e] = ld_stream(kr + e * 8);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int i = 0; i < MK_TILE / MK_CONSUMERS; i++) {
+        const int q = t0 + warp + MK_CONSUMERS * i;
+        if (q < it.k1 && q != it.ctx - 1) ld_stream8(vb + key_slot(a, it, q) * stride + lane * 4, t.v[i][0], t.v[i][1]);
+    }
+}
+
+// L2 prefetch of the split's keys past the first tile (K and V rows), issued before the phase's grid barrier.
+__device__ __forceinline__ void prefetch_rest(const Args& a, const AttnItem& it, const bf16* kvl) {
+    const size_t stride = (size_t)a.nkv * MK_HD;
+    for (int p = it.k0 + MK_TILE + (threadIdx.x >> 1); p < it.k1; p += MK_CTHREADS / 2) {
+        const bf16* k = kvl + key_slot(a, it, p) * stride + (size_t)it.kvh * MK_HD + (threadIdx.x & 1) * (MK_HD / 2);
+        asm volatile("prefetch.global.L2 [%0];" :: "l"(k));
+        asm volatile("prefetch.global.L2 [%0];" :: "l"(k + (size_t)a.num_slots * stride));
+    }
+}
+
+// Phase 2 for one block (consumer threads): q / new k, v from the qkv row, online softmax over the split's tiles
+// (the first already in t), then the split's (o, m, l) or, for one split, the output; the last split combines.
+template <int M, int G>
+__device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& it, int layer, KVTile& t, float* sm) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nh = a.nh;
+    float* qs = sm;                             // [G][HD] rounded q
+    float* kn = qs + G * MK_HD;                 // [HD] new k, then [HD] new v
+    float* vn = kn + MK_HD;
+    float* ps = vn + MK_HD;                     // [G][TILE] probabilities
+    float* red = ps + G * MK_TILE;              // [CONSUMERS][G] maxima, then [CONSUMERS][G][HD + 1] sums
+    float* flag = red + MK_CONSUMERS * G * (MK_HD + 1);
+    bf16* out = a.attn + (size_t)it.m * nh * MK_HD + (size_t)it.kvh * G * MK_HD;
+    if (it.ctx <= 0) {                         // padding row: zeros
+        for (int i = threadIdx.x; i < G * MK_HD; i += MK_CTHREADS) out[i] = 0;
+        return;
+    }
+    const bool last = it.k1 == it.ctx;
+    const bf16* row = a.qkv + (size_t)it.m * (nh + 2 * a.nkv) * MK_HD;
+    const size_t lw = (size_t)layer * a.layer_stride;
+    for (int task = warp; task < G + (last ? 2 : 0); task += MK_CONSUMERS) {
+        float cs[MK_HD / 64], sn[MK_HD / 64], x[MK_HD / 32], y[MK_HD / 32];
+        rope_load<MK_HD>(a.cos_t, a.sin_t, it.pos, lane, cs, sn);
+        const int head = task < G ? it.kvh * G + task : task == G ? nh + it.kvh : nh + a.nkv + it.kvh;
+#pragma unroll
+        for (int e = 0; e < MK_HD / 32; e++) x[e] = ld_l2_bf(row + (size_t)head * MK_HD + lane + 32 * e);
+        if (task <= G) {
+            qk_norm_rope_head<MK_HD>(x, a.q_norm ? (task < G ? a.q_norm : a.k_norm) + lw : nullptr, cs, sn, a.eps,
+                                     lane, y);
+        } else {
+#pragma unroll
+            for (int e = 0; e < MK_HD / 32; e++) y[e] = x[e];
+        }
+        float* dst = task < G ? qs + task * MK_HD : task == G ? kn : vn;
+        bf16* cache = nullptr;
+        if (task >= G && it.slot >= 0)
+            cache = a.kv + (size_t)layer * 2 * a.num_slots * a.nkv * MK_HD + (size_t)(task - G) * a.num_slots * a.nkv * MK_HD
+                    + ((size_t)it.slot * a.nkv + it.kvh) * MK_HD;
+#pragma unroll
+        for (int e = 0; e < MK_HD / 32; e++) {
+            const bf16 b = f2bf(y[e]);
+            dst[lane + 32 * e] = bf2f(b);
+            if (cache) cache[lane + 32 * e] = b;
+        }
+    }
+    csync();
+    const float sl2 = a.scale * 1.4426950408889634f;
+    float m_run[G], l_run[G], acc[G][4];
+#pragma unroll
+    for (int g = 0; g < G; g++) { m_run[g] = -1e30f; l_run[g] = 0.f; acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.f; }
+    const bf16* kvl = a.kv + (size_t)layer * 2 * a.num_slots * a.nkv * MK_HD;
+    for (int t0 = it.k0; t0 < it.k1; t0 += MK_TILE) {
+        if (t0 != it.k0) load_tile(a, it, kvl, t0, t);
+        const int p = t0 + (threadIdx.x >> 1), half = (threadIdx.x & 1) * (MK_HD / 2);
+        float s[G];
+#pragma unroll
+        for (int g = 0; g < G; g++) s[g] = 0.f;
+        if (p < it.k1) {
+#pragma unroll
+            for (int e = 0; e < MK_HD / 16; e++) {
+                float kf[8];
+                if (p == it.ctx - 1) {
+#pragma unroll
+                    for (int i = 0; i < 8; i++) kf[i] = kn[half + e * 8 + i];
+                } else {
+                    unpack8(t.k[e], kf);
+                }
+#pragma unroll
+                for (int g = 0; g < G; g++) {
+                    const float4 q0 = lds_f4(qs + g * MK_HD + half + e * 8);
+                    const float4 q1 = lds_f4(qs + g * MK_HD + half + e * 8 + 4);
+                    s[g] += q0.x * kf[0] + q0.y * kf[1] + q0.z * kf[2] + q0.w * kf[3]
+                          + q1.x * kf[4] + q1.y * kf[5] + q1.z * kf[6] + q1.w * kf[7];
+                }
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            s[g] += __shfl_xor_sync(0xffffffffu, s[g], 1);
+            s[g] = p < it.k1 ? s[g] * sl2 : -1e30f;
+        }
+        float mt[G];
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            const float v = warp_max(s[g]);
+            if (lane == 0) red[warp * G + g] = v;
+        }
+        csync();
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            float v = red[g];
+            for (int w = 1; w < MK_CONSUMERS; w++) v = fmaxf(v, red[w * G + g]);
+            const float mn = fmaxf(m_run[g], v), alpha = exp2f(m_run[g] - mn);
+            m_run[g] = mn; mt[g] = mn;
+            l_run[g] *= alpha;
+            acc[g][0] *= alpha; acc[g][1] *= alpha; acc[g][2] *= alpha; acc[g][3] *= alpha;
+            if (!half) ps[g * MK_TILE + (threadIdx.x >> 1)] = p < it.k1 ? exp2f(s[g] - mt[g]) : 0.f;
+        }
+        csync();
+#pragma unroll
+        for (int i = 0; i < MK_TILE / MK_CONSUMERS; i++) {
+            const int j = warp + MK_CONSUMERS * i, q = t0 + j;
+            if (q < it.k1) {
+                float v[4];
+                if (q == it.ctx - 1) {
+                    v[0] = vn[lane * 4]; v[1] = vn[lane * 4 + 1]; v[2] = vn[lane * 4 + 2]; v[3] = vn[lane * 4 + 3];
+                } else {
+                    v[0] = bflo(t.v[i][0]); v[1] = bfhi(t.v[i][0]); v[2] = bflo(t.v[i][1]); v[3] = bfhi(t.v[i][1]);
+                }
+#pragma unroll
+                for (int g = 0; g < G; g++) {
+                    const float pg = ps[g * MK_TILE + j];
+                    l_run[g] += pg;
+                    acc[g][0] += pg * v[0]; acc[g][1] += pg * v[1]; acc[g][2] += pg * v[2]; acc[g][3] += pg * v[3];
+                }
+            }
+        }
+        csync();
+    }
+    // merge the warps: red[w][g][0..HD) = acc, red[w][g][HD] = l (each warp summed its own keys' p)
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        float* r = red + (warp * G + g) * (MK_HD + 1);
+        r[lane * 4] = acc[g][0]; r[lane * 4 + 1] = acc[g][1]; r[lane * 4 + 2] = acc[g][2]; r[lane * 4 + 3] = acc[g][3];
+        if (lane == 0) r[MK_HD] = l_run[g];
+    }
+    csync();
+    float* po = a.part_o + ((size_t)(it.m * a.smax + it.s) * nh + it.kvh * G) * MK_HD;
+    float* pml = a.part_ml + ((size_t)(it.m * a.smax + it.s) * nh + it.kvh * G) * 2;
+    for (int i = threadIdx.x; i < G * MK_HD; i += MK_CTHREADS) {
+        const int g = i / MK_HD, d = i % MK_HD;
+        float o = 0.f, l = 0.f;
+        for (int w = 0; w < MK_CONSUMERS; w++) {
+            o += red[(w * G + g) * (MK_HD + 1) + d];
+            l += red[(w * G + g) * (MK_HD + 1) + MK_HD];
+        }
+        if (it.S == 1) {
+            out[i] = f2bf(o / l);
+        } else {
+            po[i] = o;
+            if (d == 0) { pml[g * 2] = m_run[g]; pml[g * 2 + 1] = l; }
+        }
+    }
+    if (it.S == 1) return;
+    __threadfence();
+    csync();
+    if (threadIdx.x == 0) {
+        int* c = a.counters + it.m * a.nkv + it.kvh;
+        const int done = atomicAdd(c, 1);
+        const bool is_last = done == it.S - 1;
+        if (is_last) atomicExch(c, 0);
+        flag[0] = is_last ? 1.f : 0.f;
+    }
+    csync();
+    if (flag[0] == 0.f) return;
+    __threadfence();
+    const float* po0 = a.part_o + ((size_t)(it.m * a.smax) * nh + it.kvh * G) * MK_HD;
+    const float* pml0 = a.part_ml + ((size_t)(it.m * a.smax) * nh + it.kvh * G) * 2;
+    const size_t so = (size_t)nh * MK_HD, sml = (size_t)nh * 2;
+    for (int i = threadIdx.x; i < G * MK_HD; i += MK_CTHREADS) {
+        const int g = i / MK_HD;
+        float mx = -1e30f;
+        for (int s = 0; s < it.S; s++) mx = fmaxf(mx, ld_l2_f(pml0 + s * sml + g * 2));
+        float o = 0.f, l = 0.f;
+        for (int s = 0; s < it.S; s++) {
+            const float w = exp2f(ld_l2_f(pml0 + s * sml + g * 2) - mx);
+            l += w * ld_l2_f(pml0 + s * sml + g * 2 + 1);
+            o += w * ld_l2_f(po0 + s * so + i);
+        }
+        out[i] = f2bf(o / l);
+    }
+}
+
+__device__ __forceinline__ AttnItem attn_item(const Args& a, int M) {
+    AttnItem it{};
+    const int per_seq = a.nkv * a.smax, b = blockIdx.x;
+    it.m = b / per_seq;
+    it.kvh = (b % per_seq) % a.nkv;
+    it.s = (b % per_seq) / a.nkv;
+    it.live = false;
+    if (it.m >= M) return it;
+    it.ctx = a.seq_lens[it.m];
+    it.S = it.ctx <= 0 ? 1 : min(a.smax, (it.ctx + MK_TILE - 1) / MK_TILE);
+    if (it.s >= it.S) return it;
+    it.live = true;
+    it.k0 = it.ctx <= 0 ? 0 : (int)((long long)it.s * it.ctx / it.S);
+    it.k1 = it.ctx <= 0 ? 0 : (int)((long long)(it.s + 1) * it.ctx / it.S);
+    it.slot = a.slot_mapping[it.m];
+    it.pos = a.positions[it.m];
+    return it;
+}
+
+template <int M, int G>
+__device__ void megakernel(const Args& a) {
+    extern __shared__ __align__(128) char smem[];
+    char* slots = smem;
+    bf16* hs = (bf16*)(smem + MK_STAGES * MK_STAGE_BYTES);
+    float* part = (float*)(smem + MK_STAGES * MK_STAGE_BYTES + MK_H_BYTES);
+    u64* bars = (u64*)(part + MK_PART_FLOATS);
+    float* scratch = (float*)(bars + 2 * MK_STAGES);
+    Ring ring{bars, bars + MK_STAGES, slots, 0, 0u};
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < MK_STAGES; s++) { mbar_init(&ring.full[s], 1); mbar_init(&ring.empty[s], MK_CONSUMERS); }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    const Rows rows = block_rows(a);
+    const int NB = gridDim.x, b = blockIdx.x, H = a.H, I = a.I, nq = (a.nh + 2 * a.nkv) * MK_HD;
+    const int q0 = rows.q0, q1 = rows.q1, h0 = rows.h0, h1 = rows.h1, i0 = rows.i0, i1 = rows.i1;
+    if (threadIdx.x >= MK_CTHREADS) {                      // producer warp
+        if (threadIdx.x != MK_CTHREADS) return;
+        u64 policy;
+        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+        produce_all(ring, a, rows, policy);
+        return;
+    }
+    u64 base;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(base) : "l"(a.bar) : "memory");
+    base = base / NB * NB;
+    u64 nbar = 0;
+    const AttnItem it = attn_item(a, M);
+    KVTile tile;
+    for (int l = 0; l < a.layers; l++) {
+        const size_t lw = (size_t)l * a.layer_stride;
+        // (1) qkv = rmsnorm(x) W_qkv^T
+        norm_to_smem<M>(a.x, a.in_norm + lw, hs, H, a.eps, scratch);
+        consume<M>(ring, hs, part, q0, q1, H, false);
+        if (it.live && it.ctx > 0) {
+            const bf16* kvl = a.kv + (size_t)l * 2 * a.num_slots * a.nkv * MK_HD;
+            load_tile(a, it, kvl, it.k0, tile);
+            prefetch_rest(a, it, kvl);
+        }
+        csync();
+        {
+            const int wpr = MK_CONSUMERS / slot_rows(H);
+            for (int i = threadIdx.x; i < (q1 - q0) * M; i += MK_CTHREADS) {
+                const int r = i / M, m = i % M;
+                a.qkv[(size_t)m * nq + q0 + r] = f2bf(part_sum<M>(part, r, wpr, m));
+            }
+        }
+        grid_sync(a.bar, base + (++nbar) * NB);
+        // (2) attention
+        if (it.live) attention_phase<M, G>(a, it, l, tile, (float*)hs);
+        grid_sync(a.bar, base + (++nbar) * NB);
+        // (3) x += attn W_o^T
+        copy_to_smem<M>(a.attn, hs, a.nh * MK_HD);
+        consume<M>(ring, hs, part, h0, h1, a.nh * MK_HD, false);
+        csync();
+        {
+            const int wpr = MK_CONSUMERS / slot_rows(a.nh * MK_HD);
+            for (int i = threadIdx.x; i < (h1 - h0) * M; i += MK_CTHREADS) {
+                const int r = i / M, m = i % M;
+                bf16* xp = a.x + (size_t)m * H + h0 + r;
+                *xp = f2bf(ld_l2_bf(xp) + round_bf(part_sum<M>(part, r, wpr, m)));
+            }
+        }
+        grid_sync(a.bar, base + (++nbar) * NB);
+        // (4) act = silu(g) * u, [g | u] = rmsnorm(x) W_gate_up^T
+        norm_to_smem<M>(a.x, a.post_norm + lw, hs, H, a.eps, scratch);
+        consume<M>(ring, hs, part, i0, i1, H, true);
+        csync();
+        {
+            const int wpr = MK_CONSUMERS / slot_rows(H);
+            for (int i = threadIdx.x; i < (i1 - i0) * M; i += MK_CTHREADS) {
+                const int r = i / M, m = i % M;
+                const float g = round_bf(part_sum<M>(part, 2 * r, wpr, m));
+                const float u = round_bf(part_sum<M>(part, 2 * r + 1, wpr, m));
+                a.act[(size_t)m * I + i0 + r] = f2bf(silu(g) * u);
+            }
+        }
+        grid_sync(a.bar, base + (++nbar) * NB);
+        // (5) x += act W_down^T
+        copy_to_smem<M>(a.act, hs, I);
+        consume<M>(ring, hs, part, h0, h1, I, false);
+        csync();
+        {
+            const int wpr = MK_CONSUMERS / slot_rows(I);
+            for (int i = threadIdx.x; i < (h1 - h0) * M; i += MK_CTHREADS) {
+                const int r = i / M, m = i % M;
+                bf16* xp = a.x + (size_t)m * H + h0 + r;
+                *xp = f2bf(ld_l2_bf(xp) + round_bf(part_sum<M>(part, r, wpr, m)));
+            }
+        }
+        grid_sync(a.bar, base + (++nbar) * NB);
+    }
+    if (b == 0) {
+        norm_to_smem<M>(a.x, a.final_norm, hs, H, a.eps, scratch);
+        for (int v = threadIdx.x; v < M * H / 8; v += MK_CTHREADS) st16(a.h_out + v * 8, ld16(hs + v * 8));
+    }
+}
+
+// Grid: the plan's SM count, block MK_THREADS, dynamic smem MK_SMEM_BYTES. x [M, H] (in: embeddings; out: the
+// residual stream), h_out [M, H] = final rmsnorm; qkv [M, (nh + 2 nkv) HD], attn [M, nh HD], act [M, I] scratch;
+// layer weights: layer 0's pointers, layer l at + l * layer_stride elements; kv: the cache's layer 0.
+#define MK_KERNEL(M, G)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) decode_mk_m##M##_g##G##_hd128(                \
+        bf16* x, bf16* h_out, bf16* qkv, bf16* attn, bf16* act, const bf16* in_norm, const bf16* w_qkv,          \
+        const bf16* q_norm, const bf16* k_norm, const bf16* w_o, const bf16* post_norm, const bf16* w_gu,        \
+        const bf16* w_down, const bf16* final_norm, u64 layer_stride, const float* cos_t, const float* sin_t,    \
+        const int* positions, const int* seq_lens, const int* slot_mapping, const int* block_tables, bf16* kv,   \
+        float* part_o, float* part_ml, int* counters, long long* bar, int layers, int H, int I, int nh, int nkv,  \
+        int block_size, int max_blocks, int num_slots, int smax, int l2_ahead, float eps, float scale) {        \
+        const Args a{x, h_out, qkv, attn, act, in_norm, w_qkv, q_norm, k_norm, w_o, post_norm, w_gu, w_down,     \
+                     final_norm, layer_stride, cos_t, sin_t, positions, seq_lens, slot_mapping, block_tables,    \
+                     kv, part_o, part_ml, counters, bar, layers, H, I, nh, nkv, block_size, max_blocks,          \
+                     num_slots, smax, l2_ahead, eps, scale};                                                   \
+        megakernel<M, G>(a); }
+
+MK_KERNEL(1, 4)
+MK_KERNEL(2, 4)

@@ -1,0 +1,131 @@
+"""The persistent decode megakernel (kernels/decode_megakernel.cu) on a plan whose decode_1 / decode_2 run it:
+teacher-forced decode logits against the NumPy backend on the same plan (the oracle) and against the per-op CUDA
+kernels of the same model, at contexts from 1 key to several 256-key tiles a split (so one split, many splits with
+the in-kernel combine, and multi-tile splits all run), two sequences of different lengths in decode_2, graph replay
+== eager bit for bit, and the runner's refusal of a plan asking for more blocks than the GPU has SMs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+# head_dim 128 and 4 query heads a kv head: the instantiated kernels; 8 kv heads give 16 splits a seq on 132 SMs
+SHAPE = dict(vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=32,
+             num_key_value_heads=8, head_dim=128, max_position_embeddings=8192)
+BUILD = dict(max_num_seqs=4, decode_buckets=[1, 2, 4], prefill_buckets=[64, 512], max_seq_len=8192, block_size=16,
+             dtype="bfloat16", target="sm_90a", gemm_library=False)
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def sms():
+    from xserv_aot.runtime.select import gpu_available
+    if not gpu_available():
+        pytest.skip("no CUDA GPU")
+    from xserv_aot.runtime.cuda.driver import Device
+    return Device(0).num_sms
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory, seed_for, sms):
+    from tests.tiny_models import make_tiny_model
+    from xserv_aot.config import BuildConfig
+    from xserv_aot.plan.builder import compile_plan
+    tmp = tmp_path_factory.mktemp("cuda_mk")
+    model_dir = make_tiny_model(tmp / "hf", "qwen3", seed=seed_for("test_cuda_megakernel.plans"), **SHAPE)
+    mk = compile_plan(model_dir, tmp / "mk", BuildConfig(**BUILD, megakernel_sms=sms))
+    ref = compile_plan(model_dir, tmp / "ref", BuildConfig(**BUILD))
+    for name in ("decode_1", "decode_2"):
+        kernels = [op.cuda.kernel for op in next(b for b in mk.buckets if b.name == name).ops]
+        assert sum(k.startswith("decode_mk_") for k in kernels) == 1, kernels
+    return mk, ref
+
+
+@pytest.fixture(scope="module")
+def runners(plans):
+    from xserv_aot.runtime.cuda.runner import CudaRunner
+    mk, ref = (CudaRunner(p, log=print) for p in plans)
+    yield mk, ref
+    mk.close()
+    ref.close()
+
+
+def forced(runner, prompts: dict, steps: list[dict]):
+    """Prefill every prompt, then teacher-forced decode steps; -> {k: [logits of each step]} (the prefill's last
+    row first)."""
+    from xserv_aot.runtime.session import Session
+    runner.reset_kv() if hasattr(runner, "reset_kv") else None
+    s = Session(runner, num_seqs=len(prompts))
+    out = {}
+    for k, p in prompts.items():
+        out[k] = [s.prefill(k, p)[1]]
+    for toks in steps:
+        _, lg = s.step({k: [t] for k, t in toks.items()})
+        for i, k in enumerate(toks):
+            out[k].append(lg[i])
+    return {k: np.array(v, np.float64) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("ctx", [1, 9, 200, 700, 3000, 5000])
+def test_decode_1_matches_numpy_and_per_op_kernels(plans, runners, ctx, seed):
+    from xserv_aot.runtime.numpy_backend import NumpyRunner
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(3, SHAPE["vocab_size"], ctx).tolist()
+    steps = [{0: int(t)} for t in rng.integers(3, SHAPE["vocab_size"], 4)]
+    got = forced(runners[0], {0: prompt}, steps)[0][1:]
+    per_op = forced(runners[1], {0: prompt}, steps)[0][1:]
+    want = forced(NumpyRunner(plans[0]), {0: prompt}, steps)[0][1:]
+    errs = [rel_err(g, w) for g, w in zip(got, want)]
+    base = [rel_err(g, w) for g, w in zip(per_op, want)]
+    # the per-op kernels' own error against NumPy sets the scale (bf16 roundings in another order)
+    assert max(errs) <= max(2e-2, 1.5 * max(base)), (errs, base, seed)
+
+
+def test_decode_2_two_lengths(plans, runners, seed):
+    from xserv_aot.runtime.numpy_backend import NumpyRunner
+    rng = np.random.default_rng(seed)
+    prompts = {0: rng.integers(3, SHAPE["vocab_size"], 300).tolist(),
+               1: rng.integers(3, SHAPE["vocab_size"], 2600).tolist()}
+    steps = [{0: int(a), 1: int(b)} for a, b in rng.integers(3, SHAPE["vocab_size"], (4, 2))]
+    got = forced(runners[0], prompts, steps)
+    want = forced(NumpyRunner(plans[0]), prompts, steps)
+    for k in prompts:
+        errs = [rel_err(g, w) for g, w in zip(got[k][1:], want[k][1:])]
+        assert max(errs) <= 2e-2, (k, errs, seed)
+
+
+def test_graph_replay_equals_eager_bitwise(runners, seed):
+    rng = np.random.default_rng(seed)
+    mk = runners[0]
+
+    class Eager:
+        plan = mk.plan
+
+        def run(self, batch):
+            return mk.run_eager(mk.bucket_for(batch).name, batch)
+
+        def reset_kv(self):
+            mk.reset_kv()
+
+    prompt = rng.integers(3, SHAPE["vocab_size"], 1500).tolist()
+    steps = [{0: int(t)} for t in rng.integers(3, SHAPE["vocab_size"], 5)]
+    graph = forced(mk, {0: prompt}, steps)[0]
+    eager = forced(Eager(), {0: prompt}, steps)[0]
+    np.testing.assert_array_equal(graph, eager)
+
+
+def test_runner_refuses_more_blocks_than_sms(tmp_path, seed_for, sms):
+    from tests.tiny_models import make_tiny_model
+    from xserv_aot.config import BuildConfig
+    from xserv_aot.plan.builder import compile_plan
+    from xserv_aot.runtime.cuda.runner import CudaRunner, CudaRunnerError
+    model_dir = make_tiny_model(tmp_path / "hf", "qwen3", seed=seed_for("mk_refuse"), **SHAPE)
+    plan = compile_plan(model_dir, tmp_path / "plan", BuildConfig(**{**BUILD, "decode_buckets": [1, 4]},
+                                                                  megakernel_sms=sms + 1))
+    with pytest.raises(CudaRunnerError, match="megakernel needs"):
+        CudaRunner(plan)

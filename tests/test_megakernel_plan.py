@@ -1,0 +1,88 @@
+"""Where the planner puts the decode megakernel (plan/megakernel_plan.py): decode_1 / decode_2 get one launch whose
+arguments are layer 0's weights plus the one layer stride, every replaced op launches nothing, larger buckets keep
+their kernels; models or plans the kernel does not fit keep per-op kernels with the reason in the manifest."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("cuda.core")
+
+from xserv_aot.config import BuildConfig, ConfigError  # noqa: E402
+from xserv_aot.plan.megakernel_plan import FUSED, MK_PREFIX, MK_THREADS  # noqa: E402
+
+CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 1000, "hidden_size": 512,
+          "intermediate_size": 1024, "num_hidden_layers": 3, "num_attention_heads": 16, "num_key_value_heads": 4,
+          "head_dim": 128, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+          "tie_word_embeddings": True}
+
+
+def compile_tiny(tmp_path, config=CONFIG, **build):
+    from xserv_aot.plan.builder import compile_plan
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(config))
+    b = dict(max_num_seqs=4, decode_buckets=[1, 2, 4], prefill_buckets=[16, 64], max_seq_len=512, dtype="bfloat16",
+             target="sm_90a", gemm_library=False, megakernel_sms=132)
+    b.update(build)
+    return compile_plan(cfg, tmp_path / "plan", BuildConfig(**b), dummy_weights=True)
+
+
+def bucket(plan, name):
+    return next(b for b in plan.buckets if b.name == name)
+
+
+def test_decode_1_and_2_run_one_persistent_launch(tmp_path):
+    plan = compile_tiny(tmp_path)
+    tensors = plan.manifest["weights"]["tensors"]
+    for name, seqs in (("decode_1", 1), ("decode_2", 2)):
+        ops = bucket(plan, name).ops
+        kernels = [op.cuda.kernel for op in ops]
+        first = next(i for i, k in enumerate(kernels) if k.startswith(MK_PREFIX))
+        assert ops[first].op == "rmsnorm" and kernels[first] == f"{MK_PREFIX}m{seqs}_g4_hd128"
+        # everything from layer 0's input norm to the final norm, nothing after it (gather, lm_head, sampling)
+        assert ops[first + 1:].index(next(op for op in ops if op.op == "gather_rows")) == 3 * 9 + 1 - 1
+        assert all(k == FUSED for k in kernels[first + 1:first + 1 + 3 * 9])
+        assert kernels[first + 1 + 3 * 9] == "gather_rows"
+        assert all(not op.cuda.launch for op in ops[first + 1:first + 1 + 3 * 9])
+        rec = ops[first].cuda.launch[0]
+        assert rec.grid == (132, 1, 1) and rec.block == (MK_THREADS, 1, 1) and rec.smem <= 227 * 1024
+        args = {i: a for i, a in enumerate(rec.args)}
+        assert args[6] == ("ptr", "layers.0.qkv") and args[12] == ("ptr", "layers.0.down")
+        stride = args[14][1]
+        for w in ("qkv", "down", "q_norm", "input_norm"):
+            assert tensors[f"layers.2.{w}"]["offset"] - tensors[f"layers.0.{w}"]["offset"] == 2 * stride * 2
+        assert args[34] == ("i32", 132 // (seqs * 4))        # splits a seq: blocks / (seqs x kv heads)
+    assert not any(op.cuda.kernel.startswith(MK_PREFIX) for op in bucket(plan, "decode_4").ops)
+    assert "mk_grid_barrier" in plan.manifest["arena"]["buffers"]
+    assert "megakernel_skipped" not in plan.kernels
+
+
+def test_off_by_default(tmp_path):
+    plan = compile_tiny(tmp_path, megakernel_sms=0)
+    assert not any(op.cuda.kernel.startswith(MK_PREFIX) or op.cuda.kernel == FUSED
+                   for bk in plan.buckets for op in bk.ops)
+    assert "mk_grid_barrier" not in plan.manifest["arena"]["buffers"]
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"num_key_value_heads": 8}, "query heads a kv head"),
+    ({"head_dim": 64}, "head_dim 64"),
+    ({"intermediate_size": 20000}, "do not fit"),
+])
+def test_models_the_kernel_does_not_fit_keep_per_op_kernels(tmp_path, change, why):
+    plan = compile_tiny(tmp_path, {**CONFIG, **change})
+    assert set(plan.kernels["megakernel_skipped"]) == {"decode_1", "decode_2"}
+    assert all(why in reason for reason in plan.kernels["megakernel_skipped"].values())
+    assert not any(op.cuda.kernel == FUSED for bk in plan.buckets for op in bk.ops)
+
+
+def test_fp8_plan_keeps_per_op_kernels(tmp_path):
+    plan = compile_tiny(tmp_path, quantization="fp8")
+    assert "quantized" in plan.kernels["megakernel_skipped"]["decode_1"]
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "132"])
+def test_build_setting_is_checked(bad):
+    with pytest.raises(ConfigError, match="megakernel_sms"):
+        BuildConfig(megakernel_sms=bad).validate()

@@ -1,0 +1,154 @@
+"""The persistent decode megakernel (kernels/decode_megakernel.cu): in decode buckets of <= MK_MAX_SEQS seqs every
+op from layer 0's input norm to the final norm runs as one launch of build.megakernel_sms blocks (one an SM, all
+resident: the runtime checks the GPU), the ops it replaces launch nothing ("fused_into_megakernel"; the NumPy
+backend still runs each of them). Used only where the bucket's ops are the standard layer sequence below, the
+layer weights sit at one stride and the shapes fit the kernel's shared-memory slots; otherwise the bucket keeps
+its per-op kernels and the manifest says why (kernels.megakernel_skipped)."""
+from __future__ import annotations
+
+from xserv_aot.plan.kernel_constants import MK_H_BYTES, MK_PART_FLOATS, MK_STAGE_BYTES, MK_STAGES
+from xserv_aot.plan.launch_records import f32, i32, kernel, kv, launch, ptr
+from xserv_aot.plan.op_records import (AddRmsNorm, Attention, KernelChoice, Linear, Op, QkNormRopeCache, RmsNorm,
+                                       SiluMul)
+
+MK_MAX_SEQS = 2
+MK_GQA = (4,)                    # query heads per kv head with an instantiated kernel
+MK_HEAD_DIM = 128
+MK_THREADS = 9 * 32              # 8 consumer warps and the weight-stream producer
+MK_L2_AHEAD = 0                  # ring slots the producer prefetches into L2 ahead of its copies (H200: 4, 8,
+                                 # 16 each slower than 0, docs/cuda-notes.md)
+MK_SMEM_BYTES = MK_STAGES * MK_STAGE_BYTES + MK_H_BYTES + 4 * MK_PART_FLOATS + 2 * MK_STAGES * 8 + 64 * 4
+FUSED = "fused_into_megakernel"
+MK_PREFIX = "decode_mk_"
+LAYER_OPS = (Linear, QkNormRopeCache, Attention, Linear, AddRmsNorm, Linear, SiluMul, Linear)
+
+
+class NotEligible(Exception):
+    """Why a bucket keeps its per-op kernels (one line)."""
+
+
+def slot_rows(k: int) -> int:
+    """Rows of a K-wide bf16 matrix in one ring slot (the kernel's slot_rows)."""
+    r = MK_STAGE_BYTES // (2 * k)
+    return 8 if r >= 8 else 4 if r >= 4 else 2 if r >= 2 else 1
+
+
+def layer_ops(ops: list[Op]) -> tuple[int, int, list[list[Op]]]:
+    """(index of layer 0's input norm, index of the final norm, each layer's ops after its input norm)."""
+    start = next((i for i, op in enumerate(ops) if isinstance(op, RmsNorm)), None)
+    if start is None:
+        raise NotEligible("no input rmsnorm")
+    layers, i = [], start + 1
+    while i + len(LAYER_OPS) < len(ops) and isinstance(ops[i], Linear) and ops[i].weight.endswith(".qkv"):
+        group = ops[i:i + len(LAYER_OPS)]
+        if not all(isinstance(op, t) for op, t in zip(group, LAYER_OPS)) or not isinstance(ops[i + 8], AddRmsNorm):
+            raise NotEligible(f"op {i}: not the standard layer sequence")
+        layers.append(group)
+        i += len(LAYER_OPS) + 1
+    if not layers:
+        raise NotEligible("no layers")
+    return start, i - 1, layers
+
+
+def check_layers(ops: list[Op], start: int, layers: list[list[Op]]) -> dict:
+    """The buffers every layer reads and writes (the same in each) and their consistency."""
+    norm0 = ops[start]
+    qkv, rope, attn, o_proj, post, gate_up, silu, down = layers[0]
+    names = {"x": norm0.inp, "h": norm0.out, "qkv": qkv.out, "q": rope.q_out, "attn": attn.out, "o": o_proj.out,
+             "gate_up": gate_up.out, "act": silu.out}
+    for li, (qkv, rope, attn, o_proj, post, gate_up, silu, down) in enumerate(layers):
+        nxt = ops[start + (li + 1) * (len(LAYER_OPS) + 1)]
+        ok = (qkv.inp == names["h"] and rope.qkv == qkv.out == names["qkv"] and rope.layer == attn.layer == li
+              and attn.q == rope.q_out == names["q"] and o_proj.inp == attn.out == names["attn"]
+              and post.residual == names["x"] and post.delta == o_proj.out == names["o"] and post.out == names["h"]
+              and gate_up.inp == names["h"] and silu.inp == gate_up.out and down.inp == silu.out == names["act"]
+              and down.out == names["o"] and nxt.residual == names["x"] and nxt.delta == names["o"]
+              and nxt.out == names["h"])
+        if not ok:
+            raise NotEligible(f"layer {li}: buffers differ from layer 0's")
+        if len({ops[start].eps, post.eps, nxt.eps, rope.eps}) > 1:
+            raise NotEligible(f"layer {li}: norms with different eps")
+        for lin in (qkv, o_proj, gate_up, down):
+            if lin.bias is not None or lin.quant is not None:
+                raise NotEligible(f"layer {li}: {lin.weight} has a bias or is quantized")
+    return names
+
+
+def layer_weights(ops: list[Op], start: int, layers: list[list[Op]]) -> list[list[str | None]]:
+    """Per layer, the weights the kernel reads: input norm, qkv, q_norm, k_norm, o_proj, post norm, gate_up, down."""
+    out = []
+    for li, (qkv, rope, _, o_proj, post, gate_up, _, down) in enumerate(layers):
+        norm = ops[start] if li == 0 else ops[start + li * (len(LAYER_OPS) + 1)]
+        out.append([norm.weight, qkv.weight, rope.q_norm, rope.k_norm, o_proj.weight, post.weight, gate_up.weight,
+                    down.weight])
+    return out
+
+
+def layer_stride(tensors: dict, per_layer: list[list[str | None]]) -> int:
+    """Elements between a layer weight and the same weight of the next layer: one stride for every weight."""
+    strides = set()
+    for kind in range(len(per_layer[0])):
+        names = [w[kind] for w in per_layer]
+        if all(n is None for n in names) and kind in (2, 3):            # no QK norm
+            continue
+        if any(n is None or tensors[n]["dtype"] != "bfloat16" for n in names):
+            raise NotEligible(f"layer weight {names[0]} missing or not bfloat16")
+        offs = [tensors[n]["offset"] for n in names]
+        strides |= {offs[i + 1] - offs[i] for i in range(len(offs) - 1)}
+    if len(strides) > 1 or (strides and min(strides) % 2):
+        raise NotEligible("layer weights are not at one stride")
+    return (strides.pop() if strides else 0) // 2
+
+
+def check_shapes(m: dict, seqs: int, sms: int) -> int:
+    """smax (splits a sequence's attention may use) if the shapes fit the kernel."""
+    hidden, inter, nh, nkv, hd = (m[k] for k in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+                                                 "head_dim"))
+    if hd != MK_HEAD_DIM or nh % nkv or nh // nkv not in MK_GQA:
+        raise NotEligible(f"head_dim {hd} / {nh // nkv} query heads a kv head: no instantiated kernel")
+    if (slot_rows(hidden) < 2 or 2 * max(inter, nh * hd) > MK_STAGE_BYTES
+            or seqs * 2 * max(hidden, inter, nh * hd) > MK_H_BYTES):
+        raise NotEligible(f"hidden {hidden} / intermediate {inter} do not fit the ring slots")
+    for n, k, gate in (((nh + 2 * nkv) * hd, hidden, False), (hidden, nh * hd, False), (inter, hidden, True),
+                       (hidden, inter, False)):
+        rows = -(-n // sms) * (2 if gate else 1)
+        if rows * (8 // slot_rows(k)) * seqs > MK_PART_FLOATS:
+            raise NotEligible(f"{n} x {k}: too many rows a block for the partial sums")
+    smax = sms // (seqs * nkv)
+    if smax < 1:
+        raise NotEligible(f"{sms} blocks cannot hold {seqs} x {nkv} attention items")
+    return smax
+
+
+def plan_megakernel(kind: str, ops: list[Op], choices: list[KernelChoice], manifest: dict, m: dict,
+                    num_slots: int, max_blocks: int) -> list[KernelChoice]:
+    """The bucket's choices with the megakernel in place of the layer ops (NotEligible: why not)."""
+    b = manifest["build"]
+    sms = int(b.get("megakernel_sms", 0))
+    attn0 = next((op for op in ops if isinstance(op, Attention)), None)
+    seqs = attn0.num_seqs if attn0 is not None else 0
+    if not sms or attn0 is None or attn0.rows != seqs or kind != "decode" or seqs > MK_MAX_SEQS:
+        raise NotEligible("not a decode bucket of <= 2 seqs with megakernel_sms set")
+    if b.get("tensor_parallel", 1) != 1 or b.get("quantization", "none") != "none":
+        raise NotEligible("tensor parallel or quantized plan")
+    start, end, layers = layer_ops(ops)
+    names = check_layers(ops, start, layers)
+    smax = check_shapes(m, seqs, sms)
+    stride = layer_stride(manifest["weights"]["tensors"], layer_weights(ops, start, layers))
+    rope, attn, final = layers[0][1], layers[0][2], ops[end]
+    g = m["num_heads"] // m["num_kv_heads"]
+    args = [ptr(names["x"]), ptr(final.out), ptr(names["qkv"]), ptr(names["attn"]), ptr(names["act"]),
+            ptr(ops[start].weight), ptr(layers[0][0].weight), ptr(rope.q_norm), ptr(rope.k_norm),
+            ptr(layers[0][3].weight), ptr(layers[0][4].weight), ptr(layers[0][5].weight), ptr(layers[0][7].weight),
+            ptr(final.weight), ("u64", stride), ptr(rope.cos), ptr(rope.sin), ptr(rope.positions),
+            ptr(attn.seq_lens), ptr(rope.slot_mapping), ptr(attn.block_tables), kv(0), ptr("attn_part_o"),
+            ptr("attn_part_ml"), ptr("attn_counters"), ptr("mk_grid_barrier"), i32(len(layers)),
+            i32(m["hidden_size"]), i32(m["intermediate_size"]), i32(m["num_heads"]), i32(m["num_kv_heads"]),
+            i32(manifest["kv_cache"]["shape"][3]), i32(max_blocks), i32(num_slots), i32(smax), i32(MK_L2_AHEAD),
+            f32(final.eps), f32(attn.scale)]
+    rec = launch(f"{MK_PREFIX}m{seqs}_g{g}_hd{MK_HEAD_DIM}", [sms], [MK_THREADS], MK_SMEM_BYTES, args)
+    out = list(choices)
+    out[start] = kernel(rec)
+    for i in range(start + 1, end + 1):
+        out[i] = KernelChoice(FUSED, splits=smax if isinstance(ops[i], Attention) else None)
+    return out

@@ -4,21 +4,21 @@
 // kv head combines; (3) o_proj GEMV + residual; (4) rmsnorm(x) -> gate_up GEMV -> silu * up; (5) down GEMV +
 // residual. After the last layer block 0 writes h = rmsnorm(x) * final_norm.
 // Warp MK_CONSUMERS (the producer) streams every weight row the block owns, for the whole step, through an
-// MK_STAGES-deep ring of MK_STAGE_BYTES shared-memory slots (cp.async.bulk + mbarriers); it never waits for a grid
+// `stages`-deep ring of MK_STAGE_BYTES shared-memory slots (cp.async.bulk + mbarriers); it never waits for a grid
 // barrier, so the next phase's weights arrive while the consumers sit at one. Block b owns rows
 // [b N / NB, (b + 1) N / NB) of every matrix (gate_up: pairs j, gate row j and up row I + j).
 // Data written inside the launch by other blocks (x, qkv, attn, act, partials) is read with ld.global.cg (L2).
 // Rounding: every GEMV output to bf16, x + o to bf16, silu(g) * u of bf16 g, u: the unfused kernels' rules.
 #include "qk_rope.cuh"
 
-#define MK_CONSUMERS 8                       // consumer warps; warp 8 is the producer
 #define MK_THREADS ((MK_CONSUMERS + 1) * 32)
 #define MK_CTHREADS (MK_CONSUMERS * 32)
-// MK_STAGES, MK_STAGE_BYTES (the weight ring), MK_H_BYTES (GEMV input / attention scratch), MK_PART_FLOATS
-// (partial sums): plan/kernel_constants.py, as -D options
-#define MK_TILE 128                          // keys an attention tile: two consumer threads a key
+// MK_STAGE_BYTES (a ring slot), MK_H_SEQ_BYTES (GEMV input a sequence / attention scratch), MK_PART_FLOATS
+// (partial sums), MK_CONSUMERS (consumer warps; warp MK_CONSUMERS is the producer), MK_TILE (keys an attention
+// tile, two consumer threads a key), MK_TRACE (stamps a layer: 14 phase edges, the 4 GEMVs' ring-wait sums):
+// plan/kernel_constants.py, as -D options
 #define MK_HD 128
-// dynamic smem = ring + h + part + 2 * MK_STAGES mbarriers + 64 floats of scratch (plan/megakernel_plan.py)
+// dynamic smem = stages slots + M * MK_H_SEQ_BYTES + part + 2 * stages mbarriers + 64 floats (plan/megakernel_plan.py)
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;" :: "n"(MK_CTHREADS) : "memory"); }
@@ -39,7 +39,8 @@ __device__ __forceinline__ void mbar_wait(u64* b, u32 parity) {
     }
 }
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* bar, u64 policy) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+                 " [%0], [%1], %2, [%3], %4;"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy) : "memory");
 }
 __device__ __forceinline__ vec16 ld_l2(const void* p) {
@@ -64,7 +65,8 @@ __device__ __forceinline__ void ld_stream8(const void* p, u32& a, u32& b) {
 // A shared-memory float4 the compiler may not hoist out of the tile loop (it would keep all of q in registers).
 __device__ __forceinline__ float4 lds_f4(const float* p) {
     float4 v;
-    asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(smem_addr(p)));
+    asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(smem_addr(p)));
     return v;
 }
 
@@ -91,8 +93,8 @@ __device__ __forceinline__ void grid_sync(long long* ctr, u64 target) {
     csync();
 }
 
-struct Ring { u64* full; u64* empty; char* slots; int stage; u32 phase; };
-__device__ __forceinline__ void ring_next(Ring& r) { if (++r.stage == MK_STAGES) { r.stage = 0; r.phase ^= 1u; } }
+struct Ring { u64* full; u64* empty; char* slots; int stages, stage; u32 phase; };
+__device__ __forceinline__ void ring_next(Ring& r) { if (++r.stage == r.stages) { r.stage = 0; r.phase ^= 1u; } }
 
 // Rows per ring slot of a K-wide matrix: a power of two <= 8 (a slot's rows split the 8 consumer warps evenly).
 __device__ __forceinline__ int slot_rows(int K) {
@@ -105,13 +107,22 @@ struct Chunk { const bf16* src; const bf16* src2; u32 bytes, up; };
 
 // Consumers: the same slots in the same order; part[(local row * wpr + warp part) * M + m] = partial dot.
 // Local rows: plain, j - r0; gate, 2 (j - r0) (gate) and 2 (j - r0) + 1 (up).
+__device__ __forceinline__ u64 now_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}
+
 template <int M>
-__device__ __forceinline__ void consume(Ring& r, const bf16* hs, float* part, int r0, int r1, int K, bool gate) {
+__device__ __forceinline__ void consume(Ring& r, const bf16* hs, float* part, int r0, int r1, int K, bool gate,
+                                        u64* wait_ns = nullptr) {
     const int rc = slot_rows(K), step = gate ? rc / 2 : rc, wpr = MK_CONSUMERS / rc;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, row = warp / wpr, wp = warp % wpr;
     for (int j = r0; j < r1; j += step) {
         const int n = min(step, r1 - j);
+        const u64 t0 = wait_ns ? now_ns() : 0;
         mbar_wait(&r.full[r.stage], r.phase);
+        if (wait_ns) *wait_ns += now_ns() - t0;
         const bool up = gate && row >= step;
         const int pair = up ? row - step : row;
         if (pair < n) {
@@ -207,7 +218,8 @@ struct Args {
     u64 layer_stride;                          // elements between layer l and l + 1 of every layer weight
     const float *cos_t, *sin_t; const int *positions, *seq_lens, *slot_mapping, *block_tables;
     bf16* kv; float* part_o; float* part_ml; int* counters; long long* bar;
-    int layers, H, I, nh, nkv, block_size, max_blocks, num_slots, smax, l2_ahead; float eps, scale;
+    long long* trace;                          // null, or [NB][layers][MK_TRACE] globaltimer stamps (ns) of thread 0
+    int layers, H, I, nh, nkv, block_size, max_blocks, num_slots, smax, stages, l2_ahead; float eps, scale;
 };
 
 // This block's rows and its slots a layer (qkv, o, gate_up, down), from blockIdx.
@@ -230,7 +242,10 @@ __device__ __forceinline__ Chunk chunk_at(const Args& a, const Rows& r, int c) {
     const int per = r.nq + r.no + r.ng + r.nd, l = c / per, rh = slot_rows(a.H);
     int i = c % per;
     const size_t lw = (size_t)l * a.layer_stride;
-    if (i < r.nq) { const int j = r.q0 + i * rh; return {a.w_qkv + lw + (size_t)j * a.H, nullptr, (u32)(min(rh, r.q1 - j) * a.H * 2), 0}; }
+    if (i < r.nq) {
+        const int j = r.q0 + i * rh;
+        return {a.w_qkv + lw + (size_t)j * a.H, nullptr, (u32)(min(rh, r.q1 - j) * a.H * 2), 0};
+    }
     i -= r.nq;
     if (i < r.no) {
         const int ko = a.nh * MK_HD, ro = slot_rows(ko), j = r.h0 + i * ro;
@@ -239,7 +254,8 @@ __device__ __forceinline__ Chunk chunk_at(const Args& a, const Rows& r, int c) {
     i -= r.no;
     if (i < r.ng) {
         const int step = rh / 2, j = r.i0 + i * step;
-        return {a.w_gu + lw + (size_t)j * a.H, a.w_gu + lw + (size_t)(a.I + j) * a.H, (u32)(min(step, r.i1 - j) * a.H * 2),
+        return {a.w_gu + lw + (size_t)j * a.H, a.w_gu + lw + (size_t)(a.I + j) * a.H,
+                (u32)(min(step, r.i1 - j) * a.H * 2),
                 (u32)(step * a.H * 2)};
     }
     i -= r.ng;
@@ -342,7 +358,7 @@ __device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& i
         float* dst = task < G ? qs + task * MK_HD : task == G ? kn : vn;
         bf16* cache = nullptr;
         if (task >= G && it.slot >= 0)
-            cache = a.kv + (size_t)layer * 2 * a.num_slots * a.nkv * MK_HD + (size_t)(task - G) * a.num_slots * a.nkv * MK_HD
+            cache = a.kv + (size_t)(layer * 2 + task - G) * a.num_slots * a.nkv * MK_HD
                     + ((size_t)it.slot * a.nkv + it.kvh) * MK_HD;
 #pragma unroll
         for (int e = 0; e < MK_HD / 32; e++) {
@@ -355,7 +371,10 @@ __device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& i
     const float sl2 = a.scale * 1.4426950408889634f;
     float m_run[G], l_run[G], acc[G][4];
 #pragma unroll
-    for (int g = 0; g < G; g++) { m_run[g] = -1e30f; l_run[g] = 0.f; acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.f; }
+    for (int g = 0; g < G; g++) {
+        m_run[g] = -1e30f; l_run[g] = 0.f;
+        acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.f;
+    }
     const bf16* kvl = a.kv + (size_t)layer * 2 * a.num_slots * a.nkv * MK_HD;
     for (int t0 = it.k0; t0 < it.k1; t0 += MK_TILE) {
         if (t0 != it.k0) load_tile(a, it, kvl, t0, t);
@@ -502,13 +521,13 @@ template <int M, int G>
 __device__ void megakernel(const Args& a) {
     extern __shared__ __align__(128) char smem[];
     char* slots = smem;
-    bf16* hs = (bf16*)(smem + MK_STAGES * MK_STAGE_BYTES);
-    float* part = (float*)(smem + MK_STAGES * MK_STAGE_BYTES + MK_H_BYTES);
+    bf16* hs = (bf16*)(smem + (size_t)a.stages * MK_STAGE_BYTES);
+    float* part = (float*)(smem + (size_t)a.stages * MK_STAGE_BYTES + M * MK_H_SEQ_BYTES);
     u64* bars = (u64*)(part + MK_PART_FLOATS);
-    float* scratch = (float*)(bars + 2 * MK_STAGES);
-    Ring ring{bars, bars + MK_STAGES, slots, 0, 0u};
+    float* scratch = (float*)(bars + 2 * a.stages);
+    Ring ring{bars, bars + a.stages, slots, a.stages, 0, 0u};
     if (threadIdx.x == 0) {
-        for (int s = 0; s < MK_STAGES; s++) { mbar_init(&ring.full[s], 1); mbar_init(&ring.empty[s], MK_CONSUMERS); }
+        for (int s = 0; s < a.stages; s++) { mbar_init(&ring.full[s], 1); mbar_init(&ring.empty[s], MK_CONSUMERS); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -530,9 +549,15 @@ __device__ void megakernel(const Args& a) {
     KVTile tile;
     for (int l = 0; l < a.layers; l++) {
         const size_t lw = (size_t)l * a.layer_stride;
+        long long* tr = a.trace && threadIdx.x == 0 ? a.trace + ((size_t)b * a.layers + l) * MK_TRACE : nullptr;
+        u64 waits[4] = {0, 0, 0, 0};
+#define STAMP(k) do { if (tr) tr[k] = (long long)now_ns(); } while (0)
+        STAMP(0);
         // (1) qkv = rmsnorm(x) W_qkv^T
         norm_to_smem<M>(a.x, a.in_norm + lw, hs, H, a.eps, scratch);
-        consume<M>(ring, hs, part, q0, q1, H, false);
+        STAMP(1);
+        consume<M>(ring, hs, part, q0, q1, H, false, tr ? &waits[0] : nullptr);
+        STAMP(2);
         if (it.live && it.ctx > 0) {
             const bf16* kvl = a.kv + (size_t)l * 2 * a.num_slots * a.nkv * MK_HD;
             load_tile(a, it, kvl, it.k0, tile);
@@ -548,11 +573,16 @@ __device__ void megakernel(const Args& a) {
         }
         grid_sync(a.bar, base + (++nbar) * NB);
         // (2) attention
+        STAMP(3);
         if (it.live) attention_phase<M, G>(a, it, l, tile, (float*)hs);
+        STAMP(4);
         grid_sync(a.bar, base + (++nbar) * NB);
+        STAMP(5);
         // (3) x += attn W_o^T
         copy_to_smem<M>(a.attn, hs, a.nh * MK_HD);
-        consume<M>(ring, hs, part, h0, h1, a.nh * MK_HD, false);
+        STAMP(6);
+        consume<M>(ring, hs, part, h0, h1, a.nh * MK_HD, false, tr ? &waits[1] : nullptr);
+        STAMP(7);
         csync();
         {
             const int wpr = MK_CONSUMERS / slot_rows(a.nh * MK_HD);
@@ -564,8 +594,11 @@ __device__ void megakernel(const Args& a) {
         }
         grid_sync(a.bar, base + (++nbar) * NB);
         // (4) act = silu(g) * u, [g | u] = rmsnorm(x) W_gate_up^T
+        STAMP(8);
         norm_to_smem<M>(a.x, a.post_norm + lw, hs, H, a.eps, scratch);
-        consume<M>(ring, hs, part, i0, i1, H, true);
+        STAMP(9);
+        consume<M>(ring, hs, part, i0, i1, H, true, tr ? &waits[2] : nullptr);
+        STAMP(10);
         csync();
         {
             const int wpr = MK_CONSUMERS / slot_rows(H);
@@ -578,8 +611,13 @@ __device__ void megakernel(const Args& a) {
         }
         grid_sync(a.bar, base + (++nbar) * NB);
         // (5) x += act W_down^T
+        STAMP(11);
         copy_to_smem<M>(a.act, hs, I);
-        consume<M>(ring, hs, part, h0, h1, I, false);
+        STAMP(12);
+        consume<M>(ring, hs, part, h0, h1, I, false, tr ? &waits[3] : nullptr);
+        STAMP(13);
+        if (tr) for (int k = 0; k < 4; k++) tr[14 + k] = (long long)waits[k];
+#undef STAMP
         csync();
         {
             const int wpr = MK_CONSUMERS / slot_rows(I);
@@ -606,12 +644,14 @@ __device__ void megakernel(const Args& a) {
         const bf16* q_norm, const bf16* k_norm, const bf16* w_o, const bf16* post_norm, const bf16* w_gu,        \
         const bf16* w_down, const bf16* final_norm, u64 layer_stride, const float* cos_t, const float* sin_t,    \
         const int* positions, const int* seq_lens, const int* slot_mapping, const int* block_tables, bf16* kv,   \
-        float* part_o, float* part_ml, int* counters, long long* bar, int layers, int H, int I, int nh, int nkv,  \
-        int block_size, int max_blocks, int num_slots, int smax, int l2_ahead, float eps, float scale) {        \
+        float* part_o, float* part_ml, int* counters, long long* bar, long long* trace, int layers, int H,      \
+        int I, int nh, int nkv, int block_size, int max_blocks, int num_slots, int smax, int stages, int l2_ahead,\
+        float eps, \
+        float scale) {                                                                                          \
         const Args a{x, h_out, qkv, attn, act, in_norm, w_qkv, q_norm, k_norm, w_o, post_norm, w_gu, w_down,     \
                      final_norm, layer_stride, cos_t, sin_t, positions, seq_lens, slot_mapping, block_tables,    \
-                     kv, part_o, part_ml, counters, bar, layers, H, I, nh, nkv, block_size, max_blocks,          \
-                     num_slots, smax, l2_ahead, eps, scale};                                                   \
+                     kv, part_o, part_ml, counters, bar, trace, layers, H, I, nh, nkv, block_size, max_blocks,  \
+                     num_slots, smax, stages, l2_ahead, eps, scale};                                                   \
         megakernel<M, G>(a); }
 
 MK_KERNEL(1, 4)

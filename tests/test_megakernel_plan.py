@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("cuda.core")
 
 from xserv_aot.config import BuildConfig, ConfigError  # noqa: E402
+from xserv_aot.plan.kernel_constants import MK_H_SEQ_BYTES, MK_PART_FLOATS, MK_STAGE_BYTES, MK_TRACE  # noqa: E402
 from xserv_aot.plan.megakernel_plan import FUSED, MK_PREFIX, MK_THREADS  # noqa: E402
 
 CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 1000, "hidden_size": 512,
@@ -52,9 +53,14 @@ def test_decode_1_and_2_run_one_persistent_launch(tmp_path):
         stride = args[14][1]
         for w in ("qkv", "down", "q_norm", "input_norm"):
             assert tensors[f"layers.2.{w}"]["offset"] - tensors[f"layers.0.{w}"]["offset"] == 2 * stride * 2
-        assert args[34] == ("i32", 132 // (seqs * 4))        # splits a seq: blocks / (seqs x kv heads)
+        assert args[26] == ("ptr", None)                      # the trace buffer: only scripts/megakernel_trace.py
+        assert args[35] == ("i32", 132 // (seqs * 4))        # splits a seq: blocks / (seqs x kv heads)
+        stages = args[36][1]
+        fixed = seqs * MK_H_SEQ_BYTES + 4 * MK_PART_FLOATS + 256
+        assert 2 <= stages and rec.smem == stages * (MK_STAGE_BYTES + 16) + fixed
     assert not any(op.cuda.kernel.startswith(MK_PREFIX) for op in bucket(plan, "decode_4").ops)
-    assert "mk_grid_barrier" in plan.manifest["arena"]["buffers"]
+    buffers = plan.manifest["arena"]["buffers"]
+    assert buffers["mk_grid_barrier"]["dtype"] == "int64" and buffers["mk_trace"]["shape"] == [132 * 3 * MK_TRACE]
     assert "megakernel_skipped" not in plan.kernels
 
 

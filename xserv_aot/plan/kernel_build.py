@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from xserv_aot.plan.kernel_constants import G_MAX, NORM_NC, P_KEYS
+from xserv_aot.plan.kernel_constants import G_MAX, MK_TRACE, NORM_NC, P_KEYS
 from xserv_aot.plan.attention_plan import fuses_rope, plan_attention
 from xserv_aot.plan.launch_records import check_launches, f32, i32, kernel, kv, launch, ptr
 from xserv_aot.plan.linear_plan import (CUTLASS_MIN_ROWS, GEMM_ENTRY, GEMM_ENTRY_EX, GEMM_SOURCE,  # noqa: F401
@@ -147,6 +147,8 @@ def add_megakernels(manifest: dict, records: dict, choices: dict) -> dict:
                 skipped[name] = str(e)
     if any(c.kernel.startswith(MK_PREFIX) for cs in choices.values() for c in cs):
         add_arena_buffer(manifest, "mk_grid_barrier", [1], "int64")   # zeroed at start, advanced in whole barriers
+        sms, layers = manifest["build"]["megakernel_sms"], rank_model(manifest)["num_layers"]
+        add_arena_buffer(manifest, "mk_trace", [sms * layers * MK_TRACE], "int64")  # scripts/megakernel_trace.py
     return skipped
 
 

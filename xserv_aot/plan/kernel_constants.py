@@ -12,15 +12,20 @@ GEMM_STAGES_64 = 4      # ... and of the 64x64 tiles
 SK_WARPS = 8            # warps of a kernels/gemm_skinny.cu block
 SK_RT = 2               # 16-row weight tiles per skinny warp
 SK_STAGES = 3           # ring of 64-k steps per skinny warp (SK_RT * 16 rows * 128 B each)
-MK_STAGES = 5           # weight-ring slots of the decode megakernel (kernels/decode_megakernel.cu)
-MK_STAGE_BYTES = 32768  # ... bytes a slot (whole rows of one matrix)
-MK_H_BYTES = 49152      # ... its GEMV input [M][K] bf16 / attention scratch
-MK_PART_FLOATS = 4096   # ... per-row, per-warp partial sums of a block's rows
+MK_SMEM_MAX = 232448    # dynamic shared memory of the decode megakernel (kernels/decode_megakernel.cu): sm_90's 227 KB
+MK_STAGE_BYTES = 32768  # ... bytes a weight-ring slot (whole rows of one matrix); the ring takes what is left
+MK_H_SEQ_BYTES = 24576  # ... GEMV input a sequence ([K] bf16; also holds the attention scratch)
+MK_PART_FLOATS = 2048   # ... per-row, per-warp partial sums of a block's rows
+MK_CONSUMERS = 8        # ... consumer warps (a slot's rows split them evenly); one more warp streams the weights
+MK_TILE = 128           # ... keys an attention tile (two consumer threads a key)
+MK_TRACE = 18           # ... trace stamps a block and layer (14 phase edges, 4 ring-wait sums; mk_trace buffer)
 
 KERNEL_DEFINES = {"P_KEYS": P_KEYS, "G_MAX": G_MAX, "NORM_NC": NORM_NC, "GEMM_BK": GEMM_BK, "GEMM_LDS": GEMM_LDS,
                   "GEMM_STAGES_128": GEMM_STAGES_128, "GEMM_STAGES_64": GEMM_STAGES_64, "SK_WARPS": SK_WARPS,
-                  "SK_RT": SK_RT, "SK_STAGES": SK_STAGES, "MK_STAGES": MK_STAGES,
-                  "MK_STAGE_BYTES": MK_STAGE_BYTES, "MK_H_BYTES": MK_H_BYTES, "MK_PART_FLOATS": MK_PART_FLOATS}
+                  "SK_RT": SK_RT, "SK_STAGES": SK_STAGES, "MK_STAGE_BYTES": MK_STAGE_BYTES,
+                  "MK_H_SEQ_BYTES": MK_H_SEQ_BYTES, "MK_PART_FLOATS": MK_PART_FLOATS,
+                  "MK_CONSUMERS": MK_CONSUMERS, "MK_TILE": MK_TILE,
+                  "MK_TRACE": MK_TRACE}
 
 
 def gemm_smem(tile: str) -> int:

@@ -6,7 +6,8 @@ layer weights sit at one stride and the shapes fit the kernel's shared-memory sl
 its per-op kernels and the manifest says why (kernels.megakernel_skipped)."""
 from __future__ import annotations
 
-from xserv_aot.plan.kernel_constants import MK_H_BYTES, MK_PART_FLOATS, MK_STAGE_BYTES, MK_STAGES
+from xserv_aot.plan.kernel_constants import (MK_CONSUMERS, MK_H_SEQ_BYTES, MK_PART_FLOATS, MK_SMEM_MAX,
+                                              MK_STAGE_BYTES, MK_TILE)
 from xserv_aot.plan.launch_records import f32, i32, kernel, kv, launch, ptr
 from xserv_aot.plan.op_records import (AddRmsNorm, Attention, KernelChoice, Linear, Op, QkNormRopeCache, RmsNorm,
                                        SiluMul)
@@ -14,10 +15,10 @@ from xserv_aot.plan.op_records import (AddRmsNorm, Attention, KernelChoice, Line
 MK_MAX_SEQS = 2
 MK_GQA = (4,)                    # query heads per kv head with an instantiated kernel
 MK_HEAD_DIM = 128
-MK_THREADS = 9 * 32              # 8 consumer warps and the weight-stream producer
+MK_THREADS = (MK_CONSUMERS + 1) * 32   # the consumer warps and the weight-stream producer
+MK_MAX_STAGES = 5                # H200, decode_1: 6 slots measured 0.1 ms slower than 5 (docs/cuda-notes.md)
 MK_L2_AHEAD = 0                  # ring slots the producer prefetches into L2 ahead of its copies (H200: 4, 8,
                                  # 16 each slower than 0, docs/cuda-notes.md)
-MK_SMEM_BYTES = MK_STAGES * MK_STAGE_BYTES + MK_H_BYTES + 4 * MK_PART_FLOATS + 2 * MK_STAGES * 8 + 64 * 4
 FUSED = "fused_into_megakernel"
 MK_PREFIX = "decode_mk_"
 LAYER_OPS = (Linear, QkNormRopeCache, Attention, Linear, AddRmsNorm, Linear, SiluMul, Linear)
@@ -25,6 +26,14 @@ LAYER_OPS = (Linear, QkNormRopeCache, Attention, Linear, AddRmsNorm, Linear, Sil
 
 class NotEligible(Exception):
     """Why a bucket keeps its per-op kernels (one line)."""
+
+
+def smem_layout(seqs: int) -> tuple[int, int]:
+    """(ring slots, dynamic shared memory bytes) of the kernel for seqs sequences: the GEMV input, partial sums,
+    mbarriers and scratch first, the ring gets the rest of MK_SMEM_MAX, at most MK_MAX_STAGES slots."""
+    fixed = seqs * MK_H_SEQ_BYTES + 4 * MK_PART_FLOATS + 64 * 4
+    stages = min(MK_MAX_STAGES, (MK_SMEM_MAX - fixed) // (MK_STAGE_BYTES + 2 * 8))
+    return stages, stages * (MK_STAGE_BYTES + 2 * 8) + fixed
 
 
 def slot_rows(k: int) -> int:
@@ -107,13 +116,16 @@ def check_shapes(m: dict, seqs: int, sms: int) -> int:
     if hd != MK_HEAD_DIM or nh % nkv or nh // nkv not in MK_GQA:
         raise NotEligible(f"head_dim {hd} / {nh // nkv} query heads a kv head: no instantiated kernel")
     if (slot_rows(hidden) < 2 or 2 * max(inter, nh * hd) > MK_STAGE_BYTES
-            or seqs * 2 * max(hidden, inter, nh * hd) > MK_H_BYTES):
+            or 2 * max(hidden, inter, nh * hd) > MK_H_SEQ_BYTES):
         raise NotEligible(f"hidden {hidden} / intermediate {inter} do not fit the ring slots")
     for n, k, gate in (((nh + 2 * nkv) * hd, hidden, False), (hidden, nh * hd, False), (inter, hidden, True),
                        (hidden, inter, False)):
         rows = -(-n // sms) * (2 if gate else 1)
-        if rows * (8 // slot_rows(k)) * seqs > MK_PART_FLOATS:
+        if rows * (MK_CONSUMERS // slot_rows(k)) * seqs > MK_PART_FLOATS:
             raise NotEligible(f"{n} x {k}: too many rows a block for the partial sums")
+    g = nh // nkv
+    if 4 * (g * (hd + MK_TILE + MK_CONSUMERS * (hd + 1)) + 2 * hd + 1) > MK_H_SEQ_BYTES:
+        raise NotEligible(f"{g} query heads a kv head: the attention scratch does not fit")
     smax = sms // (seqs * nkv)
     if smax < 1:
         raise NotEligible(f"{sms} blocks cannot hold {seqs} x {nkv} attention items")
@@ -142,11 +154,12 @@ def plan_megakernel(kind: str, ops: list[Op], choices: list[KernelChoice], manif
             ptr(layers[0][3].weight), ptr(layers[0][4].weight), ptr(layers[0][5].weight), ptr(layers[0][7].weight),
             ptr(final.weight), ("u64", stride), ptr(rope.cos), ptr(rope.sin), ptr(rope.positions),
             ptr(attn.seq_lens), ptr(rope.slot_mapping), ptr(attn.block_tables), kv(0), ptr("attn_part_o"),
-            ptr("attn_part_ml"), ptr("attn_counters"), ptr("mk_grid_barrier"), i32(len(layers)),
+            ptr("attn_part_ml"), ptr("attn_counters"), ptr("mk_grid_barrier"), ptr(None), i32(len(layers)),
             i32(m["hidden_size"]), i32(m["intermediate_size"]), i32(m["num_heads"]), i32(m["num_kv_heads"]),
-            i32(manifest["kv_cache"]["shape"][3]), i32(max_blocks), i32(num_slots), i32(smax), i32(MK_L2_AHEAD),
+            i32(manifest["kv_cache"]["shape"][3]), i32(max_blocks), i32(num_slots), i32(smax),
+            i32(smem_layout(seqs)[0]), i32(MK_L2_AHEAD),
             f32(final.eps), f32(attn.scale)]
-    rec = launch(f"{MK_PREFIX}m{seqs}_g{g}_hd{MK_HEAD_DIM}", [sms], [MK_THREADS], MK_SMEM_BYTES, args)
+    rec = launch(f"{MK_PREFIX}m{seqs}_g{g}_hd{MK_HEAD_DIM}", [sms], [MK_THREADS], smem_layout(seqs)[1], args)
     out = list(choices)
     out[start] = kernel(rec)
     for i in range(start + 1, end + 1):

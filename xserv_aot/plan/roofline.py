@@ -2,13 +2,15 @@
 
 The ceilings live here and only here (TARGETS). An op's floor is max(bytes / read bandwidth, FLOPs / peak); the
 larger term is its bound. Ops that launch nothing (`silu_mul` fused into the gate GEMV: op.cuda.launch == ())
-have no row.
+have no row, except those the decode megakernel runs.
 Bytes count every input once and every output once; FLOPs count 2 per multiply-add of GEMMs and attention
 (causal for prefill) plus a few per element for the elementwise ops (small next to either ceiling).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from xserv_aot.plan.megakernel_plan import FUSED as MK_FUSED
 
 from xserv_aot import fp8
 from xserv_aot.dtypes import ITEMSIZE
@@ -44,8 +46,8 @@ def launches(op: Op) -> bool:
 
 def costs_something(op: Op) -> bool:
     """Counted in the floor: every op of a CPU plan (no kernel choice, nothing fused), the launching ops of a GPU
-    plan."""
-    return op.cuda is None or launches(op)
+    plan, and the ops the decode megakernel runs (it reads their weights and writes their outputs itself)."""
+    return op.cuda is None or launches(op) or op.cuda.kernel == MK_FUSED
 
 
 def op_layer(op: Op) -> int | None:

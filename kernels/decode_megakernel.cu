@@ -70,13 +70,6 @@ __device__ __forceinline__ float4 lds_f4(const float* p) {
     return v;
 }
 
-// Consumer thread t prefetches line t - first of [p, p + bytes) into L2; first moves past those lines.
-__device__ __forceinline__ void l2_lines(const void* p, int bytes, int& first) {
-    const int t = (int)threadIdx.x - first;
-    if (t >= 0 && t * 128 < bytes) asm volatile("prefetch.global.L2 [%0];" :: "l"((const char*)p + (size_t)t * 128));
-    first += (bytes + 127) / 128;
-}
-
 // Block-wide (consumer threads) sum; every consumer gets it. scratch: >= MK_CONSUMERS floats.
 __device__ __forceinline__ float csum(float v, float* scratch) {
     v = warp_sum(v);
@@ -587,16 +580,6 @@ __device__ void megakernel(const Args& a) {
         u64 waits[4] = {0, 0, 0, 0};
 #define STAMP(k) do { if (tr) tr[k] = (long long)now_ns(); } while (0)
         STAMP(0);
-        {   // into L2 now, read after a barrier later in the layer: the norm weights, the QK norms, the RoPE rows
-            int first = 0;
-            l2_lines(a.post_norm + lw, 2 * H, first);
-            l2_lines(l + 1 < a.layers ? a.in_norm + lw + a.layer_stride : a.final_norm, 2 * H, first);
-            if (it.live && it.ctx > 0) {
-                if (a.q_norm) { l2_lines(a.q_norm + lw, 2 * MK_HD, first); l2_lines(a.k_norm + lw, 2 * MK_HD, first); }
-                l2_lines(a.cos_t + (size_t)it.pos * (MK_HD / 2), 2 * MK_HD, first);
-                l2_lines(a.sin_t + (size_t)it.pos * (MK_HD / 2), 2 * MK_HD, first);
-            }
-        }
         // (1) qkv = rmsnorm(x) W_qkv^T
         norm_to_smem<M>(a.x, a.in_norm + lw, hs, H, a.eps, scratch);
         STAMP(1);
@@ -658,8 +641,8 @@ __device__ void megakernel(const Args& a) {
         int static_pct, float eps, float scale) {                                                               \
         const Args a{x, h_out, qkv, attn, act, in_norm, w_qkv, q_norm, k_norm, w_o, post_norm, w_gu, w_down,     \
                      final_norm, layer_stride, cos_t, sin_t, positions, seq_lens, slot_mapping, block_tables,    \
-                     kv, part_o, part_ml, counters, bar, claims, trace, layers, H, I, nh, nkv, block_size,      \
-                     max_blocks, num_slots, smax, stages, static_pct, eps, scale};                             \
+                     kv, part_o, part_ml, counters, bar, claims, trace, layers, H, I, nh, nkv, block_size, max_blocks,  \
+                     num_slots, smax, stages, static_pct, eps, scale};                                                   \
         megakernel<M, G>(a); }
 
 MK_KERNEL(1, 4)

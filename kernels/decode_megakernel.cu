@@ -102,62 +102,29 @@ __device__ __forceinline__ int slot_rows(int K) {
     return r >= 8 ? 8 : r >= 4 ? 4 : r >= 2 ? 2 : 1;
 }
 
+// One ring slot's copy: bytes from src (and from src2 to offset up: the up rows of a gate_up slot).
+struct Chunk { const bf16* src; const bf16* src2; u32 bytes, up; };
 
+// Consumers: the same slots in the same order; part[(local row * wpr + warp part) * M + m] = partial dot.
+// Local rows: plain, j - r0; gate, 2 (j - r0) (gate) and 2 (j - r0) + 1 (up).
 __device__ __forceinline__ u64 now_ns() {
     u64 t;
     asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
     return t;
 }
 
-// A GEMV phase: W [rows (gate: 2 x pairs), K]; a work unit is `step` rows (gate: pairs) = one ring slot. Units are
-// claimed at run time by the blocks' producers from the phase's counter, so an SM with more bandwidth takes more.
-struct Phase { const bf16* w; int n, K, step; bool gate; };
-
-__device__ __forceinline__ int phase_units(const Phase& ph) { return (ph.n + ph.step - 1) / ph.step; }
-
-// The finished unit u's outputs (the warp that completed the slot): qkv = sum, x += sum (residual), or
-// act = silu(g) * u. part: [rows in slot][wpr][M] partial sums.
 template <int M>
-__device__ __forceinline__ void finish_unit(const Phase& ph, int p, int u, const float* part, bf16* out, int ld) {
-    const int rc = slot_rows(ph.K), wpr = MK_CONSUMERS / rc, lane = threadIdx.x & 31;
-    for (int i = lane; i < ph.step * M; i += 32) {
-        const int r = i / M, m = i % M, row = u * ph.step + r;
-        if (row >= ph.n) continue;
-        float s = 0.f, s2 = 0.f;
-        for (int q = 0; q < wpr; q++) s += part[(r * wpr + q) * M + m];
-        if (ph.gate) {
-            for (int q = 0; q < wpr; q++) s2 += part[((ph.step + r) * wpr + q) * M + m];
-            out[(size_t)m * ld + row] = f2bf(silu(round_bf(s)) * round_bf(s2));
-        } else if (p == 0) {
-            out[(size_t)m * ld + row] = f2bf(s);
-        } else {
-            bf16* xp = out + (size_t)m * ld + row;
-            *xp = f2bf(ld_l2_bf(xp) + round_bf(s));
-        }
-    }
-}
-
-// Consumers: the slots the producer fills, until its end-of-phase slot (unit -1). Each warp takes its rows'
-// share of the slot; the last warp done with a slot (done[stage]) writes the unit's outputs, then releases it.
-template <int M>
-__device__ __forceinline__ void consume(Ring& r, const Phase& ph, int p, const bf16* hs, float* part_all,
-                                        const int* unit_of, int* done, bf16* out, int ld, u64* wait_ns = nullptr) {
-    const int rc = slot_rows(ph.K), wpr = MK_CONSUMERS / rc, K = ph.K;
+__device__ __forceinline__ void consume(Ring& r, const bf16* hs, float* part, int r0, int r1, int K, bool gate,
+                                        u64* wait_ns = nullptr) {
+    const int rc = slot_rows(K), step = gate ? rc / 2 : rc, wpr = MK_CONSUMERS / rc;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, row = warp / wpr, wp = warp % wpr;
-    while (true) {
+    for (int j = r0; j < r1; j += step) {
+        const int n = min(step, r1 - j);
         const u64 t0 = wait_ns ? now_ns() : 0;
         mbar_wait(&r.full[r.stage], r.phase);
         if (wait_ns) *wait_ns += now_ns() - t0;
-        const int u = ((volatile const int*)unit_of)[r.stage];
-        if (u < 0) {
-            __syncwarp();
-            if (lane == 0) mbar_arrive(&r.empty[r.stage]);
-            ring_next(r);
-            return;
-        }
-        float* part = part_all + r.stage * MK_CONSUMERS * M;
-        const bool up = ph.gate && row >= ph.step;
-        const int n = min(ph.step, ph.n - u * ph.step), pair = up ? row - ph.step : row;
+        const bool up = gate && row >= step;
+        const int pair = up ? row - step : row;
         if (pair < n) {
             const bf16* w = (const bf16*)(r.slots + (size_t)r.stage * MK_STAGE_BYTES) + (size_t)row * K;
             float acc[M];
@@ -173,29 +140,25 @@ __device__ __forceinline__ void consume(Ring& r, const Phase& ph, int p, const b
                     for (int i = 0; i < 8; i++) acc[m] += a[i] * x[i];
                 }
             }
+            const int lr = gate ? 2 * (j - r0 + pair) + (up ? 1 : 0) : j - r0 + pair;
 #pragma unroll
             for (int m = 0; m < M; m++) {
                 const float s = warp_sum(acc[m]);
-                if (lane == 0) part[(row * wpr + wp) * M + m] = s;
+                if (lane == 0) part[(lr * wpr + wp) * M + m] = s;
             }
-        }
-        __syncwarp();
-        int last = 0;
-        if (lane == 0) {
-            __threadfence_block();
-            last = atomicAdd(&done[r.stage], 1) == MK_CONSUMERS - 1;
-        }
-        last = __shfl_sync(0xffffffffu, last, 0);
-        if (last) {
-            __threadfence_block();
-            finish_unit<M>(ph, p, u, part, out, ld);
-            __syncwarp();
-            if (lane == 0) done[r.stage] = 0;
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(&r.empty[r.stage]);
         ring_next(r);
     }
+}
+
+// Sum of the wpr partials of local row lr, sequence m.
+template <int M>
+__device__ __forceinline__ float part_sum(const float* part, int lr, int wpr, int m) {
+    float s = 0.f;
+    for (int p = 0; p < wpr; p++) s += part[(lr * wpr + p) * M + m];
+    return s;
 }
 
 // hs[m] = rmsnorm(x[m]) * w (bf16), from x in global memory (L2); the same value in every block.
@@ -254,59 +217,73 @@ struct Args {
     const bf16 *in_norm, *w_qkv, *q_norm, *k_norm, *w_o, *post_norm, *w_gu, *w_down, *final_norm;
     u64 layer_stride;                          // elements between layer l and l + 1 of every layer weight
     const float *cos_t, *sin_t; const int *positions, *seq_lens, *slot_mapping, *block_tables;
-    bf16* kv; float* part_o; float* part_ml; int* counters; long long* bar; int* claims;
+    bf16* kv; float* part_o; float* part_ml; int* counters; long long* bar;
     long long* trace;                          // null, or [NB][layers][MK_TRACE] globaltimer stamps (ns) of thread 0
-    int layers, H, I, nh, nkv, block_size, max_blocks, num_slots, smax, stages, static_pct; float eps, scale;
+    int layers, H, I, nh, nkv, block_size, max_blocks, num_slots, smax, stages, l2_ahead; float eps, scale;
 };
 
-// Phase p (0 qkv, 1 o_proj, 2 gate_up, 3 down) of layer l.
-__device__ __forceinline__ Phase phase_of(const Args& a, int l, int p) {
+// This block's rows and its slots a layer (qkv, o, gate_up, down), from blockIdx.
+struct Rows { int q0, q1, h0, h1, i0, i1, nq, no, ng, nd; };
+
+__device__ __forceinline__ Rows block_rows(const Args& a) {
+    Rows r;
+    const int NB = gridDim.x, b = blockIdx.x, nqkv = (a.nh + 2 * a.nkv) * MK_HD, rh = slot_rows(a.H);
+    r.q0 = (int)((long long)b * nqkv / NB); r.q1 = (int)((long long)(b + 1) * nqkv / NB);
+    r.h0 = (int)((long long)b * a.H / NB); r.h1 = (int)((long long)(b + 1) * a.H / NB);
+    r.i0 = (int)((long long)b * a.I / NB); r.i1 = (int)((long long)(b + 1) * a.I / NB);
+    r.nq = (r.q1 - r.q0 + rh - 1) / rh; r.no = (r.h1 - r.h0 + slot_rows(a.nh * MK_HD) - 1) / slot_rows(a.nh * MK_HD);
+    r.ng = (r.i1 - r.i0 + rh / 2 - 1) / (rh / 2);
+    r.nd = (r.h1 - r.h0 + slot_rows(a.I) - 1) / slot_rows(a.I);
+    return r;
+}
+
+// Slot c of the block's whole-step sequence: per layer its qkv, o_proj, gate_up, down rows in slot_rows steps.
+__device__ __forceinline__ Chunk chunk_at(const Args& a, const Rows& r, int c) {
+    const int per = r.nq + r.no + r.ng + r.nd, l = c / per, rh = slot_rows(a.H);
+    int i = c % per;
     const size_t lw = (size_t)l * a.layer_stride;
-    const int ko = a.nh * MK_HD;
-    if (p == 0) return {a.w_qkv + lw, (a.nh + 2 * a.nkv) * MK_HD, a.H, slot_rows(a.H), false};
-    if (p == 1) return {a.w_o + lw, a.H, ko, slot_rows(ko), false};
-    if (p == 2) return {a.w_gu + lw, a.I, a.H, slot_rows(a.H) / 2, true};
-    return {a.w_down + lw, a.H, a.I, slot_rows(a.I), false};
+    if (i < r.nq) {
+        const int j = r.q0 + i * rh;
+        return {a.w_qkv + lw + (size_t)j * a.H, nullptr, (u32)(min(rh, r.q1 - j) * a.H * 2), 0};
+    }
+    i -= r.nq;
+    if (i < r.no) {
+        const int ko = a.nh * MK_HD, ro = slot_rows(ko), j = r.h0 + i * ro;
+        return {a.w_o + lw + (size_t)j * ko, nullptr, (u32)(min(ro, r.h1 - j) * ko * 2), 0};
+    }
+    i -= r.no;
+    if (i < r.ng) {
+        const int step = rh / 2, j = r.i0 + i * step;
+        return {a.w_gu + lw + (size_t)j * a.H, a.w_gu + lw + (size_t)(a.I + j) * a.H,
+                (u32)(min(step, r.i1 - j) * a.H * 2),
+                (u32)(step * a.H * 2)};
+    }
+    i -= r.ng;
+    const int rd = slot_rows(a.I), j = r.h0 + i * rd;
+    return {a.w_down + lw + (size_t)j * a.I, nullptr, (u32)(min(rd, r.h1 - j) * a.I * 2), 0};
 }
 
-__device__ __forceinline__ void produce_unit(Ring& r, const Phase& ph, int u, int* unit_of, u64 policy) {
-    const int j = u * ph.step, n = min(ph.step, ph.n - j);
-    const u32 bytes = (u32)n * ph.K * 2;
-    mbar_wait(&r.empty[r.stage], r.phase ^ 1u);
-    char* dst = r.slots + (size_t)r.stage * MK_STAGE_BYTES;
-    unit_of[r.stage] = u;
-    mbar_expect_tx(&r.full[r.stage], ph.gate ? 2 * bytes : bytes);
-    bulk_load(dst, ph.w + (size_t)j * ph.K, bytes, &r.full[r.stage], policy);
-    if (ph.gate)
-        bulk_load(dst + (size_t)ph.step * ph.K * 2, ph.w + (size_t)(ph.n + j) * ph.K, bytes, &r.full[r.stage],
-                  policy);
-    ring_next(r);
+__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
 }
 
-// Producer: for every phase of the step, the block's static units (contiguous: MK_STATIC_PCT % of the phase split
-// evenly), then units claimed from the rest (two claims in flight, the first issued before the static part, so
-// an atomic's latency overlaps copies), each copied into the next slot with its unit id; then an end-of-phase
-// slot (-1).
-__device__ __forceinline__ void produce_all(Ring& r, const Args& a, int* unit_of, u64 policy) {
-    const int NB = gridDim.x;
-    for (int l = 0; l < a.layers; l++) {
-        for (int p = 0; p < 4; p++) {
-            const Phase ph = phase_of(a, l, p);
-            const int U = phase_units(ph), S = U * a.static_pct / 100 / NB, D0 = S * NB;
-            int* ctr = a.claims + l * 4 + p;
-            int q0 = atomicAdd(ctr, 1);
-            for (int k = 0; k < S; k++) produce_unit(r, ph, blockIdx.x * S + k, unit_of, policy);
-            int q1 = atomicAdd(ctr, 1);
-            while (D0 + q0 < U) {
-                const int q2 = atomicAdd(ctr, 1);
-                produce_unit(r, ph, D0 + q0, unit_of, policy);
-                q0 = q1; q1 = q2;
-            }
-            mbar_wait(&r.empty[r.stage], r.phase ^ 1u);
-            unit_of[r.stage] = q1 == (int)0x80000000 ? -2 : -1;  // waits for q1's claim: every atomic done by the end
-            mbar_arrive(&r.full[r.stage]);
-            ring_next(r);
+// Producer: every slot of the step in order; l2_ahead slots further on are prefetched into L2, so the stream
+// goes on while the ring is full (the consumers at a grid barrier).
+__device__ __forceinline__ void produce_all(Ring& r, const Args& a, const Rows& rows, u64 policy) {
+    const int total = a.layers * (rows.nq + rows.no + rows.ng + rows.nd);
+    for (int c = 0; c < total; c++) {
+        if (a.l2_ahead && c + a.l2_ahead < total) {
+            const Chunk f = chunk_at(a, rows, c + a.l2_ahead);
+            prefetch_l2(f.src, f.bytes);
+            if (f.src2) prefetch_l2(f.src2, f.bytes);
         }
+        const Chunk ch = chunk_at(a, rows, c);
+        mbar_wait(&r.empty[r.stage], r.phase ^ 1u);
+        char* dst = r.slots + (size_t)r.stage * MK_STAGE_BYTES;
+        mbar_expect_tx(&r.full[r.stage], ch.src2 ? 2 * ch.bytes : ch.bytes);
+        bulk_load(dst, ch.src, ch.bytes, &r.full[r.stage], policy);
+        if (ch.src2) bulk_load(dst + ch.up, ch.src2, ch.bytes, &r.full[r.stage], policy);
+        ring_next(r);
     }
 }
 
@@ -550,22 +527,18 @@ __device__ void megakernel(const Args& a) {
     float* scratch = (float*)(bars + 2 * a.stages);
     Ring ring{bars, bars + a.stages, slots, a.stages, 0, 0u};
     if (threadIdx.x == 0) {
-        for (int s = 0; s < a.stages; s++) {
-            mbar_init(&ring.full[s], 1);
-            mbar_init(&ring.empty[s], MK_CONSUMERS);
-            ((int*)(scratch + 32))[s] = 0;
-        }
+        for (int s = 0; s < a.stages; s++) { mbar_init(&ring.full[s], 1); mbar_init(&ring.empty[s], MK_CONSUMERS); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    int* unit_of = (int*)(scratch + 16);                // [stages] unit of each slot (-1: end of phase)
-    int* done = (int*)(scratch + 32);                   // [stages] warps done with the slot
+    const Rows rows = block_rows(a);
     const int NB = gridDim.x, b = blockIdx.x, H = a.H, I = a.I, nq = (a.nh + 2 * a.nkv) * MK_HD;
+    const int q0 = rows.q0, q1 = rows.q1, h0 = rows.h0, h1 = rows.h1, i0 = rows.i0, i1 = rows.i1;
     if (threadIdx.x >= MK_CTHREADS) {                      // producer warp
         if (threadIdx.x != MK_CTHREADS) return;
         u64 policy;
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-        produce_all(ring, a, unit_of, policy);
+        produce_all(ring, a, rows, policy);
         return;
     }
     u64 base;
@@ -583,12 +556,20 @@ __device__ void megakernel(const Args& a) {
         // (1) qkv = rmsnorm(x) W_qkv^T
         norm_to_smem<M>(a.x, a.in_norm + lw, hs, H, a.eps, scratch);
         STAMP(1);
-        consume<M>(ring, phase_of(a, l, 0), 0, hs, part, unit_of, done, a.qkv, nq, tr ? &waits[0] : nullptr);
+        consume<M>(ring, hs, part, q0, q1, H, false, tr ? &waits[0] : nullptr);
         STAMP(2);
         if (it.live && it.ctx > 0) {
             const bf16* kvl = a.kv + (size_t)l * 2 * a.num_slots * a.nkv * MK_HD;
             load_tile(a, it, kvl, it.k0, tile);
             prefetch_rest(a, it, kvl);
+        }
+        csync();
+        {
+            const int wpr = MK_CONSUMERS / slot_rows(H);
+            for (int i = threadIdx.x; i < (q1 - q0) * M; i += MK_CTHREADS) {
+                const int r = i / M, m = i % M;
+                a.qkv[(size_t)m * nq + q0 + r] = f2bf(part_sum<M>(part, r, wpr, m));
+            }
         }
         grid_sync(a.bar, base + (++nbar) * NB);
         // (2) attention
@@ -600,28 +581,55 @@ __device__ void megakernel(const Args& a) {
         // (3) x += attn W_o^T
         copy_to_smem<M>(a.attn, hs, a.nh * MK_HD);
         STAMP(6);
-        consume<M>(ring, phase_of(a, l, 1), 1, hs, part, unit_of, done, a.x, H, tr ? &waits[1] : nullptr);
+        consume<M>(ring, hs, part, h0, h1, a.nh * MK_HD, false, tr ? &waits[1] : nullptr);
         STAMP(7);
+        csync();
+        {
+            const int wpr = MK_CONSUMERS / slot_rows(a.nh * MK_HD);
+            for (int i = threadIdx.x; i < (h1 - h0) * M; i += MK_CTHREADS) {
+                const int r = i / M, m = i % M;
+                bf16* xp = a.x + (size_t)m * H + h0 + r;
+                *xp = f2bf(ld_l2_bf(xp) + round_bf(part_sum<M>(part, r, wpr, m)));
+            }
+        }
         grid_sync(a.bar, base + (++nbar) * NB);
         // (4) act = silu(g) * u, [g | u] = rmsnorm(x) W_gate_up^T
         STAMP(8);
         norm_to_smem<M>(a.x, a.post_norm + lw, hs, H, a.eps, scratch);
         STAMP(9);
-        consume<M>(ring, phase_of(a, l, 2), 2, hs, part, unit_of, done, a.act, I, tr ? &waits[2] : nullptr);
+        consume<M>(ring, hs, part, i0, i1, H, true, tr ? &waits[2] : nullptr);
         STAMP(10);
+        csync();
+        {
+            const int wpr = MK_CONSUMERS / slot_rows(H);
+            for (int i = threadIdx.x; i < (i1 - i0) * M; i += MK_CTHREADS) {
+                const int r = i / M, m = i % M;
+                const float g = round_bf(part_sum<M>(part, 2 * r, wpr, m));
+                const float u = round_bf(part_sum<M>(part, 2 * r + 1, wpr, m));
+                a.act[(size_t)m * I + i0 + r] = f2bf(silu(g) * u);
+            }
+        }
         grid_sync(a.bar, base + (++nbar) * NB);
         // (5) x += act W_down^T
         STAMP(11);
         copy_to_smem<M>(a.act, hs, I);
         STAMP(12);
-        consume<M>(ring, phase_of(a, l, 3), 3, hs, part, unit_of, done, a.x, H, tr ? &waits[3] : nullptr);
+        consume<M>(ring, hs, part, h0, h1, I, false, tr ? &waits[3] : nullptr);
         STAMP(13);
         if (tr) for (int k = 0; k < 4; k++) tr[14 + k] = (long long)waits[k];
 #undef STAMP
+        csync();
+        {
+            const int wpr = MK_CONSUMERS / slot_rows(I);
+            for (int i = threadIdx.x; i < (h1 - h0) * M; i += MK_CTHREADS) {
+                const int r = i / M, m = i % M;
+                bf16* xp = a.x + (size_t)m * H + h0 + r;
+                *xp = f2bf(ld_l2_bf(xp) + round_bf(part_sum<M>(part, r, wpr, m)));
+            }
+        }
         grid_sync(a.bar, base + (++nbar) * NB);
     }
     if (b == 0) {
-        for (int i = threadIdx.x; i < a.layers * 4; i += MK_CTHREADS) a.claims[i] = 0;   // every claim is done
         norm_to_smem<M>(a.x, a.final_norm, hs, H, a.eps, scratch);
         for (int v = threadIdx.x; v < M * H / 8; v += MK_CTHREADS) st16(a.h_out + v * 8, ld16(hs + v * 8));
     }
@@ -636,13 +644,14 @@ __device__ void megakernel(const Args& a) {
         const bf16* q_norm, const bf16* k_norm, const bf16* w_o, const bf16* post_norm, const bf16* w_gu,        \
         const bf16* w_down, const bf16* final_norm, u64 layer_stride, const float* cos_t, const float* sin_t,    \
         const int* positions, const int* seq_lens, const int* slot_mapping, const int* block_tables, bf16* kv,   \
-        float* part_o, float* part_ml, int* counters, long long* bar, int* claims, long long* trace, int layers, \
-        int H, int I, int nh, int nkv, int block_size, int max_blocks, int num_slots, int smax, int stages,       \
-        int static_pct, float eps, float scale) {                                                               \
+        float* part_o, float* part_ml, int* counters, long long* bar, long long* trace, int layers, int H,      \
+        int I, int nh, int nkv, int block_size, int max_blocks, int num_slots, int smax, int stages, int l2_ahead,\
+        float eps, \
+        float scale) {                                                                                          \
         const Args a{x, h_out, qkv, attn, act, in_norm, w_qkv, q_norm, k_norm, w_o, post_norm, w_gu, w_down,     \
                      final_norm, layer_stride, cos_t, sin_t, positions, seq_lens, slot_mapping, block_tables,    \
-                     kv, part_o, part_ml, counters, bar, claims, trace, layers, H, I, nh, nkv, block_size, max_blocks,  \
-                     num_slots, smax, stages, static_pct, eps, scale};                                                   \
+                     kv, part_o, part_ml, counters, bar, trace, layers, H, I, nh, nkv, block_size, max_blocks,  \
+                     num_slots, smax, stages, l2_ahead, eps, scale};                                                   \
         megakernel<M, G>(a); }
 
 MK_KERNEL(1, 4)

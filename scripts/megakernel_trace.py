@@ -38,7 +38,7 @@ def traced_copy(plan_dir: Path, bucket: str, out: Path) -> None:
         for op in bk["ops"] if bk["name"] == bucket else ():
             for rec in (op.get("cuda") or {}).get("launch", []):
                 if rec["fn"].startswith(MK_PREFIX):
-                    i = next(i for i, a in enumerate(rec["args"]) if a == ["ptr", "mk_claims"]) + 1
+                    i = next(i for i, a in enumerate(rec["args"]) if a == ["ptr", "mk_grid_barrier"]) + 1
                     rec["args"][i] = ["ptr", "mk_trace"]
                     hit += 1
     if not hit:

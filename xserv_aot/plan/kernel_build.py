@@ -148,7 +148,6 @@ def add_megakernels(manifest: dict, records: dict, choices: dict) -> dict:
     if any(c.kernel.startswith(MK_PREFIX) for cs in choices.values() for c in cs):
         add_arena_buffer(manifest, "mk_grid_barrier", [1], "int64")   # zeroed at start, advanced in whole barriers
         sms, layers = manifest["build"]["megakernel_sms"], rank_model(manifest)["num_layers"]
-        add_arena_buffer(manifest, "mk_claims", [layers * 4], "int32")   # work units claimed a phase; 0 between steps
         add_arena_buffer(manifest, "mk_trace", [sms * layers * MK_TRACE], "int64")  # scripts/megakernel_trace.py
     return skipped
 

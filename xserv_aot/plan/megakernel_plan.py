@@ -16,8 +16,9 @@ MK_MAX_SEQS = 2
 MK_GQA = (4,)                    # query heads per kv head with an instantiated kernel
 MK_HEAD_DIM = 128
 MK_THREADS = (MK_CONSUMERS + 1) * 32   # the consumer warps and the weight-stream producer
-MK_STATIC_PCT = 80               # % of a GEMV phase's units split statically; the rest claimed by the fastest SMs
 MK_MAX_STAGES = 5                # H200, decode_1: 6 slots measured 0.1 ms slower than 5 (docs/cuda-notes.md)
+MK_L2_AHEAD = 0                  # ring slots the producer prefetches into L2 ahead of its copies (H200: 4, 8,
+                                 # 16 each slower than 0, docs/cuda-notes.md)
 FUSED = "fused_into_megakernel"
 MK_PREFIX = "decode_mk_"
 LAYER_OPS = (Linear, QkNormRopeCache, Attention, Linear, AddRmsNorm, Linear, SiluMul, Linear)
@@ -153,10 +154,11 @@ def plan_megakernel(kind: str, ops: list[Op], choices: list[KernelChoice], manif
             ptr(layers[0][3].weight), ptr(layers[0][4].weight), ptr(layers[0][5].weight), ptr(layers[0][7].weight),
             ptr(final.weight), ("u64", stride), ptr(rope.cos), ptr(rope.sin), ptr(rope.positions),
             ptr(attn.seq_lens), ptr(rope.slot_mapping), ptr(attn.block_tables), kv(0), ptr("attn_part_o"),
-            ptr("attn_part_ml"), ptr("attn_counters"), ptr("mk_grid_barrier"), ptr("mk_claims"), ptr(None), i32(len(layers)),
+            ptr("attn_part_ml"), ptr("attn_counters"), ptr("mk_grid_barrier"), ptr(None), i32(len(layers)),
             i32(m["hidden_size"]), i32(m["intermediate_size"]), i32(m["num_heads"]), i32(m["num_kv_heads"]),
             i32(manifest["kv_cache"]["shape"][3]), i32(max_blocks), i32(num_slots), i32(smax),
-            i32(smem_layout(seqs)[0]), i32(MK_STATIC_PCT), f32(final.eps), f32(attn.scale)]
+            i32(smem_layout(seqs)[0]), i32(MK_L2_AHEAD),
+            f32(final.eps), f32(attn.scale)]
     rec = launch(f"{MK_PREFIX}m{seqs}_g{g}_hd{MK_HEAD_DIM}", [sms], [MK_THREADS], smem_layout(seqs)[1], args)
     out = list(choices)
     out[start] = kernel(rec)

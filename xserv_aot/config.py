@@ -174,6 +174,9 @@ class BuildConfig:
     target: str = "sm_90a"                # GPU arch for cubins, or "cpu" (no kernels built)
     gemm_library: bool = True             # CUDA: CUTLASS GEMMs for linears of >= 128 rows, when nvcc can build them
     pdl: bool = False                     # CUDA: programmatic dependent launch of every kernel (docs/cuda-notes.md)
+    gemm_configs: dict[str, str] = field(default_factory=dict)  # CUDA: CUTLASS config per prefill linear shape
+    #   ("NxK" or "MxNxK" -> cutlass_build.TABLE_CONFIGS name); a shape not listed: the tile model
+    gemm_residual: bool = False           # CUDA: o_proj / down add the residual in their GEMM epilogue
     tensor_parallel: int = 1              # ranks (GPUs) the weights, heads and KV pool are split over (1, 2, 4, 8)
     quantization: str = "none"            # none | fp8: linear weights stored as e4m3 with scales (plan/quantize.py)
     fp8_scheme: str = "auto"              # fp8: channel | block128 | auto (block128 where N and K divide by 128)
@@ -231,7 +234,14 @@ class BuildConfig:
             raise ConfigError(f"quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
         if self.fp8_scheme not in FP8_SCHEME_CHOICES:
             raise ConfigError(f"fp8_scheme {self.fp8_scheme!r} is not one of {', '.join(FP8_SCHEME_CHOICES)}")
-        for name in ("gemm_library", "pdl", "quantize_lm_head"):
+        if not isinstance(self.gemm_configs, dict):
+            raise ConfigError(f"gemm_configs must be an object of shape -> config name, got {self.gemm_configs!r}")
+        from xserv_aot.plan.cutlass_build import check_gemm_table
+        try:
+            check_gemm_table(self.gemm_configs)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for name in ("gemm_library", "pdl", "quantize_lm_head", "gemm_residual"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.decode_buckets = sorted(set(int(b) for b in self.decode_buckets))

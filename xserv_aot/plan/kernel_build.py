@@ -61,12 +61,12 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             c = kernel(launch("embedding", [rows], row_threads, 0,
                               [ptr(op.ids), ptr(op.table), ptr(op.out), i32(hidden), i32(vocab)]))
         elif isinstance(op, RmsNorm):
-            c = kernel(launch("rmsnorm", [rows], [norm_threads(hidden)], 0,
-                              [ptr(op.inp), ptr(op.weight), ptr(op.out), i32(hidden), f32(op.eps)]))
+            c = norm_launch(op, hidden)
+        elif isinstance(op, AddRmsNorm) and idx and out[-1].fused_residual == op.residual \
+                and getattr(ops[idx - 1], "out", None) == op.delta:
+            c = norm_launch(op, hidden, residual_summed=True)
         elif isinstance(op, AddRmsNorm):
-            c = kernel(launch("add_rmsnorm", [rows], [norm_threads(hidden)], 0,
-                              [ptr(op.residual), ptr(op.delta), ptr(op.weight), ptr(op.out), i32(hidden),
-                               f32(op.eps)]))
+            c = norm_launch(op, hidden)
         elif isinstance(op, GatherRows):
             c = kernel(launch("gather_rows", [rows], row_threads, 0,
                               [ptr(op.inp), ptr(op.indices), ptr(op.out), i32(hidden), i32(arena[op.inp]["shape"][0])]))
@@ -75,21 +75,19 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             if prev_choice and prev_choice.fused_silu_out == op.out and getattr(prev, "out", None) == op.inp:
                 c = KernelChoice("fused_into_previous")
             else:
-                c = kernel(launch("silu_mul", [min(-(-(rows * op.inter // 8) // 256), 4096)], [256], 0,
-                                  [ptr(op.inp), ptr(op.out), i32(rows), i32(op.inter)]))
+                c = silu_mul_launch(op)
         elif isinstance(op, Linear):
             fuse = nxt.out if isinstance(nxt, SiluMul) and nxt.inp == op.out else None
-            c = plan_linear(op, arena[op.out]["dtype"], fuse, cutlass, kind == "decode")
+            res = (nxt.residual if isinstance(nxt, AddRmsNorm) and nxt.delta == op.out and nxt.rows == rows
+                   and not read_later(ops, idx + 2, op.out) else None)
+            c = plan_linear(op, arena[op.out]["dtype"], fuse, cutlass, kind == "decode", res)
         elif isinstance(op, QuantizeFp8):
             from xserv_aot.plan.fp8_build import plan_quantize
             c = plan_quantize(op)
         elif isinstance(op, QkNormRopeCache) and isinstance(nxt, Attention) and fuses_rope(kind, op, nxt):
             c = KernelChoice("fused_into_next")
         elif isinstance(op, QkNormRopeCache):
-            c = kernel(launch(f"qk_norm_rope_cache_hd{hd}", [rows, -(-(nh + 2 * nkv) // 4)], [128], 0,
-                              [ptr(op.qkv), ptr(op.positions), ptr(op.slot_mapping), ptr(op.q_norm), ptr(op.k_norm),
-                               ptr(op.cos), ptr(op.sin), ptr(op.q_out), kv(op.layer), i32(nh), i32(nkv), f32(op.eps),
-                               i32(num_slots)]))
+            c = qk_rope_launch(op, hd, nh, nkv, num_slots)
         elif isinstance(op, Attention):
             rope = ops[idx - 1] if idx and out[-1].kernel == "fused_into_next" else None
             c = plan_attention(op, kind, m, attn, block_size, arena[op.block_tables]["shape"][1], num_slots, rope)
@@ -106,6 +104,41 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             raise KernelBuildError(f"bucket {name}: op {op.op!r} has no CUDA kernel")
         out.append(c)
     return out
+
+
+def norm_launch(op: RmsNorm | AddRmsNorm, hidden: int, residual_summed: bool = False) -> KernelChoice:
+    """One block per row. residual_summed: the previous linear already added its output into op.residual
+    (fused_residual), so add_rmsnorm is an rmsnorm of that buffer."""
+    geometry = ([op.rows], [norm_threads(hidden)], 0)
+    if isinstance(op, RmsNorm) or residual_summed:
+        inp = op.inp if isinstance(op, RmsNorm) else op.residual
+        return kernel(launch("rmsnorm", *geometry, [ptr(inp), ptr(op.weight), ptr(op.out), i32(hidden), f32(op.eps)]))
+    return kernel(launch("add_rmsnorm", *geometry, [ptr(op.residual), ptr(op.delta), ptr(op.weight), ptr(op.out),
+                                                    i32(hidden), f32(op.eps)]))
+
+
+def silu_mul_launch(op: SiluMul) -> KernelChoice:
+    return kernel(launch("silu_mul", [min(-(-(op.rows * op.inter // 8) // 256), 4096)], [256], 0,
+                         [ptr(op.inp), ptr(op.out), i32(op.rows), i32(op.inter)]))
+
+
+def qk_rope_launch(op: QkNormRopeCache, hd: int, nh: int, nkv: int, num_slots: int) -> KernelChoice:
+    """Grid (rows, groups of 4 heads), one warp a head; nh / nkv: this rank's heads."""
+    return kernel(launch(f"qk_norm_rope_cache_hd{hd}", [op.rows, -(-(nh + 2 * nkv) // 4)], [128], 0,
+                         [ptr(op.qkv), ptr(op.positions), ptr(op.slot_mapping), ptr(op.q_norm), ptr(op.k_norm),
+                          ptr(op.cos), ptr(op.sin), ptr(op.q_out), kv(op.layer), i32(nh), i32(nkv), f32(op.eps),
+                          i32(num_slots)]))
+
+
+def read_later(ops: list[Op], start: int, buf: str) -> bool:
+    """Whether an op from ops[start] on reads buf before one writes it (an op writes its `out` field)."""
+    for op in ops[start:]:
+        fields = {f: v for f, v in vars(op).items() if f != "cuda"}
+        if buf in [v for f, v in fields.items() if f != "out"]:
+            return True
+        if fields.get("out") == buf:
+            return False
+    return False
 
 
 def kv_slots(kv: dict) -> int:
@@ -145,6 +178,8 @@ def try_cutlass(manifest: dict, out_dir: Path, target: str, progress) -> tuple[d
     except GemmBuildError as e:
         return None, str(e)
     lib["path"] = out_dir / lib["file"]
+    lib["table"] = manifest["build"].get("gemm_configs") or {}
+    lib["residual"] = bool(manifest["build"].get("gemm_residual"))
     return lib, ""
 
 

@@ -25,7 +25,7 @@ def suggest_table(best: dict, model: dict) -> dict:
     shapes = sorted({(n, k) for _, n, k in best})
     for n, k in shapes:
         cells = {m: best[m, nn, kk] for m, nn, kk in best if (nn, kk) == (n, k)}
-        wins = {m: c for m, c in cells.items() if c[1] > 1.01 * model[m, n, k][1]}
+        wins = {m: c for m, c in cells.items() if c[1] > 1.01 * model.get((m, n, k), ("", 0.0))[1]}
         if not wins:
             continue
         names = {c[0] for c in cells.values()}

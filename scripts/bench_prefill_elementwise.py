@@ -74,12 +74,18 @@ def err(out, ref) -> float:
     return float("inf") if not torch.isfinite(out).all() else float((out - ref).norm() / ref.norm())
 
 
-def launch_of(op, num_slots: int):
+ROPE_VARIANTS = [("qk_norm_rope_cache", 4), ("qk_norm_rope_cache_vec", 4), ("qk_norm_rope_cache_vec", 8),
+                 ("qk_norm_rope_cache_vec", 2)]                # (kernel, warps a block); the plan's is marked
+
+
+def launches_of(op, num_slots: int):
+    """[(label, launch record)]: the plan's launch, and for the rope op every ROPE_VARIANTS entry."""
     if isinstance(op, (AddRmsNorm, RmsNorm)):
-        return kb.norm_launch(op, H).launch[0]
+        return [(op.op, kb.norm_launch(op, H).launch[0])]
     if isinstance(op, SiluMul):
-        return kb.silu_mul_launch(op).launch[0]
-    return kb.qk_rope_launch(op, HD, NH, NKV, num_slots).launch[0]
+        return [(op.op, kb.silu_mul_launch(op).launch[0])]
+    return [(f"{fn} w{w}" + (" (plan)" if (fn, w) == (kb.ROPE_KERNEL, kb.ROPE_WARPS) else ""),
+             kb.qk_rope_launch(op, HD, NH, NKV, num_slots, fn, w).launch[0]) for fn, w in ROPE_VARIANTS]
 
 
 def bench_prefill_elementwise(args, kernels_cls, time_graph, stream) -> None:
@@ -88,21 +94,26 @@ def bench_prefill_elementwise(args, kernels_cls, time_graph, stream) -> None:
     gen = torch.Generator(device="cuda").manual_seed(4321)
     print(f"prefill row kernels, Qwen3-8B shape (H {H}, I {INTER}, nh {NH}, nkv {NKV}, hd {HD}); "
           f"GB/s = (reads + writes) / t vs {COPY_GBS:.0f} copy")
-    print(f"{'kernel':20} {'M':>5} {'grid':>14} {'block':>6} {'us':>8} {'GB/s':>7} {'%copy':>6} {'err':>8}")
+    print(f"{'kernel':36} {'M':>5} {'grid':>10} {'block':>6} {'us':>8} {'GB/s':>7} {'%copy':>6} {'err':>8}")
     for M in rows:
         for name, op, bufs, nbytes, check, outs in cases(M, gen):
-            rec = launch_of(op, M + 64)
-            src = "rope_cache.cu" if name.startswith("qk_") else "elementwise.cu"
-            ln = Launch(rec.fn, kern.fn(src, rec.fn, rec.smem), rec.grid, rec.block, rec.smem,
-                        packed(rec, bufs, bufs["kv"].data_ptr() if "kv" in bufs else 0), pdl=False)
-            for o in outs:
-                bufs[o].fill_(float("nan"))
-            ln(stream())
-            torch.cuda.synchronize()
-            e = check(bufs)
-            ms = time_graph(lambda j: ln(stream()), 1)
-            gbs = nbytes / ms / 1e6
-            grid = "x".join(str(g) for g in rec.grid if g > 1) or "1"
-            print(f"{name:20} {M:5} {grid:>14} {rec.block[0]:6} {ms * 1e3:8.1f} {gbs:7.0f} {100 * gbs / COPY_GBS:6.1f} "
-                  f"{e:8.1e}", flush=True)
+            ref_out = None
+            for label, rec in launches_of(op, M + 64):
+                src = "rope_cache.cu" if name.startswith("qk_") else "elementwise.cu"
+                ln = Launch(rec.fn, kern.fn(src, rec.fn, rec.smem), rec.grid, rec.block, rec.smem,
+                            packed(rec, bufs, bufs["kv"].data_ptr() if "kv" in bufs else 0), pdl=False)
+                for o in outs:
+                    bufs[o].fill_(float("nan"))
+                ln(stream())
+                torch.cuda.synchronize()
+                e = check(bufs)
+                if name.startswith("qk_"):             # rope variants: compared with the first (scalar) kernel
+                    got = torch.cat([bufs["q_out"].float().flatten(), bufs["kv"][:, :M].float().flatten()])
+                    ref_out = got if ref_out is None else ref_out
+                    e = max(e, err(got, ref_out) if got is not ref_out else 0.0)
+                ms = time_graph(lambda j: ln(stream()), 1)
+                gbs = nbytes / ms / 1e6
+                grid = "x".join(str(g) for g in rec.grid if g > 1) or "1"
+                print(f"{label:36} {M:5} {grid:>10} {rec.block[0]:6} {ms * 1e3:8.1f} {gbs:7.0f} "
+                      f"{100 * gbs / COPY_GBS:6.1f} {e:8.1e}", flush=True)
         torch.cuda.empty_cache()

@@ -143,8 +143,11 @@ def rope_tables(max_len, hd, theta=10000.0):
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-@pytest.mark.parametrize("hd,nh,nkv,norm", [(128, 8, 2, True), (64, 9, 3, False)])
-def test_qk_norm_rope_cache(lib, rng, hd, nh, nkv, norm):
+@pytest.mark.parametrize("fn,warps", [("qk_norm_rope_cache", 4), ("qk_norm_rope_cache_vec", 4),
+                                      ("qk_norm_rope_cache_vec", 8), ("qk_norm_rope_cache_vec", 1)])
+@pytest.mark.parametrize("hd,nh,nkv,norm", [(128, 8, 2, True), (64, 9, 3, False), (256, 4, 2, True)])
+def test_qk_norm_rope_cache(lib, rng, hd, nh, nkv, norm, fn, warps):
+    """The scalar-lane kernel and the vector-lane variant (kernel_build.ROPE_KERNEL picks), several block sizes."""
     T, num_slots, eps = 6, 64, 1e-6
     qkv = bf(rng.standard_normal((T, (nh + 2 * nkv) * hd)))
     pos = rng.integers(0, 256, T).astype(np.int32)
@@ -155,7 +158,7 @@ def test_qk_norm_rope_cache(lib, rng, hd, nh, nkv, norm):
     kv = bf(rng.standard_normal((2, num_slots, nkv, hd)))
     dkv = lib.to_device(kv, "bfloat16")
     q = lib.empty((T, nh, hd), "bfloat16")
-    lib.launch(f"qk_norm_rope_cache_hd{hd}", [T, -(-(nh + 2 * nkv) // 4)], [128],
+    lib.launch(f"{fn}_hd{hd}", [T, -(-(nh + 2 * nkv) // warps)], [32 * warps],
                [("ptr", lib.to_device(qkv, "bfloat16")), ("ptr", lib.to_device(pos)), ("ptr", lib.to_device(slots)),
                 ("ptr", lib.to_device(qn, "bfloat16") if norm else 0), ("ptr", lib.to_device(kn, "bfloat16") if norm else 0),
                 ("ptr", lib.to_device(cos)), ("ptr", lib.to_device(sin)), ("ptr", q), ("ptr", dkv),

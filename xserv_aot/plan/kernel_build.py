@@ -28,6 +28,9 @@ from xserv_aot.plan.signatures import check_sizes, cubin_param_sizes, host_signa
 from xserv_aot.plan.tensor_parallel import rank_model
 
 ELEMWISE_THREADS = 256
+# Unfused QK-norm + RoPE + KV write: the kernel (qk_norm_rope_cache: scalar lanes; qk_norm_rope_cache_vec: a lane's
+# HD / 32 elements in one vector access) and warps (heads) a block; scripts/bench_kernels.py prefill-elementwise
+ROPE_KERNEL, ROPE_WARPS = "qk_norm_rope_cache", 4
 
 
 def add_arena_buffer(manifest: dict, name: str, shape: list[int], dtype: str) -> None:
@@ -122,9 +125,10 @@ def silu_mul_launch(op: SiluMul) -> KernelChoice:
                          [ptr(op.inp), ptr(op.out), i32(op.rows), i32(op.inter)]))
 
 
-def qk_rope_launch(op: QkNormRopeCache, hd: int, nh: int, nkv: int, num_slots: int) -> KernelChoice:
-    """Grid (rows, groups of 4 heads), one warp a head; nh / nkv: this rank's heads."""
-    return kernel(launch(f"qk_norm_rope_cache_hd{hd}", [op.rows, -(-(nh + 2 * nkv) // 4)], [128], 0,
+def qk_rope_launch(op: QkNormRopeCache, hd: int, nh: int, nkv: int, num_slots: int, fn: str = ROPE_KERNEL,
+                   warps: int = ROPE_WARPS) -> KernelChoice:
+    """Grid (rows, groups of `warps` heads), one warp a head; nh / nkv: this rank's heads."""
+    return kernel(launch(f"{fn}_hd{hd}", [op.rows, -(-(nh + 2 * nkv) // warps)], [32 * warps], 0,
                          [ptr(op.qkv), ptr(op.positions), ptr(op.slot_mapping), ptr(op.q_norm), ptr(op.k_norm),
                           ptr(op.cos), ptr(op.sin), ptr(op.q_out), kv(op.layer), i32(nh), i32(nkv), f32(op.eps),
                           i32(num_slots)]))

@@ -39,17 +39,17 @@ __device__ __forceinline__ void qk_rope_impl(const bf16* __restrict__ qkv, const
     }
 }
 
-#define ROPE_KERNEL(HD)                                                                                      \
-    extern "C" __global__ void qk_norm_rope_cache_hd##HD(                                                    \
+#define ROPE_KERNEL(NAME, IMPL, HD)                                                                          \
+    extern "C" __global__ void NAME##_hd##HD(                                                                \
         const bf16* qkv, const int* positions, const int* slot_mapping, const bf16* q_norm,                  \
         const bf16* k_norm, const float* cos_t, const float* sin_t, bf16* q_out, bf16* kv_layer,             \
         int nh, int nkv, float eps, int num_slots) {                                                         \
-        qk_rope_impl<HD>(qkv, positions, slot_mapping, q_norm, k_norm, cos_t, sin_t, q_out, kv_layer,        \
-                         nh, nkv, eps, num_slots); }
+        IMPL<HD>(qkv, positions, slot_mapping, q_norm, k_norm, cos_t, sin_t, q_out, kv_layer, nh, nkv, eps,  \
+                 num_slots); }
 
-ROPE_KERNEL(64)
-ROPE_KERNEL(128)
-ROPE_KERNEL(256)
+ROPE_KERNEL(qk_norm_rope_cache, qk_rope_impl, 64)
+ROPE_KERNEL(qk_norm_rope_cache, qk_rope_impl, 128)
+ROPE_KERNEL(qk_norm_rope_cache, qk_rope_impl, 256)
 
 // Same op, vector layout: lane holds E = HD / 32 consecutive elements (HD 128: one 8-byte load and store a lane),
 // RoPE partner e +- HD / 2 in lane ^ 16 (one shuffle an element). Only the norm's sum of squares is grouped
@@ -117,14 +117,6 @@ __device__ __forceinline__ void qk_rope_vec_impl(const bf16* __restrict__ qkv, c
     }
 }
 
-#define ROPE_VEC_KERNEL(HD)                                                                                  \
-    extern "C" __global__ void qk_norm_rope_cache_vec_hd##HD(                                                \
-        const bf16* qkv, const int* positions, const int* slot_mapping, const bf16* q_norm,                  \
-        const bf16* k_norm, const float* cos_t, const float* sin_t, bf16* q_out, bf16* kv_layer,             \
-        int nh, int nkv, float eps, int num_slots) {                                                         \
-        qk_rope_vec_impl<HD>(qkv, positions, slot_mapping, q_norm, k_norm, cos_t, sin_t, q_out, kv_layer,    \
-                             nh, nkv, eps, num_slots); }
-
-ROPE_VEC_KERNEL(64)
-ROPE_VEC_KERNEL(128)
-ROPE_VEC_KERNEL(256)
+ROPE_KERNEL(qk_norm_rope_cache_vec, qk_rope_vec_impl, 64)
+ROPE_KERNEL(qk_norm_rope_cache_vec, qk_rope_vec_impl, 128)
+ROPE_KERNEL(qk_norm_rope_cache_vec, qk_rope_vec_impl, 256)

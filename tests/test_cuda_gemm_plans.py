@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.test_cuda_runner import forced_logits, rel_err
+
 pytestmark = pytest.mark.gpu
 
 SHAPE = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -26,11 +28,6 @@ OTHERS = {"256x256": "sm90_bf16_128x128x64_c1x2_pingpong", "256x512": "sm90_bf16
           "512x256": "sm90_bf16_128x256x64_c1x2_coop", "1024x256": "sm90_bf16_128x256x64_c2x1_streamk"}
 VARIANTS = {"twinned": dict(gemm_configs=TWINNED), "residual": dict(gemm_configs=TWINNED, gemm_residual=True),
             "others": dict(gemm_configs=OTHERS)}
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.fixture(scope="module")
@@ -58,16 +55,6 @@ def plans(tmp_path_factory, seed_for, pytestconfig):
     ops = [op for bk in out["residual"].buckets if bk.name == "prefill_256" for op in bk.ops]
     assert sum(1 for op in ops if op.cuda.fused_residual) == 2 * SHAPE["num_hidden_layers"]
     return out
-
-
-def forced_logits(runner, prompt, forced):
-    from xserv_aot.runtime.session import Session
-    s = Session(runner)
-    _, last = s.prefill(0, prompt)
-    out = [last]
-    for tok in forced:
-        out.append(s.step({0: [tok]})[1][0])
-    return np.array(out)
 
 
 def run_cuda(plan, prompt, forced):

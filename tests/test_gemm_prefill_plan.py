@@ -60,6 +60,8 @@ def test_table_entry_for_m_n_k_wins_over_n_k_over_the_model():
     assert cb.pick_gemm_config(2048, 6144, 4096, table=table) == cb.choose_gemm_config(2048, 6144, 4096)
     # fp32 logits keep the fp32-output config whatever the table says
     assert cb.pick_gemm_config(2048, 4096, 4096, "float32", table) == cb.CFG_F32OUT
+    with pytest.raises(cb.GemmBuildError, match="not a bf16 tile config"):
+        cb.pick_gemm_config(2048, 4096, 4096, table={"4096x4096": "sm90_f32out_128x128x64_c2x1_coop"})
 
 
 def test_table_names_only_bf16_tile_configs():

@@ -90,6 +90,7 @@ def launches_of(op, num_slots: int):
 
 def bench_prefill_elementwise(args, kernels_cls, time_graph, stream) -> None:
     rows = [int(r) for r in args.rows.split(",")]
+    torch.zeros(1, device="cuda")                      # torch's context current before the modules load
     kern = kernels_cls("elementwise.cu", "rope_cache.cu")
     gen = torch.Generator(device="cuda").manual_seed(4321)
     print(f"prefill row kernels, Qwen3-8B shape (H {H}, I {INTER}, nh {NH}, nkv {NKV}, hd {HD}); "

@@ -125,9 +125,11 @@ def silu_mul_launch(op: SiluMul) -> KernelChoice:
                          [ptr(op.inp), ptr(op.out), i32(op.rows), i32(op.inter)]))
 
 
-def qk_rope_launch(op: QkNormRopeCache, hd: int, nh: int, nkv: int, num_slots: int, fn: str = ROPE_KERNEL,
-                   warps: int = ROPE_WARPS) -> KernelChoice:
-    """Grid (rows, groups of `warps` heads), one warp a head; nh / nkv: this rank's heads."""
+def qk_rope_launch(op: QkNormRopeCache, hd: int, nh: int, nkv: int, num_slots: int, fn: str | None = None,
+                   warps: int | None = None) -> KernelChoice:
+    """Grid (rows, groups of `warps` heads), one warp a head; nh / nkv: this rank's heads. fn / warps default to
+    ROPE_KERNEL / ROPE_WARPS."""
+    fn, warps = fn or ROPE_KERNEL, warps or ROPE_WARPS
     return kernel(launch(f"{fn}_hd{hd}", [op.rows, -(-(nh + 2 * nkv) // warps)], [32 * warps], 0,
                          [ptr(op.qkv), ptr(op.positions), ptr(op.slot_mapping), ptr(op.q_norm), ptr(op.k_norm),
                           ptr(op.cos), ptr(op.sin), ptr(op.q_out), kv(op.layer), i32(nh), i32(nkv), f32(op.eps),

@@ -28,8 +28,8 @@ def packed(rec, bufs: dict, kv_ptr: int) -> list:
 
 
 def cases(M: int, gen):
-    """[(name, op, tensors, bytes, check(tensors) -> rel. error, names of outputs to poison)]; bytes: cos + sin
-    rows count once for the rope kernel."""
+    """[(name, op, tensors, bytes, check(tensors) -> rel. error, names of outputs to poison, reset(tensors) before
+    each variant or None)]; bytes: cos + sin rows count once for the rope kernel."""
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen, device="cuda") * scale).bfloat16()
 
@@ -42,15 +42,16 @@ def cases(M: int, gen):
     add = dict(res=x, delta=d, w=w, out=torch.empty(M, H, device="cuda", dtype=torch.bfloat16))
     summed = (x0.float() + d.float()).bfloat16()
     yield ("add_rmsnorm", AddRmsNorm(M, residual="res", delta="delta", weight="w", out="out", eps=EPS), add,
-           4 * M * H * 2, lambda t: max(err(t["out"], rms(summed, w)), err(t["res"], summed.float())), ("out",))
+           4 * M * H * 2, lambda t: max(err(t["out"], rms(summed, w)), err(t["res"], summed.float())), ("out",),
+           lambda t: t["res"].copy_(x0))
     norm = dict(inp=randn(M, H), w=w, out=torch.empty(M, H, device="cuda", dtype=torch.bfloat16))
     yield ("rmsnorm", RmsNorm(M, inp="inp", weight="w", out="out", eps=EPS), norm, 2 * M * H * 2,
-           lambda t: err(t["out"], rms(t["inp"], w)), ("out",))
+           lambda t: err(t["out"], rms(t["inp"], w)), ("out",), None)
     gu = randn(M, 2 * INTER)
     silu = dict(inp=gu, out=torch.empty(M, INTER, device="cuda", dtype=torch.bfloat16))
     g, u = gu[:, :INTER].float(), gu[:, INTER:].float()
     yield ("silu_mul", SiluMul(M, inp="inp", out="out", inter=INTER), silu, 3 * M * INTER * 2,
-           lambda t: err(t["out"], torch.nn.functional.silu(g) * u), ("out",))
+           lambda t: err(t["out"], torch.nn.functional.silu(g) * u), ("out",), None)
     slots = M + 64
     pos = torch.arange(M, device="cuda", dtype=torch.int32)
     ang = pos[:, None].float() * (1e6 ** (-torch.arange(HD // 2, device="cuda").float() / (HD // 2)))
@@ -66,7 +67,7 @@ def cases(M: int, gen):
         q, kv = t["q_out"].float(), t["kv"][:, :M].float()
         return 0.0 if torch.isfinite(q).all() and torch.isfinite(kv).all() else float("inf")
     yield ("qk_norm_rope_cache", op, rope, 2 * M * (NH + 2 * NKV) * HD * 2 + M * HD * 4, rope_check,
-           ("q_out", "kv"))
+           ("q_out", "kv"), None)
 
 
 def err(out, ref) -> float:
@@ -78,12 +79,20 @@ ROPE_VARIANTS = [("qk_norm_rope_cache", 4), ("qk_norm_rope_cache_vec", 4), ("qk_
                  ("qk_norm_rope_cache_vec", 2)]                # (kernel, warps a block); the plan's is marked
 
 
+NORM_VARIANTS = [0, 1]                  # norm_threads few_from: 0 one chunk a thread, 1 fewest threads a row
+SILU_VARIANTS = [4096, 1056, None]      # silu_mul grid caps (None: one chunk a thread)
+
+
 def launches_of(op, num_slots: int):
-    """[(label, launch record)]: the plan's launch, and for the rope op every ROPE_VARIANTS entry."""
+    """[(label, launch record)]: the plan's launch and the variants (the plan's geometry is marked)."""
     if isinstance(op, (AddRmsNorm, RmsNorm)):
-        return [(op.op, kb.norm_launch(op, H).launch[0])]
+        plan = kb.norm_launch(op, H).launch[0]
+        recs = [kb.norm_launch(op, H, few_from=f).launch[0] for f in NORM_VARIANTS]
+        return [(f"{op.op} t{r.block[0]}" + (" (plan)" if r == plan else ""), r) for r in recs]
     if isinstance(op, SiluMul):
-        return [(op.op, kb.silu_mul_launch(op).launch[0])]
+        plan = kb.silu_mul_launch(op).launch[0]
+        recs = [kb.silu_mul_launch(op, cap).launch[0] for cap in SILU_VARIANTS]
+        return [(f"silu_mul g{r.grid[0]}" + (" (plan)" if r == plan else ""), r) for r in recs]
     return [(f"{fn} w{w}" + (" (plan)" if (fn, w) == (kb.ROPE_KERNEL, kb.ROPE_WARPS) else ""),
              kb.qk_rope_launch(op, HD, NH, NKV, num_slots, fn, w).launch[0]) for fn, w in ROPE_VARIANTS]
 
@@ -97,12 +106,14 @@ def bench_prefill_elementwise(args, kernels_cls, time_graph, stream) -> None:
           f"GB/s = (reads + writes) / t vs {COPY_GBS:.0f} copy")
     print(f"{'kernel':36} {'M':>5} {'grid':>10} {'block':>6} {'us':>8} {'GB/s':>7} {'%copy':>6} {'err':>8}")
     for M in rows:
-        for name, op, bufs, nbytes, check, outs in cases(M, gen):
+        for name, op, bufs, nbytes, check, outs, reset in cases(M, gen):
             ref_out = None
             for label, rec in launches_of(op, M + 64):
                 src = "rope_cache.cu" if name.startswith("qk_") else "elementwise.cu"
                 ln = Launch(rec.fn, kern.fn(src, rec.fn, rec.smem), rec.grid, rec.block, rec.smem,
                             packed(rec, bufs, bufs["kv"].data_ptr() if "kv" in bufs else 0), pdl=False)
+                if reset:
+                    reset(bufs)
                 for o in outs:
                     bufs[o].fill_(float("nan"))
                 ln(stream())

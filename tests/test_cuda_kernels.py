@@ -40,29 +40,34 @@ def test_embedding_gather(lib, rng, H):
     np.testing.assert_array_equal(g.numpy(), ref.gather_rows(ref.embedding(ids, table), idx))
 
 
+@pytest.mark.parametrize("few", [False, True])
 @pytest.mark.parametrize("H", [576, 4096])
-def test_rmsnorm_and_add_rmsnorm(lib, rng, H):
+def test_rmsnorm_and_add_rmsnorm(lib, rng, H, few):
+    """One chunk a thread, and the fewest threads a row (kernel_build.NORM_FEW_FROM_ROWS)."""
     T, eps = 7, 1e-6
     x, d = bf(rng.standard_normal((T, H)) * 3), bf(rng.standard_normal((T, H)))
     w = bf(1 + 0.2 * rng.standard_normal(H))
     dx, dd, dw = lib.to_device(x, "bfloat16"), lib.to_device(d, "bfloat16"), lib.to_device(w, "bfloat16")
     out = lib.empty((T, H), "bfloat16")
     from xserv_aot.plan.kernel_build import norm_threads
-    lib.launch("rmsnorm", [T], [norm_threads(H)], [("ptr", dx), ("ptr", dw), ("ptr", out), ("i32", H), ("f32", eps)])
+    threads = norm_threads(H, T, few_from=1 if few else 0)
+    lib.launch("rmsnorm", [T], [threads], [("ptr", dx), ("ptr", dw), ("ptr", out), ("i32", H), ("f32", eps)])
     check(out.numpy(), ref.rmsnorm(x, w, eps))
     out2 = lib.empty((T, H), "bfloat16")
-    lib.launch("add_rmsnorm", [T], [norm_threads(H)], [("ptr", dx), ("ptr", dd), ("ptr", dw), ("ptr", out2), ("i32", H), ("f32", eps)])
+    lib.launch("add_rmsnorm", [T], [threads], [("ptr", dx), ("ptr", dd), ("ptr", dw), ("ptr", out2), ("i32", H), ("f32", eps)])
     res, _ = ref.add_rmsnorm(x, d, w, eps)
     res = bf(res)
     np.testing.assert_array_equal(dx.numpy(), res)
     check(out2.numpy(), ref.rmsnorm(res, w, eps))
 
 
-def test_silu_mul(lib, rng):
+@pytest.mark.parametrize("blocks", [None, 2])
+def test_silu_mul(lib, rng, blocks):
+    """One chunk a thread, and a grid-stride loop over a capped grid (kernel_build.SILU_MAX_BLOCKS)."""
     rows, inter = 5, 1536
     x = bf(rng.standard_normal((rows, 2 * inter)) * 2)
     out = lib.empty((rows, inter), "bfloat16")
-    lib.launch("silu_mul", [(rows * inter // 8 + 255) // 256], [256],
+    lib.launch("silu_mul", [blocks or (rows * inter // 8 + 255) // 256], [256],
                [("ptr", lib.to_device(x, "bfloat16")), ("ptr", out), ("i32", rows), ("i32", inter)])
     check(out.numpy(), ref.silu_mul(x))
 

@@ -31,6 +31,8 @@ ELEMWISE_THREADS = 256
 # Unfused QK-norm + RoPE + KV write: the kernel (qk_norm_rope_cache: scalar lanes; qk_norm_rope_cache_vec: a lane's
 # HD / 32 elements in one vector access) and warps (heads) a block; scripts/bench_kernels.py prefill-elementwise
 ROPE_KERNEL, ROPE_WARPS = "qk_norm_rope_cache", 4
+NORM_FEW_FROM_ROWS = 0     # row norms of this many rows or more: fewest threads a row (norm_threads); 0 = never
+SILU_MAX_BLOCKS = 4096     # silu_mul grid cap (grid-stride beyond); None = one 8-element chunk a thread
 
 
 def add_arena_buffer(manifest: dict, name: str, shape: list[int], dtype: str) -> None:
@@ -41,7 +43,12 @@ def add_arena_buffer(manifest: dict, name: str, shape: list[int], dtype: str) ->
         arena["buffers"][name] = info.to_dict()
 
 
-def norm_threads(hidden: int) -> int:
+def norm_threads(hidden: int, rows: int = 1, few_from: int | None = None) -> int:
+    """Threads of a row-norm block: one 16-byte chunk a thread; from `few_from` rows on (default NORM_FEW_FROM_ROWS,
+    0 = never) the fewest whole warps that hold the row in NORM_NC chunks each (more blocks resident)."""
+    few_from = NORM_FEW_FROM_ROWS if few_from is None else few_from
+    if few_from and rows >= few_from:
+        return -(-(hidden // 8) // (NORM_NC * 32)) * 32
     return min(1024, -(-(hidden // 8) // 32) * 32)
 
 
@@ -109,10 +116,11 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
     return out
 
 
-def norm_launch(op: RmsNorm | AddRmsNorm, hidden: int, residual_summed: bool = False) -> KernelChoice:
+def norm_launch(op: RmsNorm | AddRmsNorm, hidden: int, residual_summed: bool = False,
+                few_from: int | None = None) -> KernelChoice:
     """One block per row. residual_summed: the previous linear already added its output into op.residual
     (fused_residual), so add_rmsnorm is an rmsnorm of that buffer."""
-    geometry = ([op.rows], [norm_threads(hidden)], 0)
+    geometry = ([op.rows], [norm_threads(hidden, op.rows, few_from)], 0)
     if isinstance(op, RmsNorm) or residual_summed:
         inp = op.inp if isinstance(op, RmsNorm) else op.residual
         return kernel(launch("rmsnorm", *geometry, [ptr(inp), ptr(op.weight), ptr(op.out), i32(hidden), f32(op.eps)]))
@@ -120,8 +128,11 @@ def norm_launch(op: RmsNorm | AddRmsNorm, hidden: int, residual_summed: bool = F
                                                     i32(hidden), f32(op.eps)]))
 
 
-def silu_mul_launch(op: SiluMul) -> KernelChoice:
-    return kernel(launch("silu_mul", [min(-(-(op.rows * op.inter // 8) // 256), 4096)], [256], 0,
+def silu_mul_launch(op: SiluMul, max_blocks: int | None = -1) -> KernelChoice:
+    """256 threads a block, one 8-element chunk a thread and iteration; max_blocks -1: SILU_MAX_BLOCKS."""
+    cap = SILU_MAX_BLOCKS if max_blocks == -1 else max_blocks
+    chunks = -(-(op.rows * op.inter // 8) // 256)
+    return kernel(launch("silu_mul", [min(chunks, cap) if cap else chunks], [256], 0,
                          [ptr(op.inp), ptr(op.out), i32(op.rows), i32(op.inter)]))
 
 

@@ -158,3 +158,22 @@ def test_read_later_sees_reads_before_the_next_write():
     writes_o = replace(lin, out="o")
     assert not kb.read_later([lin, norm, writes_o, reads_o], 2, "o")
     assert kb.read_later([lin, norm, reads_o, writes_o], 2, "o")
+
+
+def test_the_h200_build_routes_its_table_cells_and_leaves_the_rest_to_the_model():
+    """plans/h200.build.json's gemm_configs reach plan_linear for Qwen3-8B's prefill linears (no compile)."""
+    from pathlib import Path
+
+    from xserv_aot.plan.linear_plan import plan_linear
+    from xserv_aot.plan.op_records import Linear
+    build = BuildConfig.from_dict(json.loads((Path(__file__).resolve().parents[1] / "plans" / "h200.build.json")
+                                             .read_text())).validate()
+    cutlass = {"configs": list(cb.GEMM_CONFIGS), "table": build.gemm_configs, "residual": build.gemm_residual,
+               "path": None}
+    assert build.gemm_configs and all(len(key.split("x")) == 3 for key in build.gemm_configs)
+    for rows in build.prefill_buckets:
+        for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)):
+            op = Linear(rows, inp="h", weight="w", bias=None, out="o", n=n, k=k)
+            got = plan_linear(op, "bfloat16", None, cutlass).gemm_config
+            name = build.gemm_configs.get(f"{rows}x{n}x{k}")
+            assert got == (cb.TABLE_CONFIGS[name] if name else cb.choose_gemm_config(rows, n, k)), (rows, n, k)

@@ -6,6 +6,8 @@
   python3 scripts/bench_kernels.py prefill [--prompts 2048,4096,8192,4x1024 --variants v1,w8s2]
   python3 scripts/bench_kernels.py fp8 [--lib PATH/libxserv_gemm.so] [--rows 1,2,16,64]   (scripts/bench_fp8.py)
   python3 scripts/bench_kernels.py attn-few --batches 1,2 --contexts 128,512,4096
+  python3 scripts/bench_kernels.py prefill-gemm --lib PATH/libxserv_gemm.so [--rows 2048,4096,8192]
+  python3 scripts/bench_kernels.py prefill-elementwise [--rows 2048,4096,8192]
 
 gemm: every decode linear shape of Qwen3-8B (qkv, o, gate_up, down, lm_head) x rows: the CUTLASS swap-AB
 stream-K / split-K configs, the NVRTC skinny kernel (rows <= 64) and the CUTLASS tile configs (rows >= 128);
@@ -14,6 +16,9 @@ rotating over weight copies that together exceed L2 (median of replays). GB/s co
 attn: the split-KV decode kernel (attention_decode.cu) vs the batched flash-decoding kernel
 (attention_decode_batched.cu) over a shuffled paged KV, checked against torch, timed the same way.
 attn-few: decode buckets of 1-2 seqs, the old rope + split-KV pair vs the fused kernel (scripts/bench_attn_few.py).
+prefill-gemm: every bf16 CUTLASS tile config on every prefill linear x M, and the gemm_configs table the
+measurements suggest (scripts/bench_prefill_gemm.py). prefill-elementwise: add_rmsnorm / rmsnorm / silu_mul /
+qk_norm_rope_cache at prefill rows against the copy rate (scripts/bench_prefill_elementwise.py).
 Reference and timing use torch only as memory and as the oracle; kernels come from the project's build.
 """
 from __future__ import annotations
@@ -329,16 +334,25 @@ def bench_prefill(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["gemm", "attn", "attn-few", "prefill", "fp8"])
+    ap.add_argument("what", choices=["gemm", "attn", "attn-few", "prefill", "fp8", "prefill-gemm",
+                                     "prefill-elementwise"])
     ap.add_argument("--lib")
-    ap.add_argument("--rows", default=None, help="gemm: 16,32,64,128,256; fp8: 1,2,16,64")
+    ap.add_argument("--rows", default=None, help="gemm: 16,32,64,128,256; fp8: 1,2,16,64; "
+                    "prefill-gemm, prefill-elementwise: 2048,4096,8192")
     ap.add_argument("--batches", default="1,16,64,128,256")
     ap.add_argument("--contexts", default="256,1024,4096,8192")
     ap.add_argument("--prompts", default="2048,4096,8192,4x1024", help="prefill: N x L or L (one seq)")
     ap.add_argument("--variants", default=None, help="prefill: comma list of attention_plan.PREFILL_ATTN_VARIANTS")
     args = ap.parse_args()
-    args.rows = args.rows or ("1,2,16,64" if args.what == "fp8" else "16,32,64,128,256")
+    args.rows = args.rows or {"fp8": "1,2,16,64", "prefill-gemm": "2048,4096,8192",
+                               "prefill-elementwise": "2048,4096,8192"}.get(args.what, "16,32,64,128,256")
     torch.cuda.init()
+    if args.what == "prefill-gemm":
+        from bench_prefill_gemm import bench_prefill_gemm
+        return bench_prefill_gemm(args, Gemm(Path(args.lib)), time_graph, rel_err, L2_BYTES)
+    if args.what == "prefill-elementwise":
+        from bench_prefill_elementwise import bench_prefill_elementwise
+        return bench_prefill_elementwise(args, Kernels, time_graph, stream)
     if args.what == "attn-few":
         from bench_attn_few import bench_attn_few
         return bench_attn_few(args)

@@ -75,8 +75,17 @@ def _check(out, ref) -> None:
     assert err <= 1e-2 and fro <= 1e-2, (err, fro)
 
 
+def _splits(cfg: int) -> tuple[int, ...]:
+    """Scheduler modes a config takes: stream-K / data-parallel / split-K 4 for the swap-AB and stream-K tiles."""
+    return (0, 1, 4) if "streamk" in cb.GEMM_CONFIGS[cfg] else (0,)
+
+
+RESIDUAL = frozenset(cb.RESIDUAL_TWIN.values())
+
+
 @pytest.mark.parametrize("name,n,k", SHAPES)
 def test_matches_float64_reference(gemm, name, n, k, seed):
+    """Every config; the residual configs' C starts as a random residual (their epilogue adds it in place)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     a, b, bias = _operands(max(MS), n, k, gen)
     for m in MS:
@@ -86,13 +95,39 @@ def test_matches_float64_reference(gemm, name, n, k, seed):
             if swap and m > 256:
                 continue
             dtype = torch.float32 if gemm.out_bytes(cfg) == 4 else torch.bfloat16
-            for splits in ((0, 1, 4) if swap else (0,)):
+            for splits in _splits(cfg):
                 use_bias = (cfg + m + splits) % 2 == 0
                 c = torch.full((m + PAD_ROWS, n), float("nan"), dtype=dtype, device="cuda")
+                want = ref + bias.double() if use_bias else ref
+                if cfg in RESIDUAL:
+                    c[:m] = torch.randn(m, n, generator=gen, device="cuda").to(dtype)
+                    want = want + c[:m].double()
                 _run(gemm, cfg, a, b, c, bias if use_bias else None, m, splits)
                 torch.cuda.synchronize()
-                _check(c[:m], ref + bias.double() if use_bias else ref)
+                _check(c[:m], want)
                 assert torch.isnan(c[m:]).all(), f"{gemm.configs[cfg]} splits {splits} wrote past row {m}"
+
+
+@pytest.mark.parametrize("m", [128, 300, 2048])
+def test_residual_epilogue_rounds_like_the_unfused_add(gemm, m, seed):
+    """D = bf16(bf16(A B^T + bias) + D) bit for bit: the twin's output equals its plain config's output rounded,
+    then added to the residual in float32 and rounded (add_rmsnorm's residual update), on o_proj / down shapes."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for n, k in ((4096, 4096), (4096, 12288)):
+        a, b, bias = _operands(m, n, k, gen)
+        residual = torch.randn(m, n, generator=gen, device="cuda").to(torch.bfloat16)
+        for plain, twin in cb.RESIDUAL_TWIN.items():
+            for use_bias in (False, True):
+                c = torch.full((m + PAD_ROWS, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                _run(gemm, plain, a, b, c, bias if use_bias else None, m)
+                d = torch.full((m + PAD_ROWS, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                d[:m] = residual
+                _run(gemm, twin, a, b, d, bias if use_bias else None, m)
+                torch.cuda.synchronize()
+                want = (c[:m].float() + residual.float()).to(torch.bfloat16)
+                diff = (d[:m].float() - want.float()).abs().max().item()
+                assert torch.equal(d[:m], want), (gemm.configs[twin], m, n, k, use_bias, diff)
+                assert torch.isnan(d[m:]).all(), f"{gemm.configs[twin]} wrote past row {m}"
 
 
 def test_rejects_misaligned_and_bad_shapes(gemm):
@@ -119,7 +154,7 @@ def test_cuda_graph_replay_equals_eager(gemm, seed):
         with torch.cuda.graph(g):
             _run(gemm, cfg, a, b, c_graph, bias, m)
         a.copy_(torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16))
-        c_graph.fill_(float("nan"))
+        c_graph.fill_(0.0 if cfg in RESIDUAL else float("nan"))   # residual configs read C: start from 0
         g.replay()
         _run(gemm, cfg, a, b, c_eager, bias, m)
         torch.cuda.synchronize()

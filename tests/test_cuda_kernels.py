@@ -40,29 +40,34 @@ def test_embedding_gather(lib, rng, H):
     np.testing.assert_array_equal(g.numpy(), ref.gather_rows(ref.embedding(ids, table), idx))
 
 
+@pytest.mark.parametrize("few", [False, True])
 @pytest.mark.parametrize("H", [576, 4096])
-def test_rmsnorm_and_add_rmsnorm(lib, rng, H):
+def test_rmsnorm_and_add_rmsnorm(lib, rng, H, few):
+    """One chunk a thread, and the fewest threads a row (kernel_build.NORM_FEW_FROM_ROWS)."""
     T, eps = 7, 1e-6
     x, d = bf(rng.standard_normal((T, H)) * 3), bf(rng.standard_normal((T, H)))
     w = bf(1 + 0.2 * rng.standard_normal(H))
     dx, dd, dw = lib.to_device(x, "bfloat16"), lib.to_device(d, "bfloat16"), lib.to_device(w, "bfloat16")
     out = lib.empty((T, H), "bfloat16")
     from xserv_aot.plan.kernel_build import norm_threads
-    lib.launch("rmsnorm", [T], [norm_threads(H)], [("ptr", dx), ("ptr", dw), ("ptr", out), ("i32", H), ("f32", eps)])
+    threads = norm_threads(H, T, few_from=1 if few else 0)
+    lib.launch("rmsnorm", [T], [threads], [("ptr", dx), ("ptr", dw), ("ptr", out), ("i32", H), ("f32", eps)])
     check(out.numpy(), ref.rmsnorm(x, w, eps))
     out2 = lib.empty((T, H), "bfloat16")
-    lib.launch("add_rmsnorm", [T], [norm_threads(H)], [("ptr", dx), ("ptr", dd), ("ptr", dw), ("ptr", out2), ("i32", H), ("f32", eps)])
+    lib.launch("add_rmsnorm", [T], [threads], [("ptr", dx), ("ptr", dd), ("ptr", dw), ("ptr", out2), ("i32", H), ("f32", eps)])
     res, _ = ref.add_rmsnorm(x, d, w, eps)
     res = bf(res)
     np.testing.assert_array_equal(dx.numpy(), res)
     check(out2.numpy(), ref.rmsnorm(res, w, eps))
 
 
-def test_silu_mul(lib, rng):
+@pytest.mark.parametrize("blocks", [None, 2])
+def test_silu_mul(lib, rng, blocks):
+    """One chunk a thread, and a grid-stride loop over a capped grid (kernel_build.SILU_MAX_BLOCKS)."""
     rows, inter = 5, 1536
     x = bf(rng.standard_normal((rows, 2 * inter)) * 2)
     out = lib.empty((rows, inter), "bfloat16")
-    lib.launch("silu_mul", [(rows * inter // 8 + 255) // 256], [256],
+    lib.launch("silu_mul", [blocks or (rows * inter // 8 + 255) // 256], [256],
                [("ptr", lib.to_device(x, "bfloat16")), ("ptr", out), ("i32", rows), ("i32", inter)])
     check(out.numpy(), ref.silu_mul(x))
 
@@ -143,8 +148,11 @@ def rope_tables(max_len, hd, theta=10000.0):
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-@pytest.mark.parametrize("hd,nh,nkv,norm", [(128, 8, 2, True), (64, 9, 3, False)])
-def test_qk_norm_rope_cache(lib, rng, hd, nh, nkv, norm):
+@pytest.mark.parametrize("fn,warps", [("qk_norm_rope_cache", 4), ("qk_norm_rope_cache_vec", 4),
+                                      ("qk_norm_rope_cache_vec", 8), ("qk_norm_rope_cache_vec", 1)])
+@pytest.mark.parametrize("hd,nh,nkv,norm", [(128, 8, 2, True), (64, 9, 3, False), (256, 4, 2, True)])
+def test_qk_norm_rope_cache(lib, rng, hd, nh, nkv, norm, fn, warps):
+    """The scalar-lane kernel and the vector-lane variant (kernel_build.ROPE_KERNEL picks), several block sizes."""
     T, num_slots, eps = 6, 64, 1e-6
     qkv = bf(rng.standard_normal((T, (nh + 2 * nkv) * hd)))
     pos = rng.integers(0, 256, T).astype(np.int32)
@@ -155,7 +163,7 @@ def test_qk_norm_rope_cache(lib, rng, hd, nh, nkv, norm):
     kv = bf(rng.standard_normal((2, num_slots, nkv, hd)))
     dkv = lib.to_device(kv, "bfloat16")
     q = lib.empty((T, nh, hd), "bfloat16")
-    lib.launch(f"qk_norm_rope_cache_hd{hd}", [T, -(-(nh + 2 * nkv) // 4)], [128],
+    lib.launch(f"{fn}_hd{hd}", [T, -(-(nh + 2 * nkv) // warps)], [32 * warps],
                [("ptr", lib.to_device(qkv, "bfloat16")), ("ptr", lib.to_device(pos)), ("ptr", lib.to_device(slots)),
                 ("ptr", lib.to_device(qn, "bfloat16") if norm else 0), ("ptr", lib.to_device(kn, "bfloat16") if norm else 0),
                 ("ptr", lib.to_device(cos)), ("ptr", lib.to_device(sin)), ("ptr", q), ("ptr", dkv),

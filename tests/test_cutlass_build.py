@@ -56,9 +56,10 @@ def test_config_table_through_ctypes(built):
     for i, name in enumerate(g.configs):
         assert g.out_bytes(i) == (4 if "f32out" in name else 2)
         for m, n, k in ((1, 4096, 4096), (2048, 24576, 4096), (300, 4096, 12288)):
-            if "swap" not in name:
-                assert g.workspace_size(i, m, n, k) == 0                 # data-parallel tiles: no scratch
-        if "swap" in name:                                               # decode rows: stream-K / split-K scratch
+            if "streamk" not in name:
+                assert g.workspace_size(i, m, n, k) == 0                 # persistent data-parallel tiles: no scratch
+        assert ("streamk" in name) == (i in cb.SPLIT_TILE_CONFIGS or "swap" in name)
+        if "streamk" in name:                                            # stream-K / split-K scratch
             assert g.workspace_size_ex(i, 64, 4096, 4096, 1) == 0        # data-parallel
             assert g.workspace_size_ex(i, 64, 4096, 4096, 0) > 0         # stream-K fixup partials + flags
             assert g.workspace_size_ex(i, 64, 4096, 12288, 4) > 0        # split-K 4

@@ -69,6 +69,8 @@ def compile(
     target: Optional[str] = typer.Option(None, help="GPU arch for kernels (sm_90a) or cpu"),
     gemm_library: Optional[bool] = typer.Option(None, help="CUTLASS GEMMs for linears of >= 128 rows (default on)"),
     pdl: Optional[bool] = typer.Option(None, help="programmatic dependent launch of every kernel (default off)"),
+    gemm_residual: Optional[bool] = typer.Option(None, help="o_proj / down add the residual in their CUTLASS "
+                                                 "epilogue (default off)"),
     tensor_parallel: Optional[int] = typer.Option(None, help="ranks (GPUs) to shard the model over: 1, 2, 4 or 8"),
     quantization: Optional[str] = typer.Option(None, help="none | fp8: e4m3 linear weights with scales"),
     fp8_scheme: Optional[str] = typer.Option(None, help="fp8 scales: channel | block128 | auto (block128 where "
@@ -86,7 +88,7 @@ def compile(
     base = read_json_file(build_config, "build config") if build_config else {}
     given = dict(max_num_seqs=max_num_seqs, decode_buckets=_ints(decode_buckets), prefill_buckets=_ints(prefill_buckets),
                  max_seq_len=max_seq_len, block_size=block_size, num_blocks=num_blocks, dtype=dtype, target=target,
-                 gemm_library=gemm_library, pdl=pdl, tensor_parallel=tensor_parallel, quantization=quantization,
+                 gemm_library=gemm_library, pdl=pdl, gemm_residual=gemm_residual, tensor_parallel=tensor_parallel, quantization=quantization,
                  fp8_scheme=fp8_scheme, quantize_lm_head=quantize_lm_head)
     run_compile(model, out, base, given, kv_memory_gib, dummy_weights, seed, force, generation_config)
 

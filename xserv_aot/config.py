@@ -176,6 +176,9 @@ class BuildConfig:
     pdl: bool = False                     # CUDA: programmatic dependent launch of every kernel (docs/cuda-notes.md)
     megakernel_sms: int = 0               # CUDA: decode buckets of 1-2 seqs as one persistent kernel of this many
                                           # blocks, the GPU's SM count (plan/megakernel_plan.py); 0: per-op kernels
+    gemm_configs: dict[str, str] = field(default_factory=dict)  # CUDA: CUTLASS config per prefill linear shape
+    #   ("NxK" or "MxNxK" -> cutlass_build.TABLE_CONFIGS name); a shape not listed: the tile model
+    gemm_residual: bool = False           # CUDA: o_proj / down add the residual in their GEMM epilogue
     tensor_parallel: int = 1              # ranks (GPUs) the weights, heads and KV pool are split over (1, 2, 4, 8)
     quantization: str = "none"            # none | fp8: linear weights stored as e4m3 with scales (plan/quantize.py)
     fp8_scheme: str = "auto"              # fp8: channel | block128 | auto (block128 where N and K divide by 128)
@@ -235,7 +238,14 @@ class BuildConfig:
             raise ConfigError(f"fp8_scheme {self.fp8_scheme!r} is not one of {', '.join(FP8_SCHEME_CHOICES)}")
         if isinstance(self.megakernel_sms, bool) or not isinstance(self.megakernel_sms, int) or self.megakernel_sms < 0:
             raise ConfigError(f"megakernel_sms must be a block count >= 0 (the GPU's SMs), got {self.megakernel_sms!r}")
-        for name in ("gemm_library", "pdl", "quantize_lm_head"):
+        if not isinstance(self.gemm_configs, dict):
+            raise ConfigError(f"gemm_configs must be an object of shape -> config name, got {self.gemm_configs!r}")
+        from xserv_aot.plan.cutlass_build import check_gemm_table
+        try:
+            check_gemm_table(self.gemm_configs)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for name in ("gemm_library", "pdl", "quantize_lm_head", "gemm_residual"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.decode_buckets = sorted(set(int(b) for b in self.decode_buckets))

@@ -8,10 +8,13 @@
 
 namespace xserv {
 struct Tile {};
+struct Residual {};
 struct SwapAB {};
 template <class Kind, int TM, int TN, int TK, int CM, int CN, class Sched, class Out> struct Pick;
 template <int TM, int TN, int TK, int CM, int CN, class Sched, class Out>
 struct Pick<Tile, TM, TN, TK, CM, CN, Sched, Out> { using Gemm = GemmSm90<TM, TN, TK, CM, CN, Sched, Out>; };
+template <int TM, int TN, int TK, int CM, int CN, class Sched, class Out>
+struct Pick<Residual, TM, TN, TK, CM, CN, Sched, Out> { using Gemm = GemmSm90<TM, TN, TK, CM, CN, Sched, Out, true>; };
 template <int TM, int TN, int TK, int CM, int CN, class Sched, class Out>
 struct Pick<SwapAB, TM, TN, TK, CM, CN, Sched, Out> { using Gemm = GemmSm90SwapAB<TM, TN, TK, Out>; };
 
@@ -19,7 +22,7 @@ template <int Index> struct Config;
 #define XSERV_CONFIG_TYPE(idx, name, kind, tm, tn, tk, cm, cn, sched, out) \
   template <> struct Config<idx> { using Gemm = typename Pick<kind, tm, tn, tk, cm, cn, sched, out>::Gemm; };
 XSERV_GEMM_CONFIGS(XSERV_CONFIG_TYPE)
-using Selected = Config<XSERV_GEMM_CONFIG>::Gemm;
+using Selected = Launcher<Config<XSERV_GEMM_CONFIG>::Gemm>;
 }  // namespace xserv
 
 extern "C" int XSERV_CAT(xserv_gemm_run_, XSERV_GEMM_CONFIG)(const void* A, const void* B, void* D,

@@ -1,6 +1,9 @@
 // CUTLASS 3 sm90a TMA warp-specialized bf16 "TN" GEMM: D[M,N] = A[M,K] @ B[N,K]^T (+ bias[N]).
 // A, B, D row-major; fp32 accumulation; D is bf16 or fp32; bias is bf16 (nullptr = no bias).
+// Residual configs: D = bf16(bf16(acc + bias) + D), D read in place (a linear, then the residual add).
 #pragma once
+
+#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -20,23 +23,80 @@ using namespace cute;
 struct Cooperative {
   using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+  using Scheduler = void;  // persistent data-parallel tiles, no workspace
 };
 struct Pingpong {
   using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+  using Scheduler = void;
 };
-// Decode rows: operands swapped (the weights fill the 128-wide M side of the tile, the few activation rows the
-// N side), stream-K over every SM with deterministic (turnstile) reduction; needs a workspace.
-struct StreamKSwapAB {
+// Cooperative, work split along K over every SM (stream-K, reduced in a fixed order); needs a workspace.
+struct StreamK {
   using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+  using Scheduler = cutlass::gemm::StreamKScheduler;
+};
+// Decode rows: operands swapped (the weights fill the 128-wide M side of the tile, the few activation rows the
+// N side), stream-K over every SM with deterministic (turnstile) reduction.
+using StreamKSwapAB = StreamK;
+
+// Stream-K scheduler mode: splits 0 stream-K (CUTLASS's heuristic), 1 data-parallel, > 1 split-K; fixed order.
+template <class Scheduler>
+void set_decomposition(typename Scheduler::Arguments& s, int splits) {
+  using Mode = typename Scheduler::DecompositionMode;
+  s.reduction_mode = Scheduler::ReductionMode::Deterministic;
+  if (splits > 1) {
+    s.splits = splits;
+    s.decomposition_mode = Mode::SplitK;
+  } else {
+    s.decomposition_mode = splits == 1 ? Mode::DataParallel : Mode::StreamK;
+  }
+}
+
+inline int device_sms(int* device, int* sm_count) {
+  if (cudaGetDevice(device) != cudaSuccess ||
+      cudaDeviceGetAttribute(sm_count, cudaDevAttrMultiProcessorCount, *device) != cudaSuccess) {
+    return static_cast<int>(cutlass::Status::kErrorInternal);
+  }
+  return 0;
+}
+
+// Launch into a caller-owned workspace (never allocates): 0 or a cutlass::Status value.
+template <class Gemm>
+int launch_gemm(typename Gemm::Arguments const& args, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  Gemm gemm;
+  cutlass::Status st = gemm.can_implement(args);
+  if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
+  if (Gemm::get_workspace_size(args) > workspace_bytes) return static_cast<int>(cutlass::Status::kErrorWorkspaceNull);
+  st = gemm.initialize(args, workspace, stream);
+  if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
+  return static_cast<int>(gemm.run(stream));
+}
+
+// Run/workspace of a config type G (G::arguments(A, B, D, bias, M, N, K, splits, device, sm_count)).
+template <class G>
+struct Launcher {
+  static int run(const void* A, const void* B, void* D, const void* bias, int M, int N, int K, int splits,
+                 void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+    if (!G::kSplits && splits > 1) return static_cast<int>(cutlass::Status::kErrorNotSupported);
+    int device = 0, sm_count = 0;
+    if (int st = device_sms(&device, &sm_count)) return st;
+    return launch_gemm<typename G::Gemm>(G::arguments(A, B, D, bias, M, N, K, splits, device, sm_count), workspace,
+                                         workspace_bytes, stream);
+  }
+
+  static size_t workspace_size(int M, int N, int K, int splits, int sm_count) {
+    return G::Gemm::get_workspace_size(G::arguments(nullptr, nullptr, nullptr, nullptr, M, N, K, splits, 0, sm_count));
+  }
 };
 
-template <int TM, int TN, int TK, int CM, int CN, class Schedule, class ElementD>
+template <int TM, int TN, int TK, int CM, int CN, class Schedule, class ElementD, bool Residual = false>
 struct GemmSm90 {
+  static_assert(!Residual || sizeof(ElementD) == 2, "the residual epilogue writes bf16");
   using ElementA = cutlass::bfloat16_t;
   using ElementB = cutlass::bfloat16_t;
   using ElementBias = cutlass::bfloat16_t;
+  using ElementC = std::conditional_t<Residual, cutlass::bfloat16_t, void>;
   using ElementAcc = float;
   using LayoutA = cutlass::layout::RowMajor;     // [M, K], K contiguous
   using LayoutB = cutlass::layout::ColumnMajor;  // [N, K] row-major == K x N column-major
@@ -47,18 +107,21 @@ struct GemmSm90 {
   using TileShape = Shape<Int<TM>, Int<TN>, Int<TK>>;
   using ClusterShape = Shape<Int<CM>, Int<CN>, _1>;
 
-  // D = acc + bias[n]; a null bias pointer broadcasts 0 and skips the load.
+  // D = acc + bias[n] (rounded to D's type); a null bias pointer broadcasts 0 and skips the load.
   using BiasRow = cutlass::epilogue::fusion::Sm90RowBroadcast<
       0, TileShape, ElementBias, ElementAcc, Stride<_0, _1, int64_t>, 8>;
-  using Fusion = cutlass::epilogue::fusion::Sm90EVT<
+  template <class In, class Other>
+  using Add = cutlass::epilogue::fusion::Sm90EVT<
       cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, ElementAcc,
-                                             cutlass::FloatRoundStyle::round_to_nearest>,
-      cutlass::epilogue::fusion::Sm90AccFetch, BiasRow>;
+                                             cutlass::FloatRoundStyle::round_to_nearest>, In, Other>;
+  using BiasAdd = Add<cutlass::epilogue::fusion::Sm90AccFetch, BiasRow>;
+  using Fusion = std::conditional_t<Residual, Add<BiasAdd, cutlass::epilogue::fusion::Sm90SrcFetch<ElementC>>,
+                                    BiasAdd>;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, ElementAcc,
-      void, LayoutD, kAlignD, ElementD, LayoutD, kAlignD,
+      ElementC, LayoutD, kAlignD, ElementD, LayoutD, kAlignD,
       typename Schedule::Epilogue, Fusion>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -69,11 +132,12 @@ struct GemmSm90 {
       typename Schedule::Kernel>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
-                                                      CollectiveEpilogue>;
+                                                      CollectiveEpilogue, typename Schedule::Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  static constexpr bool kSplits = !std::is_void_v<typename Schedule::Scheduler>;  // stream-K / split-K
 
   static typename Gemm::Arguments arguments(const void* A, const void* B, void* D, const void* bias,
-                                            int M, int N, int K, int device, int sm_count) {
+                                            int M, int N, int K, int splits, int device, int sm_count) {
     auto sA = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, make_shape(M, K, 1));
     auto sB = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, make_shape(N, K, 1));
     auto sD = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, make_shape(M, N, 1));
@@ -81,41 +145,20 @@ struct GemmSm90 {
         cutlass::gemm::GemmUniversalMode::kGemm,
         {M, N, K, 1},
         {static_cast<const ElementA*>(A), sA, static_cast<const ElementB*>(B), sB},
-        {{}, nullptr, sD, static_cast<ElementD*>(D), sD}};
-    args.epilogue.thread = {
-        {},                                                                   // acc
+        {{}, static_cast<const ElementC*>(Residual ? D : nullptr), sD, static_cast<ElementD*>(D), sD}};
+    typename BiasAdd::Arguments bias_add{
+        {},                                                                        // acc
         {static_cast<const ElementBias*>(bias), ElementBias(0), {_0{}, _1{}, 0}},  // bias
-        {}};                                                                  // plus
+        {}};                                                                       // plus
+    if constexpr (Residual) {
+      args.epilogue.thread = {bias_add, {}, {}};                                   // (acc + bias) + C
+    } else {
+      args.epilogue.thread = bias_add;
+    }
     args.hw_info.device_id = device;
     args.hw_info.sm_count = sm_count;
+    if constexpr (kSplits) set_decomposition<typename Kernel::TileScheduler>(args.scheduler, splits);
     return args;
-  }
-
-  // Returns 0 or a cutlass::Status value; never allocates. Data-parallel tiles: no splits, no workspace.
-  static int run(const void* A, const void* B, void* D, const void* bias, int M, int N, int K, int splits,
-                 void*, size_t, cudaStream_t stream) {
-    if (splits > 1) return static_cast<int>(cutlass::Status::kErrorNotSupported);
-    int device = 0, sm_count = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      return static_cast<int>(cutlass::Status::kErrorInternal);
-    }
-    auto args = arguments(A, B, D, bias, M, N, K, device, sm_count);
-    Gemm gemm;
-    cutlass::Status st = gemm.can_implement(args);
-    if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
-    if (Gemm::get_workspace_size(args) != 0) {
-      return static_cast<int>(cutlass::Status::kErrorWorkspaceNull);
-    }
-    st = gemm.initialize(args, nullptr, stream);
-    if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
-    st = gemm.run(stream);
-    return static_cast<int>(st);
-  }
-
-  static size_t workspace_size(int M, int N, int K, int, int sm_count) {
-    auto args = arguments(nullptr, nullptr, nullptr, nullptr, M, N, K, 0, sm_count);
-    return Gemm::get_workspace_size(args);
   }
 };
 
@@ -158,9 +201,9 @@ struct GemmSm90SwapAB {
       typename StreamKSwapAB::Kernel>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
-                                                      CollectiveEpilogue, cutlass::gemm::StreamKScheduler>;
+                                                      CollectiveEpilogue, typename StreamKSwapAB::Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  using Decomposition = typename Kernel::TileScheduler::Arguments;
+  static constexpr bool kSplits = true;
 
   static typename Gemm::Arguments arguments(const void* A, const void* B, void* D, const void* bias,
                                             int M, int N, int K, int splits, int device, int sm_count) {
@@ -179,39 +222,8 @@ struct GemmSm90SwapAB {
         {}};
     args.hw_info.device_id = device;
     args.hw_info.sm_count = sm_count;
-    using Mode = typename Kernel::TileScheduler::DecompositionMode;
-    args.scheduler.reduction_mode = Kernel::TileScheduler::ReductionMode::Deterministic;
-    if (splits > 1) {
-      args.scheduler.splits = splits;
-      args.scheduler.decomposition_mode = Mode::SplitK;
-    } else {
-      args.scheduler.decomposition_mode = splits == 1 ? Mode::DataParallel : Mode::StreamK;
-    }
+    set_decomposition<typename Kernel::TileScheduler>(args.scheduler, splits);
     return args;
-  }
-
-  static int run(const void* A, const void* B, void* D, const void* bias, int M, int N, int K, int splits,
-                 void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-    int device = 0, sm_count = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      return static_cast<int>(cutlass::Status::kErrorInternal);
-    }
-    auto args = arguments(A, B, D, bias, M, N, K, splits, device, sm_count);
-    Gemm gemm;
-    cutlass::Status st = gemm.can_implement(args);
-    if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
-    if (Gemm::get_workspace_size(args) > workspace_bytes) {
-      return static_cast<int>(cutlass::Status::kErrorWorkspaceNull);
-    }
-    st = gemm.initialize(args, workspace, stream);
-    if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
-    return static_cast<int>(gemm.run(stream));
-  }
-
-  static size_t workspace_size(int M, int N, int K, int splits, int sm_count) {
-    auto args = arguments(nullptr, nullptr, nullptr, nullptr, M, N, K, splits, 0, sm_count);
-    return Gemm::get_workspace_size(args);
   }
 };
 

@@ -36,8 +36,21 @@ GEMM_CONFIGS = (
     "sm90_f32out_swap_128x64x128_streamk",
     "sm90_f32out_swap_128x128x64_streamk",
     "sm90_f32out_swap_128x256x64_streamk",
+    "sm90_bf16_256x128x64_c2x1_coop",
+    "sm90_bf16_128x256x64_c1x2_coop",
+    "sm90_bf16_128x128x64_c1x2_pingpong",
+    "sm90_bf16_128x256x64_c2x1_streamk",
+    "sm90_bf16res_128x256x64_c2x1_coop",
+    "sm90_bf16res_256x128x64_c2x1_coop",
 )
 CFG_128x128, CFG_128x256, CFG_64x128_PINGPONG, CFG_F32OUT = range(4)
+CFG_256x128, CFG_128x256_C1x2, CFG_128x128_PINGPONG, CFG_128x256_STREAMK = range(11, 15)
+# bf16-output tile configs a build config's gemm_configs table may name (prefill linears, rows >= 128).
+TABLE_CONFIGS = {GEMM_CONFIGS[i]: i for i in (CFG_128x128, CFG_128x256, CFG_64x128_PINGPONG, CFG_256x128,
+                                              CFG_128x256_C1x2, CFG_128x128_PINGPONG, CFG_128x256_STREAMK)}
+SPLIT_TILE_CONFIGS = frozenset({CFG_128x256_STREAMK})   # tile configs called with splits and a workspace
+# Tile config -> its twin whose epilogue adds the residual in place (D = bf16(bf16(acc + bias) + D)).
+RESIDUAL_TWIN = {CFG_128x256: 15, CFG_256x128: 16}
 # The W8A8 configs of xserv_gemm_fp8; must match kernels/cutlass/gemm_sm90_fp8_configs.h.
 FP8_CONFIGS = (
     "sm90_fp8_channel_128x128x128_coop",
@@ -188,9 +201,14 @@ def build_gemm_library(out_dir: Path, target: str = "sm_90a", progress: Callable
             cached.parent.mkdir(exist_ok=True)
             os.replace(lib, cached)
         progress(f"gemm library: built {key} in {time.monotonic() - t0:.0f}s")
+    return install_library(cached, out_dir, key)
+
+
+def install_library(lib: Path, out_dir: Path, key: str) -> dict:
+    """Copy a built library into out_dir/kernels after checking its config tables; build_gemm_library's result."""
     dest = Path(out_dir) / "kernels" / LIBRARY_NAME
     dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(cached, dest)
+    shutil.copyfile(lib, dest)
     names = library_config_names(dest)
     if tuple(names) != GEMM_CONFIGS:
         raise GemmBuildError(f"{dest}: config table {names} does not match cutlass_build.GEMM_CONFIGS")
@@ -210,6 +228,29 @@ def _predicted_rate(cfg: int, M: int, N: int, num_sms: int) -> float:
     tiles = -(-M // tm) * -(-N // tn)
     waves = -(-tiles // num_sms)
     return rate * (M * N / (tm * tn)) / (waves * num_sms)
+
+
+def pick_gemm_config(M: int, N: int, K: int, out_dtype: str = "bfloat16", table: dict | None = None,
+                     num_sms: int = NUM_SMS_H200) -> int:
+    """The config of a prefill linear: the build config's gemm_configs entry for "MxNxK", else for "NxK" (bf16
+    output only), else the tile model (choose_gemm_config)."""
+    name = (table or {}).get(f"{M}x{N}x{K}") or (table or {}).get(f"{N}x{K}")
+    if name is None or out_dtype != "bfloat16":
+        return choose_gemm_config(M, N, K, out_dtype, num_sms)
+    if name not in TABLE_CONFIGS:
+        raise GemmBuildError(f"gemm_configs: {name!r} is not a bf16 tile config (known: {', '.join(TABLE_CONFIGS)})")
+    return TABLE_CONFIGS[name]
+
+
+def check_gemm_table(table: dict) -> None:
+    """A build config's gemm_configs: keys "NxK" or "MxNxK" (positive integers), values TABLE_CONFIGS names."""
+    for key, name in table.items():
+        parts = key.split("x")
+        if len(parts) not in (2, 3) or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise GemmBuildError(f"gemm_configs key {key!r}: expected NxK or MxNxK")
+        if name not in TABLE_CONFIGS:
+            raise GemmBuildError(f"gemm_configs[{key!r}] = {name!r}: not a bf16 tile config "
+                                 f"(known: {', '.join(TABLE_CONFIGS)})")
 
 
 def choose_gemm_config(M: int, N: int, K: int, out_dtype: str = "bfloat16", num_sms: int = NUM_SMS_H200) -> int:

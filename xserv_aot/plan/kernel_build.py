@@ -29,6 +29,11 @@ from xserv_aot.plan.signatures import check_sizes, cubin_param_sizes, host_signa
 from xserv_aot.plan.tensor_parallel import rank_model
 
 ELEMWISE_THREADS = 256
+# Unfused QK-norm + RoPE + KV write: the kernel (qk_norm_rope_cache: scalar lanes; qk_norm_rope_cache_vec: a lane's
+# HD / 32 elements in one vector access) and warps (heads) a block; scripts/bench_kernels.py prefill-elementwise
+ROPE_KERNEL, ROPE_WARPS = "qk_norm_rope_cache", 4
+NORM_FEW_FROM_ROWS = 0     # row norms of this many rows or more: fewest threads a row (norm_threads); 0 = never
+SILU_MAX_BLOCKS = 4096     # silu_mul grid cap (grid-stride beyond); None = one 8-element chunk a thread
 
 
 def add_arena_buffer(manifest: dict, name: str, shape: list[int], dtype: str) -> None:
@@ -39,7 +44,12 @@ def add_arena_buffer(manifest: dict, name: str, shape: list[int], dtype: str) ->
         arena["buffers"][name] = info.to_dict()
 
 
-def norm_threads(hidden: int) -> int:
+def norm_threads(hidden: int, rows: int = 1, few_from: int | None = None) -> int:
+    """Threads of a row-norm block: one 16-byte chunk a thread; from `few_from` rows on (default NORM_FEW_FROM_ROWS,
+    0 = never) the fewest whole warps that hold the row in NORM_NC chunks each (more blocks resident)."""
+    few_from = NORM_FEW_FROM_ROWS if few_from is None else few_from
+    if few_from and rows >= few_from:
+        return -(-(hidden // 8) // (NORM_NC * 32)) * 32
     return min(1024, -(-(hidden // 8) // 32) * 32)
 
 
@@ -62,12 +72,12 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             c = kernel(launch("embedding", [rows], row_threads, 0,
                               [ptr(op.ids), ptr(op.table), ptr(op.out), i32(hidden), i32(vocab)]))
         elif isinstance(op, RmsNorm):
-            c = kernel(launch("rmsnorm", [rows], [norm_threads(hidden)], 0,
-                              [ptr(op.inp), ptr(op.weight), ptr(op.out), i32(hidden), f32(op.eps)]))
+            c = norm_launch(op, hidden)
+        elif isinstance(op, AddRmsNorm) and idx and out[-1].fused_residual == op.residual \
+                and getattr(ops[idx - 1], "out", None) == op.delta:
+            c = norm_launch(op, hidden, residual_summed=True)
         elif isinstance(op, AddRmsNorm):
-            c = kernel(launch("add_rmsnorm", [rows], [norm_threads(hidden)], 0,
-                              [ptr(op.residual), ptr(op.delta), ptr(op.weight), ptr(op.out), i32(hidden),
-                               f32(op.eps)]))
+            c = norm_launch(op, hidden)
         elif isinstance(op, GatherRows):
             c = kernel(launch("gather_rows", [rows], row_threads, 0,
                               [ptr(op.inp), ptr(op.indices), ptr(op.out), i32(hidden), i32(arena[op.inp]["shape"][0])]))
@@ -76,21 +86,19 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             if prev_choice and prev_choice.fused_silu_out == op.out and getattr(prev, "out", None) == op.inp:
                 c = KernelChoice("fused_into_previous")
             else:
-                c = kernel(launch("silu_mul", [min(-(-(rows * op.inter // 8) // 256), 4096)], [256], 0,
-                                  [ptr(op.inp), ptr(op.out), i32(rows), i32(op.inter)]))
+                c = silu_mul_launch(op)
         elif isinstance(op, Linear):
             fuse = nxt.out if isinstance(nxt, SiluMul) and nxt.inp == op.out else None
-            c = plan_linear(op, arena[op.out]["dtype"], fuse, cutlass, kind == "decode")
+            res = (nxt.residual if isinstance(nxt, AddRmsNorm) and nxt.delta == op.out and nxt.rows == rows
+                   and not read_later(ops, idx + 2, op.out) else None)
+            c = plan_linear(op, arena[op.out]["dtype"], fuse, cutlass, kind == "decode", res)
         elif isinstance(op, QuantizeFp8):
             from xserv_aot.plan.fp8_build import plan_quantize
             c = plan_quantize(op)
         elif isinstance(op, QkNormRopeCache) and isinstance(nxt, Attention) and fuses_rope(kind, op, nxt):
             c = KernelChoice("fused_into_next")
         elif isinstance(op, QkNormRopeCache):
-            c = kernel(launch(f"qk_norm_rope_cache_hd{hd}", [rows, -(-(nh + 2 * nkv) // 4)], [128], 0,
-                              [ptr(op.qkv), ptr(op.positions), ptr(op.slot_mapping), ptr(op.q_norm), ptr(op.k_norm),
-                               ptr(op.cos), ptr(op.sin), ptr(op.q_out), kv(op.layer), i32(nh), i32(nkv), f32(op.eps),
-                               i32(num_slots)]))
+            c = qk_rope_launch(op, hd, nh, nkv, num_slots)
         elif isinstance(op, Attention):
             rope = ops[idx - 1] if idx and out[-1].kernel == "fused_into_next" else None
             c = plan_attention(op, kind, m, attn, block_size, arena[op.block_tables]["shape"][1], num_slots, rope)
@@ -107,6 +115,48 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             raise KernelBuildError(f"bucket {name}: op {op.op!r} has no CUDA kernel")
         out.append(c)
     return out
+
+
+def norm_launch(op: RmsNorm | AddRmsNorm, hidden: int, residual_summed: bool = False,
+                few_from: int | None = None) -> KernelChoice:
+    """One block per row. residual_summed: the previous linear already added its output into op.residual
+    (fused_residual), so add_rmsnorm is an rmsnorm of that buffer."""
+    geometry = ([op.rows], [norm_threads(hidden, op.rows, few_from)], 0)
+    if isinstance(op, RmsNorm) or residual_summed:
+        inp = op.inp if isinstance(op, RmsNorm) else op.residual
+        return kernel(launch("rmsnorm", *geometry, [ptr(inp), ptr(op.weight), ptr(op.out), i32(hidden), f32(op.eps)]))
+    return kernel(launch("add_rmsnorm", *geometry, [ptr(op.residual), ptr(op.delta), ptr(op.weight), ptr(op.out),
+                                                    i32(hidden), f32(op.eps)]))
+
+
+def silu_mul_launch(op: SiluMul, max_blocks: int | None = -1) -> KernelChoice:
+    """256 threads a block, one 8-element chunk a thread and iteration; max_blocks -1: SILU_MAX_BLOCKS."""
+    cap = SILU_MAX_BLOCKS if max_blocks == -1 else max_blocks
+    chunks = -(-(op.rows * op.inter // 8) // 256)
+    return kernel(launch("silu_mul", [min(chunks, cap) if cap else chunks], [256], 0,
+                         [ptr(op.inp), ptr(op.out), i32(op.rows), i32(op.inter)]))
+
+
+def qk_rope_launch(op: QkNormRopeCache, hd: int, nh: int, nkv: int, num_slots: int, fn: str | None = None,
+                   warps: int | None = None) -> KernelChoice:
+    """Grid (rows, groups of `warps` heads), one warp a head; nh / nkv: this rank's heads. fn / warps default to
+    ROPE_KERNEL / ROPE_WARPS."""
+    fn, warps = fn or ROPE_KERNEL, warps or ROPE_WARPS
+    return kernel(launch(f"{fn}_hd{hd}", [op.rows, -(-(nh + 2 * nkv) // warps)], [32 * warps], 0,
+                         [ptr(op.qkv), ptr(op.positions), ptr(op.slot_mapping), ptr(op.q_norm), ptr(op.k_norm),
+                          ptr(op.cos), ptr(op.sin), ptr(op.q_out), kv(op.layer), i32(nh), i32(nkv), f32(op.eps),
+                          i32(num_slots)]))
+
+
+def read_later(ops: list[Op], start: int, buf: str) -> bool:
+    """Whether an op from ops[start] on reads buf before one writes it (an op writes its `out` field)."""
+    for op in ops[start:]:
+        fields = {f: v for f, v in vars(op).items() if f != "cuda"}
+        if buf in [v for f, v in fields.items() if f != "out"]:
+            return True
+        if fields.get("out") == buf:
+            return False
+    return False
 
 
 def kv_slots(kv: dict) -> int:
@@ -168,6 +218,8 @@ def try_cutlass(manifest: dict, out_dir: Path, target: str, progress) -> tuple[d
     except GemmBuildError as e:
         return None, str(e)
     lib["path"] = out_dir / lib["file"]
+    lib["table"] = manifest["build"].get("gemm_configs") or {}
+    lib["residual"] = bool(manifest["build"].get("gemm_residual"))
     return lib, ""
 
 

@@ -78,9 +78,31 @@ def plan_swap(op: Linear, out_dtype: str, cutlass: dict) -> KernelChoice:
     return KernelChoice("cutlass", (call,), gemm_config=cfg, splits=splits)
 
 
+def plan_tile(op: Linear, out_dtype: str, cutlass: dict, decode_tile: bool, residual: str | None) -> KernelChoice:
+    """CUTLASS tile GEMM: 128x128 for decode rows (H200 sweep), else cutlass_build.pick_gemm_config (the build
+    config's gemm_configs table, else the tile model). residual: the next op adds this output into that buffer;
+    with gemm_residual on and a residual twin of the config, the GEMM adds it in place instead (fused_residual)."""
+    from xserv_aot.plan.cutlass_build import (CFG_128x128, RESIDUAL_TWIN, SPLIT_TILE_CONFIGS, library_workspace_size,
+                                              pick_gemm_config)
+    rows, n, k = op.rows, op.n, op.k
+    cfg = CFG_128x128 if decode_tile else pick_gemm_config(rows, n, k, out_dtype, cutlass.get("table"))
+    fused = residual if residual and cutlass.get("residual") and cfg in RESIDUAL_TWIN else None
+    cfg = RESIDUAL_TWIN[cfg] if fused else cfg
+    cutlass.setdefault("used", {})[f"{rows}x{n}x{k}"] = cutlass["configs"][cfg]
+    head = [i32(cfg), ptr(op.inp), ptr(op.weight), ptr(fused or op.out), ptr(op.bias), i32(rows), i32(n), i32(k)]
+    if cfg not in SPLIT_TILE_CONFIGS:
+        return KernelChoice("cutlass", (library_call("gemm_library", GEMM_ENTRY, head),), gemm_config=cfg,
+                            fused_residual=fused)
+    ws = library_workspace_size(cutlass["path"], cfg, rows, n, k, 0)
+    cutlass["workspace"] = max(cutlass.get("workspace", 0), ws)
+    call = library_call("gemm_library", GEMM_ENTRY_EX, head + [i32(0), ptr("gemm_ws" if ws else None), ("u64", ws)])
+    return KernelChoice("cutlass", (call,), gemm_config=cfg, splits=0)
+
+
 def plan_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: dict | None,
-                decode: bool = False) -> KernelChoice:
-    """fuse_into: the silu_mul output buffer when the next op is silu_mul of this op's output."""
+                decode: bool = False, residual: str | None = None) -> KernelChoice:
+    """fuse_into: the silu_mul output buffer when the next op is silu_mul of this op's output; residual: the
+    residual buffer when the next op is add_rmsnorm of this op's output (plan_tile may fold the add in)."""
     rows, n, k = op.rows, op.n, op.k
     if op.quant:
         from xserv_aot.plan.fp8_build import plan_fp8_linear
@@ -100,12 +122,7 @@ def plan_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: dict
     if decode and rows <= SKINNY_MAX_ROWS and route in (None, "skinny"):
         return plan_skinny(op, suffix, fuse_into if SKINNY_FUSE_GATE else None)
     if cutlass is not None and (rows >= CUTLASS_MIN_ROWS or route == "tile") and n % 8 == 0:
-        from xserv_aot.plan.cutlass_build import CFG_128x128, choose_gemm_config
-        cfg = CFG_128x128 if route == "tile" else choose_gemm_config(rows, n, k, out_dtype)   # tile: H200 sweep
-        cutlass.setdefault("used", {})[f"{rows}x{n}x{k}"] = cutlass["configs"][cfg]
-        call = library_call("gemm_library", GEMM_ENTRY, [i32(cfg), ptr(op.inp), ptr(op.weight), ptr(op.out),
-                                                         ptr(op.bias), i32(rows), i32(n), i32(k)])
-        return KernelChoice("cutlass", (call,), gemm_config=cfg)
+        return plan_tile(op, out_dtype, cutlass, route == "tile", residual)
     tile = "128x128" if rows >= 128 and -(-rows // 128) * -(-n // 128) >= 132 else "64x64"
     bm, bn = (int(x) for x in tile.split("x"))
     blocks = -(-n // bn) * -(-rows // bm)

@@ -47,6 +47,7 @@ class KernelChoice:
     kernel: str                          # "fused_into_previous": the previous op computes this one
     launch: tuple[LaunchRecord, ...] = ()
     fused_silu_out: str | None = None    # linear: writes silu(gate) * up here (the next silu_mul is fused)
+    fused_residual: str | None = None    # linear: adds its output into this buffer (the next add_rmsnorm only norms)
     splits: int | None = None            # split-K partitions (linear), split-KV partitions (decode attention)
     split: int | None = None             # decode attention: keys per split
     gemm_config: int | None = None       # CUTLASS library config index

@@ -264,15 +264,15 @@ def bench_prefill(args) -> None:
     nh, nkv, hd, bs = 32, 8, 128, 16
     G, scale = nh // nkv, hd ** -0.5
     torch.zeros(1, device="cuda")
-    kern = Kernels("attention_prefill.cu", "attention_prefill_pipe.cu")
-    gen = torch.Generator(device="cuda").manual_seed(1234)
     variants = args.variants.split(",") if args.variants else list(attention_plan.PREFILL_ATTN_VARIANTS)
+    kern = Kernels(*sorted({attention_plan.prefill_attn_source(v) for v in variants}))
+    gen = torch.Generator(device="cuda").manual_seed(1234)
     cases = [[int(L)] * int(N) for N, L in (c.split("x") if "x" in c else ("1", c) for c in args.prompts.split(","))]
     cases = [(c, len(c)) for c in cases] + [([640], 256)]
     print(f"prefill attention, Qwen3-8B shape (nh {nh}, nkv {nkv}, hd {hd}), block_size {bs}; ms per layer; "
           f"TFLOP/s = 4 * sum(keys attended) * hd * nh / t, vs 790 dense bf16; "
           f"plan default {attention_plan.PREFILL_ATTN_KERNEL[hd]}")
-    print(f"{'prompts':>10} {'S':>4} {'variant':8} {'ms':>8} {'TFLOP/s':>8} {'%790':>5} {'err':>8}")
+    print(f"{'prompts':>10} {'S':>4} {'variant':9} {'ms':>8} {'TFLOP/s':>8} {'%790':>5} {'err':>8}")
     for lens_list, S in cases:
         T = sum(lens_list)
         blocks = [-(-L // bs) for L in lens_list]
@@ -312,7 +312,7 @@ def bench_prefill(args) -> None:
         name = f"{len(lens_list)}x{lens_list[0]}"
         for var in variants:
             rec = attention_plan.prefill_attn_launch(op, m, [], [], var)
-            fn = kern.fn("attention_prefill.cu" if var == "v1" else "attention_prefill_pipe.cu", rec.fn, rec.smem)
+            fn = kern.fn(attention_plan.prefill_attn_source(var), rec.fn, rec.smem)
             lp = Launch(rec.fn, fn, rec.grid, rec.block, rec.smem,
                         ptrs + [("ptr", out.data_ptr()), ("i32", T), ("i32", S), ("i32", nh), ("i32", nkv), *tail,
                                 ("i32", 2)], pdl=False)
@@ -322,7 +322,7 @@ def bench_prefill(args) -> None:
             err = rel_err(out, ref)
             ms = time_graph(lambda j: lp(stream()), 1)
             tf = flops / ms / 1e9
-            print(f"{name:>10} {S:4} {var:8} {ms:8.4f} {tf:8.1f} {100 * tf / 790:5.1f} {err:8.1e}", flush=True)
+            print(f"{name:>10} {S:4} {var:9} {ms:8.4f} {tf:8.1f} {100 * tf / 790:5.1f} {err:8.1e}", flush=True)
         del kv, q, out, ref
         torch.cuda.empty_cache()
 

@@ -1,13 +1,15 @@
 """The prefill attention launch of plan_attention (plan/attention_plan.py), every variant: the kernel exists in
-kernels/attention_prefill.cu with the op's argument kinds, the dynamic shared memory fits an H200 SM, and the
+kernels/attention_prefill*.cu with the op's argument kinds, the dynamic shared memory fits an H200 SM, and the
 grid has a (seq, tile) block for every query tile of any split of the rows into seqs. No GPU."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from xserv_aot.config import BuildConfig, ConfigError
 from xserv_aot.plan import attention_plan as ap
 from xserv_aot.plan import signatures as sg
+from xserv_aot.plan.nvrtc_build import KernelBuildError
 from xserv_aot.plan.op_records import Attention
 
 H200_SMEM_PER_BLOCK = 227 * 1024
@@ -34,11 +36,12 @@ def test_prefill_bucket_runs_the_default_variant_then_the_batched_decode_kernel(
 
 
 BUILT = [(v, 128) for v in ap.PREFILL_ATTN_VARIANTS] + [(v, 64) for v in ap.PREFILL_ATTN_BOTH_HD]
+SOURCES = ("attention_prefill.cu", "attention_prefill_pipe.cu", "attention_prefill_wgmma.cu")
 
 
 @pytest.mark.parametrize("variant,hd", BUILT)
 def test_every_variant_launches_a_built_kernel_with_its_argument_kinds(variant, hd):
-    sigs = {**sg.kernel_signatures("attention_prefill.cu"), **sg.kernel_signatures("attention_prefill_pipe.cu")}
+    sigs = {fn: p for src in SOURCES for fn, p in sg.kernel_signatures(src).items()}
     m = dict(MODEL, head_dim=hd)
     common = [("ptr", "q"), ("kv", 3), ("ptr", "qsl"), ("ptr", "lens"), ("ptr", "bt")]
     tail = [("i32", 16), ("i32", 512), ("i32", 640000), ("f32", hd ** -0.5)]
@@ -46,7 +49,7 @@ def test_every_variant_launches_a_built_kernel_with_its_argument_kinds(variant, 
     assert rec.fn in sigs, rec.fn
     kinds = ["ptr" if k == "kv" else k for k, _ in rec.args]
     assert kinds == [p["type"] for p in sigs[rec.fn]]
-    assert rec.smem <= H200_SMEM_PER_BLOCK and rec.block[0] in (128, 256)
+    assert rec.smem <= H200_SMEM_PER_BLOCK and rec.block[0] in (128, 256, 288, 384)
     assert set(sigs) == {"attn_prefill_hd64", "attn_prefill_hd128"} | {f"attn_prefill_{v}_hd{h}" for v, h in BUILT
                                                                        if v != "v1"}, "built == listed"
     assert rec.grid[1] <= 65535
@@ -56,11 +59,32 @@ def test_every_variant_launches_a_built_kernel_with_its_argument_kinds(variant, 
 def test_grid_covers_every_query_tile_of_any_split_of_the_rows(variant, seed):
     rng = np.random.default_rng(seed)
     rec = ap.prefill_attn_launch(op(1000, 16), MODEL, [], [], variant)
-    rows_per_tile = 64 if variant == "v1" else 16 * rec.block[0] // 32 * int(variant.split("m")[1].split("k")[0])
+    if variant in ap.PREFILL_ATTN_WGMMA:                     # 64 rows a warpgroup, h heads a block share them
+        rows_per_tile = int(variant[2]) * 64 // int(variant.split("h")[1][0])
+        assert rec.grid[0] * int(variant.split("h")[1][0]) == 32
+    else:
+        rows_per_tile = 64 if variant == "v1" else 16 * rec.block[0] // 32 * int(variant.split("m")[1].split("k")[0])
     tile_blocks = rec.grid[0] if variant == "v1" else rec.grid[1]
     heads = rec.grid[1] if variant == "v1" else rec.grid[0]
-    assert heads == 32
+    assert heads == 32 or variant in ap.PREFILL_ATTN_WGMMA
     for _ in range(200):
         cuts = np.sort(rng.integers(0, 1001, 15))
         n = np.diff(np.concatenate([[0], cuts, [1000]]))
         assert sum(-(-int(x) // rows_per_tile) for x in n) <= tile_blocks, n.tolist()
+
+
+def test_the_build_config_selects_the_variant_and_wgmma_refuses_shapes_it_lacks():
+    choice = ap.plan_attention(op(2048, 4), "prefill", MODEL, {"max_seq_len": 8192, "prefill": "wg2h2s2"}, 16, 512,
+                               640000)
+    assert choice.launch[0].fn == "attn_prefill_wg2h2s2_hd128" and choice.launch[0].block == (256, 1, 1)
+    odd = dict(MODEL, num_heads=24)                           # 3 q heads a KV head: no pair of heads to share
+    with pytest.raises(KernelBuildError, match="divisible by 2"):
+        ap.plan_attention(op(2048, 4), "prefill", odd, {"max_seq_len": 8192, "prefill": "wg2h2s2"}, 16, 512, 640000)
+    assert ap.plan_attention(op(2048, 4), "prefill", odd, {"max_seq_len": 8192, "prefill": "wg2h1s2"}, 16, 512,
+                             640000).launch[0].grid[0] == 24
+    with pytest.raises(KernelBuildError, match="head_dim 128"):
+        ap.plan_attention(op(256, 4, hd=64), "prefill", dict(MODEL, head_dim=64), {"max_seq_len": 8192,
+                                                                                    "prefill": "wg3h1s4o"},
+                          16, 512, 640000)
+    with pytest.raises(ConfigError, match="prefill_attention 'wg9' is not auto"):
+        BuildConfig(prefill_attention="wg9").validate()

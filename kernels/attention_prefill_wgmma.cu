@@ -4,7 +4,8 @@
 // warpgroups of 64 query rows; H 1: consecutive rows of one q head, H 2: two q heads of one KV head (same rows).
 // K/V tiles of 64 keys go through the block table by cp.async (zero-fill past the block's last key) into an S-deep
 // ring of 128B-swizzled tiles ([2 halves of 64 dims][64 keys][128 B]); wg: every thread copies, one __syncthreads
-// a tile; ws: one producer warp copies, full/empty mbarriers a slot (the warpgroups drift apart).
+// a tile; ws: a producer warpgroup copies (its registers handed to the consumers by setmaxnreg), full/empty
+// mbarriers a slot (the consumer warpgroups drift apart).
 // S = Q K^T: 8 wgmma m64n64k16, Q and K from shared memory (K-major); online softmax in registers (exp2, scale
 // folded in); P to bf16 in registers as the A operand of O += P V: 4 wgmma m64n128k16, V MN-major (transposed by
 // the descriptor). o: the next tile's QK^T is issued with this tile's PV, and this tile's softmax runs while PV does.
@@ -12,34 +13,38 @@
 // reverse (longest rows first); every block zeroes uncovered rows r with r % gridDim.y == y.
 #include "wgmma.cuh"
 
-constexpr int WG_HD = 128, WG_KT = 64;                           // head size, keys a tile
-constexpr u32 WG_QTILE = 64 * WG_HD * 2, WG_HALF = WG_KT * 128, WG_TILE = 2 * WG_HALF;   // bytes
+constexpr int WG_HD = 128;                                       // head size
+constexpr u32 WG_QTILE = 64 * WG_HD * 2;                         // bytes of one warpgroup's Q tile
+// ws (2 consumer warpgroups + 1 producer, 168 registers each at launch): the producer's registers go to the consumers
+constexpr int WS_PRODUCER_REGS = 40, WS_CONSUMER_REGS = 232;
 
-// Thread t of NTH copies its share of K/V tile kt (rows past max_pos zero-filled) into the slot at dst.
-template <int NTH>
+// Thread t of NTH copies its share of K/V tile kt of KT keys (rows past max_pos zero-filled) into the slot at dst
+// (K tile, then the V tile KT x 256 bytes later).
+template <int KT, int NTH>
 __device__ __forceinline__ void copy_kv_tile(u32 dst, const bf16* kv_head, const int* bt, int kt, int max_pos,
                                              int bs_log2, size_t kv_stride, size_t v_off, int t) {
 #pragma unroll
-    for (int i = 0; i < (WG_KT * 16 + NTH - 1) / NTH; i++) {
-        const int c = t + i * NTH, kr = c >> 4, ch = c & 15, p = kt * WG_KT + kr;
-        if (WG_KT * 16 % NTH != 0 && c >= WG_KT * 16) break;
+    for (int i = 0; i < (KT * 16 + NTH - 1) / NTH; i++) {
+        const int c = t + i * NTH, kr = c >> 4, ch = c & 15, p = kt * KT + kr;
+        if (KT * 16 % NTH != 0 && c >= KT * 16) break;
         const bool ok = p <= max_pos;
         const size_t slot = ok ? ((size_t)bt[p >> bs_log2] << bs_log2) + (p & ((1 << bs_log2) - 1)) : 0;
         const bf16* kp = kv_head + slot * kv_stride + ch * 8;
-        const u32 off = sw128_offset(kr, ch, WG_KT);
+        const u32 off = sw128_offset(kr, ch, KT);
         cp_async16_zfill(dst + off, kp, ok ? 16 : 0);
-        cp_async16_zfill(dst + WG_TILE + off, kp + v_off, ok ? 16 : 0);
+        cp_async16_zfill(dst + KT * 256 + off, kp + v_off, ok ? 16 : 0);
     }
 }
 
-template <int NWG, int HG, int STAGES, bool OV, bool WS>
+template <int NWG, int HG, int KT, int STAGES, bool OV, bool WS>
 __device__ __forceinline__ void attn_prefill_wgmma_impl(
         const bf16* __restrict__ q, const bf16* __restrict__ kv_layer, const int* __restrict__ qsl,
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables, bf16* __restrict__ out,
         int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots, float scale,
         int min_rows) {
     pdl_entry();
-    constexpr int HD = WG_HD, KT = WG_KT, NC = NWG * 128, NT = NC + (WS ? 32 : 0), BQ = 64 * NWG / HG;
+    constexpr int HD = WG_HD, NC = NWG * 128, NT = NC + (WS ? 128 : 0), BQ = 64 * NWG / HG;
+    constexpr u32 HALF = KT * 128, TILE = 2 * HALF;              // bytes of 64 dims of a K (V) tile, of the tile
     static_assert(NWG % HG == 0 && (WS || !OV || STAGES >= 3), "warpgroups per head; wg + o keeps 2 tiles live");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     __shared__ __align__(8) u64 bars[2 * STAGES];               // ws: full[STAGES], empty[STAGES]
@@ -48,7 +53,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     const u32 full = smem_addr(bars), empty = full + 8 * STAGES;
     const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wl = (tid >> 5) & 3, h0 = blockIdx.x * HG;
     if (WS && tid == 0) {
-        for (int s = 0; s < STAGES; s++) { mbar_init(full + 8 * s, 32); mbar_init(empty + 8 * s, NWG * 4); }
+        for (int s = 0; s < STAGES; s++) { mbar_init(full + 8 * s, 128); mbar_init(empty + 8 * s, NWG * 4); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     const int covered = qsl[num_seqs];
@@ -66,12 +71,13 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     const int* bt = block_tables + (size_t)seq * max_blocks;
     const int bs_log2 = __ffs(block_size) - 1;                   // block_size is a power of two (BuildConfig)
     const bf16* kv_head = kv_layer + (size_t)kvh * HD;
-    auto slot_of = [&](int kt) { return kv_s + (kt % STAGES) * 2 * WG_TILE; };
+    auto slot_of = [&](int kt) { return kv_s + (kt % STAGES) * 2 * TILE; };
 
-    if (WS && tid >= NC) {                                       // the producer warp
+    if (WS && tid >= NC) {                                       // the producer warpgroup
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(WS_PRODUCER_REGS));
         for (int kt = 0; kt < ntiles; kt++) {
             if (kt >= STAGES) mbar_wait(empty + 8 * (kt % STAGES), (kt / STAGES - 1) & 1);
-            copy_kv_tile<32>(slot_of(kt), kv_head, bt, kt, max_pos, bs_log2, kv_stride, v_off, lane);
+            copy_kv_tile<KT, 128>(slot_of(kt), kv_head, bt, kt, max_pos, bs_log2, kv_stride, v_off, tid - NC);
             mbar_arrive_on_copies(full + 8 * (kt % STAGES));
         }
         cp_async_commit();
@@ -88,6 +94,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         cp_async16_zfill(q_s + w * WG_QTILE + sw128_offset(r, ch, 64), q + (row * nh + h0 + w % HG) * HD + ch * 8, 16);
     }
     if constexpr (WS) {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(WS_CONSUMER_REGS));
         cp_async_wait<0>();
         fence_proxy_async();
         asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");   // this warpgroup's Q is in place
@@ -100,8 +107,8 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     const int qpos[2] = {pos0 + min(row_l, n - 1), pos0 + min(row_l + 8, n - 1)};
     const u32 qw = q_s + wg * WG_QTILE;
     const float sl2 = scale * 1.4426950408889634f;
-    float o[64], s[32], m_r[2], l_r[2], corr[2];
-    u32 pf[4][4];
+    float o[64], s[KT / 2], m_r[2], l_r[2], corr[2];
+    u32 pf[KT / 16][4];
 #pragma unroll
     for (int i = 0; i < 64; i++) o[i] = 0.f;
     m_r[0] = m_r[1] = -__int_as_float(0x7f800000);
@@ -112,17 +119,17 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         wg_fence();
 #pragma unroll
         for (int k = 0; k < HD / 16; k++)
-            wgmma_m64n64k16_ss(s, sw128_desc(qw + (k >> 2) * (WG_QTILE / 2) + (k & 3) * 32, 16, 1024),
-                               sw128_desc(ks + (k >> 2) * WG_HALF + (k & 3) * 32, 16, 1024), k > 0);
+            wgmma_ss(s, sw128_desc(qw + (k >> 2) * (WG_QTILE / 2) + (k & 3) * 32, 16, 1024),
+                     sw128_desc(ks + (k >> 2) * HALF + (k & 3) * 32, 16, 1024), k > 0);
         wg_commit();
     };
     auto issue_pv = [&](int kt) {                                // o += P V(kt), committed as one group
-        const u32 vs = slot_of(kt) + WG_TILE;
+        const u32 vs = slot_of(kt) + TILE;
         reg_fence(o);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < KT / 16; kk++)
-            wgmma_m64n128k16_rs(o, pf[kk], sw128_desc(vs + kk * 16 * 128, WG_HALF, 1024));
+            wgmma_rs_n128_tb(o, pf[kk], sw128_desc(vs + kk * 16 * 128, HALF, 1024));
         wg_commit();
     };
     auto softmax = [&](int kt) {                                 // s -> P in place; corr; returns moved
@@ -179,7 +186,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     } else if constexpr (!OV) {
 #pragma unroll
         for (int st = 0; st < STAGES - 1; st++) {
-            if (st < ntiles) copy_kv_tile<NT>(slot_of(st), kv_head, bt, st, max_pos, bs_log2, kv_stride, v_off, tid);
+            if (st < ntiles) copy_kv_tile<KT, NT>(slot_of(st), kv_head, bt, st, max_pos, bs_log2, kv_stride, v_off, tid);
             cp_async_commit();                                   // group 0 also holds Q
         }
         for (int kt = 0; kt < ntiles; kt++) {
@@ -187,7 +194,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
             fence_proxy_async();                                 // ... visible to the tensor cores
             __syncthreads();                                     // ... every thread's; tile kt - 1 is free
             if (kt + STAGES - 1 < ntiles)
-                copy_kv_tile<NT>(slot_of(kt + STAGES - 1), kv_head, bt, kt + STAGES - 1, max_pos, bs_log2, kv_stride,
+                copy_kv_tile<KT, NT>(slot_of(kt + STAGES - 1), kv_head, bt, kt + STAGES - 1, max_pos, bs_log2, kv_stride,
                                  v_off, tid);
             cp_async_commit();
             step(kt);
@@ -196,7 +203,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         // Tile kt's slot is refilled at iteration kt + 2 (its V is read in iteration kt + 1): S - 2 tiles ahead.
 #pragma unroll
         for (int st = 0; st < STAGES - 2; st++) {
-            if (st < ntiles) copy_kv_tile<NT>(slot_of(st), kv_head, bt, st, max_pos, bs_log2, kv_stride, v_off, tid);
+            if (st < ntiles) copy_kv_tile<KT, NT>(slot_of(st), kv_head, bt, st, max_pos, bs_log2, kv_stride, v_off, tid);
             cp_async_commit();
         }
         for (int kt = 0; kt <= ntiles; kt++) {
@@ -204,7 +211,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
             fence_proxy_async();
             __syncthreads();                                     // every warpgroup is done with tile kt - 2
             if (kt + STAGES - 2 < ntiles)
-                copy_kv_tile<NT>(slot_of(kt + STAGES - 2), kv_head, bt, kt + STAGES - 2, max_pos, bs_log2, kv_stride,
+                copy_kv_tile<KT, NT>(slot_of(kt + STAGES - 2), kv_head, bt, kt + STAGES - 2, max_pos, bs_log2, kv_stride,
                                  v_off, tid);
             cp_async_commit();
             step_overlap(kt);
@@ -227,21 +234,25 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     }
 }
 
-#define PREFILL_WGMMA_KERNEL(MODE, NWG, HG, S, SUFFIX, OV, WS, THREADS)                                         \
+#define PREFILL_WGMMA_KERNEL(MODE, NWG, HG, KEYS, S, SUFFIX, OV, WS, THREADS)                               \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                  \
-    attn_prefill_##MODE##NWG##h##HG##s##S##SUFFIX##_hd128(                                                      \
+    attn_prefill_##MODE##NWG##h##HG##k##KEYS##s##S##SUFFIX##_hd128(                                                      \
         const bf16* q, const bf16* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,     \
         bf16* out, int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots,        \
         float scale, int min_rows) {                                                                           \
-        attn_prefill_wgmma_impl<NWG, HG, S, OV, WS>(q, kv_layer, qsl, seq_lens, block_tables, out, T, num_seqs, \
+        attn_prefill_wgmma_impl<NWG, HG, KEYS, S, OV, WS>(q, kv_layer, qsl, seq_lens, block_tables, out, T, num_seqs, \
                                                     nh, nkv, block_size, max_blocks, num_slots, scale, min_rows); }
 
-PREFILL_WGMMA_KERNEL(wg, 2, 2, 2, , false, false, 256)
-PREFILL_WGMMA_KERNEL(wg, 2, 1, 2, , false, false, 256)
-PREFILL_WGMMA_KERNEL(wg, 3, 1, 2, , false, false, 384)
-PREFILL_WGMMA_KERNEL(wg, 2, 2, 4, o, true, false, 256)
-PREFILL_WGMMA_KERNEL(wg, 3, 1, 4, o, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 3, , false, true, 288)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 4, o, true, true, 288)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 4, o, true, true, 288)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 3, o, true, true, 288)
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 2, , false, false, 256)
+PREFILL_WGMMA_KERNEL(wg, 2, 1, 64, 2, , false, false, 256)
+PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 2, , false, false, 384)
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 4, o, true, false, 256)
+PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 4, o, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 3, , false, true, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, o, true, true, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 4, o, true, true, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 3, o, true, true, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 2, o, true, true, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 2, o, true, true, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 2, , false, true, 384)
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 128, 2, , false, false, 256)

@@ -94,10 +94,11 @@ def main() -> None:
         for key in range(min(ctx, HD)):
             cases["v_onehot"][1, slots[key], :, key] = 1
         cases["v_index"][1, slots] = (np.arange(ctx) / 64)[:, None, None]
+        wants = {name: reference(base_q, kv, n, ctx, slots, HD ** -0.5, nh // nkv) for name, kv in cases.items()}
         for variant in args.variants.split(","):
             print(f"{variant} n {n} ctx {ctx} (nh {nh}, nkv {nkv}, seed {args.seed})")
             for name, kv in cases.items():
-                want = reference(base_q, kv, n, ctx, slots, HD ** -0.5, nh // nkv)
+                want = wants[name]
                 try:
                     got = run(lib, variant, base_q, kv, n, ctx, table, nh, nkv)
                 except Exception as e:                      # noqa: BLE001  (a fault ends the context: stop)

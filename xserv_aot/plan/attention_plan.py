@@ -21,18 +21,18 @@ BATCHED_ATTN_BLOCKS = 4 * 132  # splits per seq chosen so a full bucket launches
 # PREFILL_ATTN_BOTH_HD also for hd 64.
 PREFILL_ATTN_VARIANTS = ("v1", "w8m1k64s2", "w8m1k64s3", "w4m1k64s2", "w4m2k32s2", "w4m2k32s3", "w8m2k32s2",
                          "w4m2k16s3", "w4m2k16s4")
-# wgGhHsS[o] / wsGhHsS[o] (attention_prefill_wgmma.cu, hd 128 only): G warpgroups of 64 rows on wgmma, H q heads a
-# block, S-deep ring of 64-key tiles copied by every thread (wg) or by a producer warp (ws), o: QK^T of the next
-# tile overlaps this tile's softmax.
-PREFILL_ATTN_WGMMA = ("wg2h2s2", "wg2h1s2", "wg3h1s2", "wg2h2s4o", "wg3h1s4o", "ws2h2s3", "ws2h2s4o", "ws2h1s4o",
-                      "ws2h1s3o")
+# w{g|s}GhHkKsS[o] (attention_prefill_wgmma.cu, hd 128 only): G warpgroups of 64 rows on wgmma, H q heads a block,
+# S-deep ring of K-key tiles copied by every thread (wg) or by a producer warpgroup (ws), o: QK^T of the next tile
+# overlaps this tile's softmax.
+PREFILL_ATTN_WGMMA = ("wg2h2k64s2", "wg2h1k64s2", "wg3h1k64s2", "wg2h2k64s4o", "wg3h1k64s4o", "wg2h2k128s2",
+                      "ws2h2k64s3", "ws2h2k64s4o", "ws2h1k64s4o", "ws2h1k64s3o", "ws2h2k128s2", "ws2h2k128s2o",
+                      "ws2h1k128s2o")
 PREFILL_ATTN_VARIANTS += PREFILL_ATTN_WGMMA
 PREFILL_ATTN_BOTH_HD = ("v1", "w8m1k64s2", "w4m2k32s2")
 PREFILL_ATTN_KERNEL = {128: "w4m2k16s4"}   # per head size: the H200 winner at 2k - 8k tokens (docs/cuda-notes.md)
 PREFILL_ATTN_OTHER_HD = "w8m1k64s2"         # head sizes without a sweep (hd 64: tested, not timed)
 _PIPE = re.compile(r"w(\d+)m(\d+)k(\d+)s(\d+)")
-_WGMMA = re.compile(r"w([gs])(\d)h(\d)s(\d)o?")
-WGMMA_KEYS = 64              # keys per K/V tile of attention_prefill_wgmma.cu
+_WGMMA = re.compile(r"w([gs])(\d)h(\d)k(\d+)s(\d)o?")
 FEW_ATTN_STAGES = 3          # fused few-seq kernel: tiles of 64 keys in its cp.async ring (2, 3, 4, 6 built)
 FEW_ATTN_MIN_TILES = 1       # ... a split holds >= this many tiles
 # ... and a sequence of <= stages - 1 tiles (all copied at once) is one split: no combine
@@ -119,13 +119,13 @@ def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, varian
         return launch(f"attn_prefill_hd{hd}", [-(-op.rows // 64) + op.num_seqs, nh], [128], 0, args)
     if variant in PREFILL_ATTN_WGMMA:
         mode, *shape = _WGMMA.fullmatch(variant).groups()
-        groups, heads, stages = (int(x) for x in shape)
+        groups, heads, keys, stages = (int(x) for x in shape)
         if hd != 128 or (nh // m["num_kv_heads"]) % heads:
             raise KernelBuildError(f"prefill attention {variant}: needs head_dim 128 and q heads per KV head "
                                    f"divisible by {heads} (head_dim {hd}, {nh} q heads, {m['num_kv_heads']} KV heads)")
-        smem = (groups * 64 + stages * 2 * WGMMA_KEYS) * hd * 2 + 1024    # Q tiles, K/V ring, 1024-B alignment
+        smem = (groups * 64 + stages * 2 * keys) * hd * 2 + 1024    # Q tiles, K/V ring, 1024-B alignment
         return launch(f"attn_prefill_{variant}_hd{hd}", [nh // heads, -(-op.rows // (64 * groups // heads)) +
-                                                         op.num_seqs], [128 * groups + (32 if mode == "s" else 0)], smem, args)
+                                                         op.num_seqs], [128 * groups + (128 if mode == "s" else 0)], smem, args)
     warps, mt, keys, stages = (int(x) for x in _PIPE.fullmatch(variant).groups())
     smem = stages * 2 * keys * (hd + 8) * 2                              # K and V tiles, rows padded to hd + 8
     return launch(f"attn_prefill_{variant}_hd{hd}", [nh, -(-op.rows // (16 * warps * mt)) + op.num_seqs],

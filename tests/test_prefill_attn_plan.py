@@ -88,3 +88,29 @@ def test_the_build_config_selects_the_variant_and_wgmma_refuses_shapes_it_lacks(
                           16, 512, 640000)
     with pytest.raises(ConfigError, match="prefill_attention 'wg9' is not auto"):
         BuildConfig(prefill_attention="wg9").validate()
+
+
+def test_the_cli_option_reaches_every_prefill_bucket_and_refuses_a_head_size_it_lacks(tmp_path):
+    import json
+
+    pytest.importorskip("cuda.core")
+    from tests.test_cli import assert_one_line_error, cli
+    from xserv_aot.plan.manifest import Plan
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 512, "hidden_size": 256,
+              "intermediate_size": 512, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 128, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+              "tie_word_embeddings": True}
+    small = ["--max-num-seqs", "2", "--prefill-buckets", "16,128", "--max-seq-len", "256", "--dummy-weights",
+             "--no-gemm-library", "--prefill-attention", "ws2h2k64s3"]
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    r = cli("compile", tmp_path / "c.json", "-o", tmp_path / "plan", *small)
+    assert r.returncode == 0, r.stderr
+    plan = Plan.load(tmp_path / "plan")
+    assert plan.build.prefill_attention == "ws2h2k64s3"
+    attn = {bk.kind: {op.cuda.kernel for op in bk.ops if op.op == "attention"} for bk in plan.buckets}
+    assert attn["prefill"] == {"attn_prefill_ws2h2k64s3_hd128"}
+    assert not any(k.startswith("attn_prefill") for k in attn["decode"])
+    (tmp_path / "c64.json").write_text(json.dumps(dict(config, head_dim=64)))
+    r = cli("compile", tmp_path / "c64.json", "-o", tmp_path / "plan64", *small)
+    assert_one_line_error(r, "needs head_dim 128")
+    assert not (tmp_path / "plan64").exists()

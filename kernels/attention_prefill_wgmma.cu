@@ -36,7 +36,7 @@ __device__ __forceinline__ void copy_kv_tile(u32 dst, const bf16* kv_head, const
     }
 }
 
-template <int NWG, int HG, int KT, int STAGES, bool OV, bool WS>
+template <int NWG, int HG, int KT, int STAGES, bool OV, bool WS, bool PP>
 __device__ __forceinline__ void attn_prefill_wgmma_impl(
         const bf16* __restrict__ q, const bf16* __restrict__ kv_layer, const int* __restrict__ qsl,
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables, bf16* __restrict__ out,
@@ -46,6 +46,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     constexpr int HD = WG_HD, NC = NWG * 128, NT = NC + (WS ? 128 : 0), BQ = 64 * NWG / HG;
     constexpr u32 HALF = KT * 128, TILE = 2 * HALF;              // bytes of 64 dims of a K (V) tile, of the tile
     static_assert(NWG % HG == 0 && (WS || !OV || STAGES >= 3), "warpgroups per head; wg + o keeps 2 tiles live");
+    static_assert(!PP || (WS && OV && NWG == 2), "turns: two consumer warpgroups of ws + o");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     __shared__ __align__(8) u64 bars[2 * STAGES];               // ws: full[STAGES], empty[STAGES]
     const u32 q_s = (smem_addr(smem_raw) + 1023u) & ~1023u;      // swizzle atoms need 1024-byte alignment
@@ -149,15 +150,22 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         wg_wait<0>();
         reg_fence(o);
     };
+    // p: the two warpgroups take turns issuing their products (named barriers 3, 4), so that one's softmax runs while
+    // the other's products do; warpgroup 1 lets warpgroup 0 go first and skips its last pass (counts match).
+    auto turn_wait = [&]() {
+        if constexpr (PP) asm volatile("bar.sync %0, 256;" :: "r"(3 + wg) : "memory");
+    };
+    auto turn_pass = [&](int kt) {
+        if constexpr (PP) if (wg == 0 || kt < ntiles) asm volatile("bar.arrive %0, 256;" :: "r"(4 - wg) : "memory");
+    };
     auto step_overlap = [&](int kt) {                            // kt in 0..ntiles: S(kt) and PV(kt - 1) in flight
+        turn_wait();
         if (kt < wtiles) {
             issue_s(kt);
-            if (kt > 0) {
-                issue_pv(kt - 1);
-                wg_wait<1>();                                    // S(kt) done, PV(kt - 1) may still run
-            } else {
-                wg_wait<0>();
-            }
+            if (kt > 0) issue_pv(kt - 1);
+            turn_pass(kt);
+            if (kt > 0) wg_wait<1>();                            // S(kt) done, PV(kt - 1) may still run
+            else wg_wait<0>();
             const bool moved = softmax(kt);
             wg_wait<0>();
             reg_fence(o);
@@ -165,14 +173,18 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
             pack_p(s, pf);
         } else if (kt == wtiles && kt > 0) {
             issue_pv(kt - 1);
+            turn_pass(kt);
             wg_wait<0>();
             reg_fence(o);
+        } else {
+            turn_pass(kt);
         }
     };
 
     if constexpr (WS) {
         // Tile kt waits for full[kt % S] (phase kt / S); a warp releases a slot (empty) when done with its tile:
         // after step kt, or after step_overlap kt + 1 (V of tile kt is read there).
+        if (PP && wg == 1) asm volatile("bar.arrive 3, 256;" ::: "memory");
         for (int kt = 0; kt <= ntiles; kt++) {
             if (kt < ntiles) {
                 mbar_wait(full + 8 * (kt % STAGES), (kt / STAGES) & 1);
@@ -234,25 +246,29 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     }
 }
 
-#define PREFILL_WGMMA_KERNEL(MODE, NWG, HG, KEYS, S, SUFFIX, OV, WS, THREADS)                               \
+#define PREFILL_WGMMA_KERNEL(MODE, NWG, HG, KEYS, S, SUFFIX, OV, WS, PP, THREADS)                           \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                  \
     attn_prefill_##MODE##NWG##h##HG##k##KEYS##s##S##SUFFIX##_hd128(                                                      \
         const bf16* q, const bf16* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,     \
         bf16* out, int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots,        \
         float scale, int min_rows) {                                                                           \
-        attn_prefill_wgmma_impl<NWG, HG, KEYS, S, OV, WS>(q, kv_layer, qsl, seq_lens, block_tables, out, T, num_seqs, \
-                                                    nh, nkv, block_size, max_blocks, num_slots, scale, min_rows); }
+        attn_prefill_wgmma_impl<NWG, HG, KEYS, S, OV, WS, PP>(q, kv_layer, qsl, seq_lens, block_tables, out, T,  \
+                                                        num_seqs, nh, nkv, block_size, max_blocks, num_slots, scale, \
+                                                        min_rows); }
 
-PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 2, , false, false, 256)
-PREFILL_WGMMA_KERNEL(wg, 2, 1, 64, 2, , false, false, 256)
-PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 2, , false, false, 384)
-PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 4, o, true, false, 256)
-PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 4, o, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 3, , false, true, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, o, true, true, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 4, o, true, true, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 3, o, true, true, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 2, o, true, true, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 2, o, true, true, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 2, , false, true, 384)
-PREFILL_WGMMA_KERNEL(wg, 2, 2, 128, 2, , false, false, 256)
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 2, , false, false, false, 256)
+PREFILL_WGMMA_KERNEL(wg, 2, 1, 64, 2, , false, false, false, 256)
+PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 2, , false, false, false, 384)
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 4, o, true, false, false, 256)
+PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 4, o, true, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 3, , false, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, o, true, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 4, o, true, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 3, o, true, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 2, o, true, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 2, o, true, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 2, , false, true, false, 384)
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 128, 2, , false, false, false, 256)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 2, op, true, true, true, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 2, op, true, true, true, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, op, true, true, true, 384)

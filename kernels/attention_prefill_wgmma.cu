@@ -149,6 +149,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         issue_pv(kt);
         wg_wait<0>();
         reg_fence(o);
+        reg_fence(pf);
     };
     // p: the two warpgroups take turns issuing their products (named barriers 3, 4), so that one's softmax runs while
     // the other's products do; warpgroup 1 lets warpgroup 0 go first and skips its last pass (counts match).
@@ -169,6 +170,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
             const bool moved = softmax(kt);
             wg_wait<0>();
             reg_fence(o);
+            reg_fence(pf);
             rescale(o, corr, moved);
             pack_p(s, pf);
         } else if (kt == wtiles && kt > 0) {
@@ -176,6 +178,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
             turn_pass(kt);
             wg_wait<0>();
             reg_fence(o);
+            reg_fence(pf);
         } else {
             turn_pass(kt);
         }

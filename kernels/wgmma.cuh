@@ -23,6 +23,14 @@ __device__ __forceinline__ void reg_fence(float (&r)[N]) {
 #pragma unroll
     for (int i = 0; i < N; i++) asm volatile("" : "+f"(r[i]) :: "memory");
 }
+// ... and of A fragments in registers (read by wgmma until its wait_group).
+template <int N>
+__device__ __forceinline__ void reg_fence(u32 (&r)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) asm volatile("" : "+r"(r[i][j]) :: "memory");
+}
 
 // The accumulator operand lists of the wgmma asm statements below (32 or 64 f32 registers, in order).
 #define WG_ACC32(d) \

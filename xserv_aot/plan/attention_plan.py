@@ -26,7 +26,7 @@ PREFILL_ATTN_VARIANTS = ("v1", "w8m1k64s2", "w8m1k64s3", "w4m1k64s2", "w4m2k32s2
 # overlaps this tile's softmax, p: the two warpgroups take turns issuing their products (ping-pong).
 PREFILL_ATTN_WGMMA = ("wg2h2k64s2", "wg2h1k64s2", "wg3h1k64s2", "wg2h2k64s4o", "wg3h1k64s4o", "wg2h2k128s2",
                       "ws2h2k64s3", "ws2h2k64s4o", "ws2h1k64s4o", "ws2h1k64s3o", "ws2h2k128s2", "ws2h2k128s2o",
-                      "ws2h1k128s2o", "ws2h2k128s2op", "ws2h1k128s2op", "ws2h2k64s4op")
+                      "ws2h2k128s3o", "ws2h2k128s2op", "ws2h2k128s3op", "ws2h1k128s3op", "ws2h2k64s4op")
 PREFILL_ATTN_VARIANTS += PREFILL_ATTN_WGMMA
 PREFILL_ATTN_BOTH_HD = ("v1", "w8m1k64s2", "w4m2k32s2")
 PREFILL_ATTN_KERNEL = {128: "w4m2k16s4"}   # per head size: the H200 winner at 2k - 8k tokens (docs/cuda-notes.md)

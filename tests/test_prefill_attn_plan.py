@@ -26,7 +26,9 @@ def test_prefill_bucket_runs_the_default_variant_then_the_batched_decode_kernel(
     choice = ap.plan_attention(op(2048, 256), "prefill", MODEL, {"max_seq_len": 8192}, 16, 512, 640000)
     pre, dec = choice.launch
     assert pre.fn == f"attn_prefill_{ap.PREFILL_ATTN_KERNEL[128]}_hd128"
-    assert set(ap.PREFILL_ATTN_KERNEL.values()) <= set(ap.PREFILL_ATTN_VARIANTS)
+    defaults = set(ap.PREFILL_ATTN_KERNEL.values()) | set(ap.PREFILL_ATTN_UNPAIRED.values())
+    assert defaults <= set(ap.PREFILL_ATTN_VARIANTS)
+    assert not any("h2" in v for v in ap.PREFILL_ATTN_UNPAIRED.values())
     assert ap.PREFILL_ATTN_OTHER_HD in ap.PREFILL_ATTN_BOTH_HD, "unswept head sizes get a kernel built for hd 64"
     small = ap.plan_attention(op(256, 16, hd=64), "prefill", dict(MODEL, head_dim=64), {"max_seq_len": 8192}, 16, 512,
                               640000)
@@ -71,6 +73,14 @@ def test_grid_covers_every_query_tile_of_any_split_of_the_rows(variant, seed):
         cuts = np.sort(rng.integers(0, 1001, 15))
         n = np.diff(np.concatenate([[0], cuts, [1000]]))
         assert sum(-(-int(x) // rows_per_tile) for x in n) <= tile_blocks, n.tolist()
+
+
+def test_a_default_that_pairs_q_heads_gives_way_where_a_kv_head_has_an_odd_number(monkeypatch):
+    monkeypatch.setitem(ap.PREFILL_ATTN_KERNEL, 128, "ws2h2k128s3op")
+    assert ap.plan_attention(op(2048, 4), "prefill", MODEL, {"max_seq_len": 8192}, 16, 512,
+                             640000).launch[0].fn == "attn_prefill_ws2h2k128s3op_hd128"
+    odd = ap.plan_attention(op(2048, 4), "prefill", dict(MODEL, num_heads=24), {"max_seq_len": 8192}, 16, 512, 640000)
+    assert odd.launch[0].fn == f"attn_prefill_{ap.PREFILL_ATTN_UNPAIRED[128]}_hd128"
 
 
 def test_the_build_config_selects_the_variant_and_wgmma_refuses_shapes_it_lacks():

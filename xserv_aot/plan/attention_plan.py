@@ -30,6 +30,7 @@ PREFILL_ATTN_WGMMA = ("wg2h2k64s2", "wg2h1k64s2", "wg3h1k64s2", "wg2h2k64s4o", "
 PREFILL_ATTN_VARIANTS += PREFILL_ATTN_WGMMA
 PREFILL_ATTN_BOTH_HD = ("v1", "w8m1k64s2", "w4m2k32s2")
 PREFILL_ATTN_KERNEL = {128: "w4m2k16s4"}   # per head size: the H200 winner at 2k - 8k tokens (docs/cuda-notes.md)
+PREFILL_ATTN_UNPAIRED = {128: "w4m2k16s4"}  # ... where a KV head has an odd number of q heads (h2 variants pair them)
 PREFILL_ATTN_OTHER_HD = "w8m1k64s2"         # head sizes without a sweep (hd 64: tested, not timed)
 _PIPE = re.compile(r"w(\d+)m(\d+)k(\d+)s(\d+)")
 _WGMMA = re.compile(r"w([gs])(\d)h(\d)k(\d+)s(\d)o?p?")
@@ -107,12 +108,19 @@ def prefill_attn_source(variant: str) -> str:
     return "attention_prefill_wgmma.cu" if variant in PREFILL_ATTN_WGMMA else "attention_prefill_pipe.cu"
 
 
+def default_prefill_variant(m: dict) -> str:
+    """The head size's default prefill attention variant for this model's head groups."""
+    hd, group = m["head_dim"], m["num_heads"] // m["num_kv_heads"]
+    variant = PREFILL_ATTN_KERNEL.get(hd, PREFILL_ATTN_OTHER_HD)
+    return PREFILL_ATTN_UNPAIRED[hd] if variant in PREFILL_ATTN_WGMMA and "h2" in variant and group % 2 else variant
+
+
 def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, variant: str | None = None,
                         min_rows: int = 2) -> LaunchRecord:
-    """The flash prefill kernel (variant: the head size's default) over every seq of >= min_rows query rows; it
+    """The flash prefill kernel (variant: the model's default) over every seq of >= min_rows query rows; it
     zeroes the rows no seq covers."""
     nh, hd = m["num_heads"], m["head_dim"]
-    variant = variant or PREFILL_ATTN_KERNEL.get(hd, PREFILL_ATTN_OTHER_HD)
+    variant = variant or default_prefill_variant(m)
     args = common + [ptr(op.out), i32(op.rows), i32(op.num_seqs), i32(nh), i32(m["num_kv_heads"]), *tail,
                      i32(min_rows)]
     if variant == "v1":
@@ -124,8 +132,8 @@ def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, varian
             raise KernelBuildError(f"prefill attention {variant}: needs head_dim 128 and q heads per KV head "
                                    f"divisible by {heads} (head_dim {hd}, {nh} q heads, {m['num_kv_heads']} KV heads)")
         smem = (groups * 64 + stages * 2 * keys) * hd * 2 + 1024    # Q tiles, K/V ring, 1024-B alignment
-        return launch(f"attn_prefill_{variant}_hd{hd}", [nh // heads, -(-op.rows // (64 * groups // heads)) +
-                                                         op.num_seqs], [128 * groups + (128 if mode == "s" else 0)], smem, args)
+        grid = [nh // heads, -(-op.rows // (64 * groups // heads)) + op.num_seqs]
+        return launch(f"attn_prefill_{variant}_hd{hd}", grid, [128 * groups + (128 if mode == "s" else 0)], smem, args)
     warps, mt, keys, stages = (int(x) for x in _PIPE.fullmatch(variant).groups())
     smem = stages * 2 * keys * (hd + 8) * 2                              # K and V tiles, rows padded to hd + 8
     return launch(f"attn_prefill_{variant}_hd{hd}", [nh, -(-op.rows // (16 * warps * mt)) + op.num_seqs],

@@ -15,8 +15,10 @@
 
 constexpr int WG_HD = 128;                                       // head size
 constexpr u32 WG_QTILE = 64 * WG_HD * 2;                         // bytes of one warpgroup's Q tile
-// ws (2 consumer warpgroups + 1 producer, 168 registers each at launch): the producer's registers go to the consumers
-constexpr int WS_PRODUCER_REGS = 40, WS_CONSUMER_REGS = 232;
+// ws: the producer warpgroup's registers go to the consumers (at launch 65536 / threads each, rounded down to 8):
+// 2 consumer warpgroups 168 -> 40 / 232, 3 consumer warpgroups 128 -> 32 / 160.
+__device__ constexpr int ws_producer_regs(int nwg) { return nwg == 2 ? 40 : 32; }
+__device__ constexpr int ws_consumer_regs(int nwg) { return nwg == 2 ? 232 : 160; }
 
 // Thread t of NTH copies its share of K/V tile kt of KT keys (rows past max_pos zero-filled) into the slot at dst
 // (K tile, then the V tile KT x 256 bytes later).
@@ -75,7 +77,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     auto slot_of = [&](int kt) { return kv_s + (kt % STAGES) * 2 * TILE; };
 
     if (WS && tid >= NC) {                                       // the producer warpgroup
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(WS_PRODUCER_REGS));
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(ws_producer_regs(NWG)));
         for (int kt = 0; kt < ntiles; kt++) {
             if (kt >= STAGES) mbar_wait(empty + 8 * (kt % STAGES), (kt / STAGES - 1) & 1);
             copy_kv_tile<KT, 128>(slot_of(kt), kv_head, bt, kt, max_pos, bs_log2, kv_stride, v_off, tid - NC);
@@ -95,7 +97,8 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         cp_async16_zfill(q_s + w * WG_QTILE + sw128_offset(r, ch, 64), q + (row * nh + h0 + w % HG) * HD + ch * 8, 16);
     }
     if constexpr (WS) {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(WS_CONSUMER_REGS));
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(ws_consumer_regs(NWG)));
+        cp_async_commit();                                       // (wait_group waits for committed groups only)
         cp_async_wait<0>();
         fence_proxy_async();
         asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");   // this warpgroup's Q is in place
@@ -260,7 +263,6 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
                                                         min_rows); }
 
 PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 2, , false, false, false, 256)
-PREFILL_WGMMA_KERNEL(wg, 2, 1, 64, 2, , false, false, false, 256)
 PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 2, , false, false, false, 384)
 PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 4, o, true, false, false, 256)
 PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 4, o, true, false, false, 384)
@@ -268,11 +270,13 @@ PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 3, , false, true, false, 384)
 PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, o, true, true, false, 384)
 PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 4, o, true, true, false, 384)
 PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 3, o, true, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 2, o, true, true, false, 384)
 PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, o, true, true, false, 384)
 PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 2, , false, true, false, 384)
 PREFILL_WGMMA_KERNEL(wg, 2, 2, 128, 2, , false, false, false, 256)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 2, op, true, true, true, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, , false, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, , false, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 2, , false, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, , false, true, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, , false, true, false, 512)
 PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, op, true, true, true, 384)
 PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 3, op, true, true, true, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, op, true, true, true, 384)

@@ -1,4 +1,4 @@
-"""A plan built with a wgmma prefill attention variant (BuildConfig.prefill_attention) serves a prompt longer than
+"""A plan built with a wgmma prefill attention variant (BuildConfig.prefill_attention; auto: the default) serves a prompt longer than
 its prefill chunk (the second chunk's queries start at an offset, over a partly filled KV block) and agrees with
 the NumPy backend of the same plan: teacher-forced logits of the prefill and of the decode steps after it."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ BUILD = dict(max_num_seqs=2, decode_buckets=[1, 2], prefill_buckets=[16, 256], m
              dtype="bfloat16", target="sm_90a")
 
 
-@pytest.mark.parametrize("variant", ["wg2h2k64s2", "ws2h2k128s3o", "ws2h2k128s3op"])
+@pytest.mark.parametrize("variant", ["auto", "wg3h1k64s4o", "ws2h2k128s3op", "ws3h1k64s4"])
 def test_wgmma_variant_plan_matches_numpy_backend(tmp_path, seed, variant):
     from xserv_aot.runtime.select import gpu_available
     if not gpu_available():
@@ -29,7 +29,8 @@ def test_wgmma_variant_plan_matches_numpy_backend(tmp_path, seed, variant):
     model_dir = make_tiny_model(tmp_path / "hf", "qwen3", seed=seed, **SHAPE)
     plan = compile_plan(model_dir, tmp_path / "plan", BuildConfig(**BUILD, prefill_attention=variant))
     fns = {op.cuda.kernel for bk in plan.buckets if bk.kind == "prefill" for op in bk.ops if op.op == "attention"}
-    assert fns == {f"attn_prefill_{variant}_hd128"}
+    from xserv_aot.plan.attention_plan import PREFILL_ATTN_KERNEL
+    assert fns == {f"attn_prefill_{PREFILL_ATTN_KERNEL[128] if variant == 'auto' else variant}_hd128"}
     rng = np.random.default_rng(seed)
     prompt = rng.integers(3, SHAPE["vocab_size"], 300).tolist()     # chunks of 256 + 44 tokens
     forced = rng.integers(3, SHAPE["vocab_size"], 6).tolist()

@@ -51,7 +51,7 @@ def test_every_variant_launches_a_built_kernel_with_its_argument_kinds(variant, 
     assert rec.fn in sigs, rec.fn
     kinds = ["ptr" if k == "kv" else k for k, _ in rec.args]
     assert kinds == [p["type"] for p in sigs[rec.fn]]
-    assert rec.smem <= H200_SMEM_PER_BLOCK and rec.block[0] in (128, 256, 384)
+    assert rec.smem <= H200_SMEM_PER_BLOCK and rec.block[0] in (128, 256, 384, 512)
     assert set(sigs) == {"attn_prefill_hd64", "attn_prefill_hd128"} | {f"attn_prefill_{v}_hd{h}" for v, h in BUILT
                                                                        if v != "v1"}, "built == listed"
     assert rec.grid[1] <= 65535
@@ -90,7 +90,7 @@ def test_the_build_config_selects_the_variant_and_wgmma_refuses_shapes_it_lacks(
     odd = dict(MODEL, num_heads=24)                           # 3 q heads a KV head: no pair of heads to share
     with pytest.raises(KernelBuildError, match="divisible by 2"):
         ap.plan_attention(op(2048, 4), "prefill", odd, {"max_seq_len": 8192, "prefill": "wg2h2k64s2"}, 16, 512, 640000)
-    assert ap.plan_attention(op(2048, 4), "prefill", odd, {"max_seq_len": 8192, "prefill": "wg2h1k64s2"}, 16, 512,
+    assert ap.plan_attention(op(2048, 4), "prefill", odd, {"max_seq_len": 8192, "prefill": "wg3h1k64s2"}, 16, 512,
                              640000).launch[0].grid[0] == 24
     with pytest.raises(KernelBuildError, match="head_dim 128"):
         ap.plan_attention(op(256, 4, hd=64), "prefill", dict(MODEL, head_dim=64), {"max_seq_len": 8192,

@@ -24,13 +24,13 @@ PREFILL_ATTN_VARIANTS = ("v1", "w8m1k64s2", "w8m1k64s3", "w4m1k64s2", "w4m2k32s2
 # w{g|s}GhHkKsS[o] (attention_prefill_wgmma.cu, hd 128 only): G warpgroups of 64 rows on wgmma, H q heads a block,
 # S-deep ring of K-key tiles copied by every thread (wg) or by a producer warpgroup (ws), o: QK^T of the next tile
 # overlaps this tile's softmax, p: the two warpgroups take turns issuing their products (ping-pong).
-PREFILL_ATTN_WGMMA = ("wg2h2k64s2", "wg2h1k64s2", "wg3h1k64s2", "wg2h2k64s4o", "wg3h1k64s4o", "wg2h2k128s2",
-                      "ws2h2k64s3", "ws2h2k64s4o", "ws2h1k64s4o", "ws2h1k64s3o", "ws2h2k128s2", "ws2h2k128s2o",
-                      "ws2h2k128s3o", "ws2h2k128s2op", "ws2h2k128s3op", "ws2h1k128s3op", "ws2h2k64s4op")
+PREFILL_ATTN_WGMMA = ("wg2h2k64s2", "wg3h1k64s2", "wg2h2k64s4o", "wg3h1k64s4o", "wg2h2k128s2", "ws2h2k64s3",
+                      "ws2h2k64s4", "ws2h2k64s4o", "ws2h1k64s4o", "ws2h1k64s3o", "ws2h2k128s2", "ws2h2k128s3",
+                      "ws2h1k128s2", "ws2h2k128s3o", "ws2h2k128s3op", "ws2h1k128s3op", "ws3h1k64s3", "ws3h1k64s4")
 PREFILL_ATTN_VARIANTS += PREFILL_ATTN_WGMMA
 PREFILL_ATTN_BOTH_HD = ("v1", "w8m1k64s2", "w4m2k32s2")
-PREFILL_ATTN_KERNEL = {128: "w4m2k16s4"}   # per head size: the H200 winner at 2k - 8k tokens (docs/cuda-notes.md)
-PREFILL_ATTN_UNPAIRED = {128: "w4m2k16s4"}  # ... where a KV head has an odd number of q heads (h2 variants pair them)
+PREFILL_ATTN_KERNEL = {128: "ws2h2k128s2"}  # per head size: the H200 winner at 2k - 8k tokens (docs/cuda-notes.md)
+PREFILL_ATTN_UNPAIRED = {128: "wg3h1k64s4o"}  # ... where a KV head has an odd number of q heads (h2 pairs them)
 PREFILL_ATTN_OTHER_HD = "w8m1k64s2"         # head sizes without a sweep (hd 64: tested, not timed)
 _PIPE = re.compile(r"w(\d+)m(\d+)k(\d+)s(\d+)")
 _WGMMA = re.compile(r"w([gs])(\d)h(\d)k(\d+)s(\d)o?p?")

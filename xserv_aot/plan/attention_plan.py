@@ -108,6 +108,17 @@ def prefill_attn_source(variant: str) -> str:
     return "attention_prefill_wgmma.cu" if variant in PREFILL_ATTN_WGMMA else "attention_prefill_pipe.cu"
 
 
+def prefill_tiles(variant: str) -> tuple[int, int, int]:
+    """(query rows, q heads) a block of a prefill attention variant covers, and the keys of its K/V tiles."""
+    if variant == "v1":
+        return 64, 1, 64
+    if variant in PREFILL_ATTN_WGMMA:
+        groups, heads, keys, _ = (int(x) for x in _WGMMA.fullmatch(variant).groups()[1:])
+        return 64 * groups // heads, heads, keys
+    warps, mt, keys, _ = (int(x) for x in _PIPE.fullmatch(variant).groups())
+    return 16 * warps * mt, 1, keys
+
+
 def default_prefill_variant(m: dict) -> str:
     """The head size's default prefill attention variant for this model's head groups."""
     hd, group = m["head_dim"], m["num_heads"] // m["num_kv_heads"]
@@ -132,11 +143,11 @@ def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, varian
             raise KernelBuildError(f"prefill attention {variant}: needs head_dim 128 and q heads per KV head "
                                    f"divisible by {heads} (head_dim {hd}, {nh} q heads, {m['num_kv_heads']} KV heads)")
         smem = (groups * 64 + stages * 2 * keys) * hd * 2 + 1024    # Q tiles, K/V ring, 1024-B alignment
-        grid = [nh // heads, -(-op.rows // (64 * groups // heads)) + op.num_seqs]
+        grid = [nh // heads, -(-op.rows // prefill_tiles(variant)[0]) + op.num_seqs]
         return launch(f"attn_prefill_{variant}_hd{hd}", grid, [128 * groups + (128 if mode == "s" else 0)], smem, args)
     warps, mt, keys, stages = (int(x) for x in _PIPE.fullmatch(variant).groups())
     smem = stages * 2 * keys * (hd + 8) * 2                              # K and V tiles, rows padded to hd + 8
-    return launch(f"attn_prefill_{variant}_hd{hd}", [nh, -(-op.rows // (16 * warps * mt)) + op.num_seqs],
+    return launch(f"attn_prefill_{variant}_hd{hd}", [nh, -(-op.rows // prefill_tiles(variant)[0]) + op.num_seqs],
                   [32 * warps], smem, args)
 
 

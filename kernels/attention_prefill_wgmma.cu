@@ -1,7 +1,8 @@
 // Hopper (sm_90a) causal prefill attention over the paged KV cache on warpgroup MMA (wgmma), same contract as
 // attention_prefill_pipe.cu (varlen by query_start_loc, queries at the end of each seq's context, GQA, seqs of
-// < min_rows rows skipped, rows no seq covers zeroed). attn_prefill_{wg|ws}{G}h{H}s{S}[o]_hd128: G consumer
-// warpgroups of 64 query rows; H 1: consecutive rows of one q head, H 2: two q heads of one KV head (same rows).
+// < min_rows rows skipped, rows no seq covers zeroed). attn_prefill_{wg|ws}{G}h{H}k{K}s{S}[o][p]_hd128: G consumer
+// warpgroups of 64 query rows; H q heads of one KV head a block: H 1: consecutive rows of one q head, H 2: two q
+// heads (same rows), H 4 (2 warpgroups): two q heads a warpgroup, one after the other on each K/V tile.
 // K/V tiles of 64 keys go through the block table by cp.async (zero-fill past the block's last key) into an S-deep
 // ring of 128B-swizzled tiles ([2 halves of 64 dims][64 keys][128 B]); wg: every thread copies, one __syncthreads
 // a tile; ws: a producer warpgroup copies (its registers handed to the consumers by setmaxnreg), full/empty
@@ -38,30 +39,34 @@ __device__ __forceinline__ void copy_kv_tile(u32 dst, const bf16* kv_head, const
     }
 }
 
-template <int NWG, int HG, int KT, int STAGES, bool OV, bool WS, bool PP>
+template <int NWG, int HB, int KT, int STAGES, bool OV, bool WS, bool PP>
 __device__ __forceinline__ void attn_prefill_wgmma_impl(
         const bf16* __restrict__ q, const bf16* __restrict__ kv_layer, const int* __restrict__ qsl,
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables, bf16* __restrict__ out,
         int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots, float scale,
         int min_rows) {
     pdl_entry();
+    // HB q heads a block: the warpgroups split them HG ways (the rest of the warpgroups take further rows), each
+    // warpgroup covers HPW of them in turn (its K/V tiles serve HPW x 64 (row, head) pairs).
+    constexpr int HG = HB < NWG ? HB : NWG, HPW = HB / HG;
     constexpr int HD = WG_HD, NC = NWG * 128, NT = NC + (WS ? 128 : 0), BQ = 64 * NWG / HG;
     constexpr u32 HALF = KT * 128, TILE = 2 * HALF;              // bytes of 64 dims of a K (V) tile, of the tile
-    static_assert(NWG % HG == 0 && (WS || !OV || STAGES >= 3), "warpgroups per head; wg + o keeps 2 tiles live");
+    static_assert(NWG % HG == 0 && HB % HG == 0 && (WS || !OV || STAGES >= 3) && (HPW == 1 || !OV),
+                  "warpgroups per head; wg + o keeps 2 tiles live; heads in turn without the overlap");
     static_assert(!PP || (WS && OV && NWG == 2), "turns: two consumer warpgroups of ws + o");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     __shared__ __align__(8) u64 bars[2 * STAGES];               // ws: full[STAGES], empty[STAGES]
     const u32 q_s = (smem_addr(smem_raw) + 1023u) & ~1023u;      // swizzle atoms need 1024-byte alignment
-    const u32 kv_s = q_s + NWG * WG_QTILE;                       // [STAGES][K tile | V tile]
+    const u32 kv_s = q_s + NWG * HPW * WG_QTILE;                 // [STAGES][K tile | V tile]
     const u32 full = smem_addr(bars), empty = full + 8 * STAGES;
-    const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wl = (tid >> 5) & 3, h0 = blockIdx.x * HG;
+    const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wl = (tid >> 5) & 3, h0 = blockIdx.x * HB;
     if (WS && tid == 0) {
         for (int s = 0; s < STAGES; s++) { mbar_init(full + 8 * s, 128); mbar_init(empty + 8 * s, NWG * 4); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     const int covered = qsl[num_seqs];
     for (int r = covered + blockIdx.y; r < T; r += gridDim.y)
-        for (int d = tid; d < HG * HD; d += NT) out[((size_t)r * nh + h0) * HD + d] = 0;
+        for (int d = tid; d < HB * HD; d += NT) out[((size_t)r * nh + h0) * HD + d] = 0;
 
     int seq, tile;
     find_tile<NT>(qsl, num_seqs, min_rows, BQ, blockIdx.y, seq, tile);  // (its barriers also publish the inits)
@@ -87,14 +92,16 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         cp_async_wait<0>();
         return;
     }
-    // Q: warpgroup w's 64 rows (rows past the seq's end repeat its last row; results dropped), head h0 + w % HG;
-    // wg: every thread copies every warpgroup's rows (in the first tile's group), ws: each warpgroup its own.
-    constexpr int QW = WS ? 1 : NWG, QTH = WS ? 128 : NC;
+    // Q tile w * HPW + j: warpgroup w's 64 rows (rows past the seq's end repeat its last row; results dropped) of
+    // head h0 + (w % HG) HPW + j; wg: every thread copies every tile (in the first tile's group), ws: each
+    // warpgroup its own.
+    constexpr int QW = WS ? HPW : NWG * HPW, QTH = WS ? 128 : NC;
 #pragma unroll
     for (int i = 0; i < QW * 64 * 16 / QTH; i++) {
-        const int c = (WS ? tid & 127 : tid) + i * QTH, w = WS ? wg : c >> 10, r = (c >> 4) & 63, ch = c & 15;
+        const int c = (WS ? tid & 127 : tid) + i * QTH, qt = (WS ? wg * HPW : 0) + (c >> 10), r = (c >> 4) & 63;
+        const int w = qt / HPW, head = h0 + (w % HG) * HPW + qt % HPW, ch = c & 15;
         const size_t row = qsl[seq] + min(q0 + (w / HG) * 64 + r, n - 1);
-        cp_async16_zfill(q_s + w * WG_QTILE + sw128_offset(r, ch, 64), q + (row * nh + h0 + w % HG) * HD + ch * 8, 16);
+        cp_async16_zfill(q_s + qt * WG_QTILE + sw128_offset(r, ch, 64), q + (row * nh + head) * HD + ch * 8, 16);
     }
     if constexpr (WS) {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(ws_consumer_regs(NWG)));
@@ -109,16 +116,19 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     const int wpos_first = pos0 + min(w0, n - 1), wpos_last = w0 < n ? pos0 + min(w0 + 63, n - 1) : -1;
     const int wtiles = wpos_last < 0 ? 0 : wpos_last / KT + 1;  // tiles with a key visible to this warpgroup
     const int qpos[2] = {pos0 + min(row_l, n - 1), pos0 + min(row_l + 8, n - 1)};
-    const u32 qw = q_s + wg * WG_QTILE;
+    const u32 qw = q_s + wg * HPW * WG_QTILE;                    // this warpgroup's first Q tile
     const float sl2 = scale * 1.4426950408889634f;
-    float o[64], s[KT / 2], m_r[2], l_r[2], corr[2];
+    float o[HPW][64], s[KT / 2], m_r[HPW][2], l_r[HPW][2], corr[2];   // o, m, l: one set per head in turn
     u32 pf[KT / 16][4];
 #pragma unroll
-    for (int i = 0; i < 64; i++) o[i] = 0.f;
-    m_r[0] = m_r[1] = -__int_as_float(0x7f800000);
-    l_r[0] = l_r[1] = 0.f;
+    for (int j = 0; j < HPW; j++) {
+#pragma unroll
+        for (int i = 0; i < 64; i++) o[j][i] = 0.f;
+        m_r[j][0] = m_r[j][1] = -__int_as_float(0x7f800000);
+        l_r[j][0] = l_r[j][1] = 0.f;
+    }
 
-    auto issue_s = [&](int kt) {                                 // s = Q K(kt)^T, committed as one group
+    auto issue_s = [&](int kt, u32 qw) {                         // s = Q K(kt)^T, committed as one group
         const u32 ks = slot_of(kt);
         wg_fence();
 #pragma unroll
@@ -127,7 +137,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
                      sw128_desc(ks + (k >> 2) * HALF + (k & 3) * 32, 16, 1024), k > 0);
         wg_commit();
     };
-    auto issue_pv = [&](int kt) {                                // o += P V(kt), committed as one group
+    auto issue_pv = [&](int kt, float (&o)[64]) {                // o += P V(kt), committed as one group
         const u32 vs = slot_of(kt) + TILE;
         reg_fence(o);
         wg_fence();
@@ -136,23 +146,26 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
             wgmma_rs_n128_tb(o, pf[kk], sw128_desc(vs + kk * 16 * 128, HALF, 1024));
         wg_commit();
     };
-    auto softmax = [&](int kt) {                                 // s -> P in place; corr; returns moved
+    auto softmax = [&](int kt, float (&m)[2], float (&l)[2]) {   // s -> P in place; corr; returns moved
         const int kb = kt * KT;
         const int lim[2] = {qpos[0] - kb - (lane & 3) * 2, qpos[1] - kb - (lane & 3) * 2};
         reg_fence(s);
-        return softmax_tile(s, m_r, l_r, corr, kb + KT - 1 > wpos_first, lim, sl2);
+        return softmax_tile(s, m, l, corr, kb + KT - 1 > wpos_first, lim, sl2);
     };
     auto step = [&](int kt) {                                    // tile kt, products one after the other
         if (kt >= wtiles) return;                                // every key is after this warpgroup's rows
-        issue_s(kt);
-        wg_wait<0>();
-        const bool moved = softmax(kt);
-        rescale(o, corr, moved);
-        pack_p(s, pf);
-        issue_pv(kt);
-        wg_wait<0>();
-        reg_fence(o);
-        reg_fence(pf);
+#pragma unroll
+        for (int j = 0; j < HPW; j++) {
+            issue_s(kt, qw + j * WG_QTILE);
+            wg_wait<0>();
+            const bool moved = softmax(kt, m_r[j], l_r[j]);
+            rescale(o[j], corr, moved);
+            pack_p(s, pf);
+            issue_pv(kt, o[j]);
+            wg_wait<0>();
+            reg_fence(o[j]);
+            reg_fence(pf);
+        }
     };
     // p: the two warpgroups take turns issuing their products (named barriers 3, 4), so that one's softmax runs while
     // the other's products do; warpgroup 1 lets warpgroup 0 go first and skips its last pass (counts match).
@@ -165,22 +178,22 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     auto step_overlap = [&](int kt) {                            // kt in 0..ntiles: S(kt) and PV(kt - 1) in flight
         turn_wait();
         if (kt < wtiles) {
-            issue_s(kt);
-            if (kt > 0) issue_pv(kt - 1);
+            issue_s(kt, qw);
+            if (kt > 0) issue_pv(kt - 1, o[0]);
             turn_pass(kt);
             if (kt > 0) wg_wait<1>();                            // S(kt) done, PV(kt - 1) may still run
             else wg_wait<0>();
-            const bool moved = softmax(kt);
+            const bool moved = softmax(kt, m_r[0], l_r[0]);
             wg_wait<0>();
-            reg_fence(o);
+            reg_fence(o[0]);
             reg_fence(pf);
-            rescale(o, corr, moved);
+            rescale(o[0], corr, moved);
             pack_p(s, pf);
         } else if (kt == wtiles && kt > 0) {
-            issue_pv(kt - 1);
+            issue_pv(kt - 1, o[0]);
             turn_pass(kt);
             wg_wait<0>();
-            reg_fence(o);
+            reg_fence(o[0]);
             reg_fence(pf);
         } else {
             turn_pass(kt);
@@ -204,7 +217,8 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     } else if constexpr (!OV) {
 #pragma unroll
         for (int st = 0; st < STAGES - 1; st++) {
-            if (st < ntiles) copy_kv_tile<KT, NT>(slot_of(st), kv_head, bt, st, max_pos, bs_log2, kv_stride, v_off, tid);
+            if (st < ntiles)
+                copy_kv_tile<KT, NT>(slot_of(st), kv_head, bt, st, max_pos, bs_log2, kv_stride, v_off, tid);
             cp_async_commit();                                   // group 0 also holds Q
         }
         for (int kt = 0; kt < ntiles; kt++) {
@@ -212,8 +226,8 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
             fence_proxy_async();                                 // ... visible to the tensor cores
             __syncthreads();                                     // ... every thread's; tile kt - 1 is free
             if (kt + STAGES - 1 < ntiles)
-                copy_kv_tile<KT, NT>(slot_of(kt + STAGES - 1), kv_head, bt, kt + STAGES - 1, max_pos, bs_log2, kv_stride,
-                                 v_off, tid);
+                copy_kv_tile<KT, NT>(slot_of(kt + STAGES - 1), kv_head, bt, kt + STAGES - 1, max_pos, bs_log2,
+                                     kv_stride, v_off, tid);
             cp_async_commit();
             step(kt);
         }
@@ -221,7 +235,8 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         // Tile kt's slot is refilled at iteration kt + 2 (its V is read in iteration kt + 1): S - 2 tiles ahead.
 #pragma unroll
         for (int st = 0; st < STAGES - 2; st++) {
-            if (st < ntiles) copy_kv_tile<KT, NT>(slot_of(st), kv_head, bt, st, max_pos, bs_log2, kv_stride, v_off, tid);
+            if (st < ntiles)
+                copy_kv_tile<KT, NT>(slot_of(st), kv_head, bt, st, max_pos, bs_log2, kv_stride, v_off, tid);
             cp_async_commit();
         }
         for (int kt = 0; kt <= ntiles; kt++) {
@@ -229,8 +244,8 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
             fence_proxy_async();
             __syncthreads();                                     // every warpgroup is done with tile kt - 2
             if (kt + STAGES - 2 < ntiles)
-                copy_kv_tile<KT, NT>(slot_of(kt + STAGES - 2), kv_head, bt, kt + STAGES - 2, max_pos, bs_log2, kv_stride,
-                                 v_off, tid);
+                copy_kv_tile<KT, NT>(slot_of(kt + STAGES - 2), kv_head, bt, kt + STAGES - 2, max_pos, bs_log2,
+                                     kv_stride, v_off, tid);
             cp_async_commit();
             step_overlap(kt);
         }
@@ -238,27 +253,31 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     cp_async_wait<0>();                                          // no copy outlives the block
 
 #pragma unroll
-    for (int e = 0; e < 2; e++) {
-        float l = l_r[e];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = 1.f / l;
-        const int r = row_l + e * 8;
-        if (r >= n) continue;
-        bf16* orow = out + ((size_t)(qsl[seq] + r) * nh + h0 + wg % HG) * HD + (lane & 3) * 2;
+    for (int j = 0; j < HPW; j++) {
 #pragma unroll
-        for (int t = 0; t < 16; t++)
-            *reinterpret_cast<u32*>(orow + t * 8) = pack2(o[4 * t + 2 * e] * inv, o[4 * t + 2 * e + 1] * inv);
+        for (int e = 0; e < 2; e++) {
+            float l = l_r[j][e];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = 1.f / l;
+            const int r = row_l + e * 8;
+            if (r >= n) continue;
+            bf16* orow = out + ((size_t)(qsl[seq] + r) * nh + h0 + (wg % HG) * HPW + j) * HD + (lane & 3) * 2;
+#pragma unroll
+            for (int t = 0; t < 16; t++)
+                *reinterpret_cast<u32*>(orow + t * 8) = pack2(o[j][4 * t + 2 * e] * inv,
+                                                              o[j][4 * t + 2 * e + 1] * inv);
+        }
     }
 }
 
-#define PREFILL_WGMMA_KERNEL(MODE, NWG, HG, KEYS, S, SUFFIX, OV, WS, PP, THREADS)                           \
+#define PREFILL_WGMMA_KERNEL(MODE, NWG, HB, KEYS, S, SUFFIX, OV, WS, PP, THREADS)                           \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                  \
-    attn_prefill_##MODE##NWG##h##HG##k##KEYS##s##S##SUFFIX##_hd128(                                                      \
+    attn_prefill_##MODE##NWG##h##HB##k##KEYS##s##S##SUFFIX##_hd128(                                         \
         const bf16* q, const bf16* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,     \
         bf16* out, int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots,        \
         float scale, int min_rows) {                                                                           \
-        attn_prefill_wgmma_impl<NWG, HG, KEYS, S, OV, WS, PP>(q, kv_layer, qsl, seq_lens, block_tables, out, T,  \
+        attn_prefill_wgmma_impl<NWG, HB, KEYS, S, OV, WS, PP>(q, kv_layer, qsl, seq_lens, block_tables, out, T,  \
                                                         num_seqs, nh, nkv, block_size, max_blocks, num_slots, scale, \
                                                         min_rows); }
 
@@ -280,3 +299,5 @@ PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, , false, true, false, 512)
 PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, , false, true, false, 512)
 PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, op, true, true, true, 384)
 PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 3, op, true, true, true, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 4, , false, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 3, , false, true, false, 384)

@@ -79,7 +79,7 @@ def main() -> None:
     args = ap.parse_args()
     from xserv_aot.runtime.cuda.kernel_lib import KernelLib
     lib = KernelLib()
-    nh, nkv = 4, 2
+    nh, nkv = 8, 2                                       # 4 q heads a KV head: every variant fits
     for n, ctx in ((64, 64), (128, 128), (100, 300)):
         rng = np.random.default_rng(args.seed)
         nb = -(-ctx // BS)

@@ -21,16 +21,18 @@ BATCHED_ATTN_BLOCKS = 4 * 132  # splits per seq chosen so a full bucket launches
 # PREFILL_ATTN_BOTH_HD also for hd 64.
 PREFILL_ATTN_VARIANTS = ("v1", "w8m1k64s2", "w8m1k64s3", "w4m1k64s2", "w4m2k32s2", "w4m2k32s3", "w8m2k32s2",
                          "w4m2k16s3", "w4m2k16s4")
-# w{g|s}GhHkKsS[o] (attention_prefill_wgmma.cu, hd 128 only): G warpgroups of 64 rows on wgmma, H q heads a block,
-# S-deep ring of K-key tiles copied by every thread (wg) or by a producer warpgroup (ws), o: QK^T of the next tile
-# overlaps this tile's softmax, p: the two warpgroups take turns issuing their products (ping-pong).
+# w{g|s}GhHkKsS[o][p] (attention_prefill_wgmma.cu, hd 128 only): G warpgroups of 64 rows on wgmma, H q heads of a
+# KV head a block (4: two a warpgroup, in turn), S-deep ring of K-key tiles copied by every thread (wg) or by a
+# producer warpgroup (ws), o: QK^T of the next tile overlaps this tile's softmax, p: the two warpgroups take turns
+# issuing their products (ping-pong).
 PREFILL_ATTN_WGMMA = ("wg2h2k64s2", "wg3h1k64s2", "wg2h2k64s4o", "wg3h1k64s4o", "wg2h2k128s2", "ws2h2k64s3",
                       "ws2h2k64s4", "ws2h2k64s4o", "ws2h1k64s4o", "ws2h1k64s3o", "ws2h2k128s2", "ws2h2k128s3",
-                      "ws2h1k128s2", "ws2h2k128s3o", "ws2h2k128s3op", "ws2h1k128s3op", "ws3h1k64s3", "ws3h1k64s4")
+                      "ws2h1k128s2", "ws2h2k128s3o", "ws2h2k128s3op", "ws2h1k128s3op", "ws3h1k64s3", "ws3h1k64s4",
+                      "ws2h4k64s3", "ws2h4k64s4")
 PREFILL_ATTN_VARIANTS += PREFILL_ATTN_WGMMA
 PREFILL_ATTN_BOTH_HD = ("v1", "w8m1k64s2", "w4m2k32s2")
 PREFILL_ATTN_KERNEL = {128: "ws2h2k128s2"}  # per head size: the H200 winner at 2k - 8k tokens (docs/cuda-notes.md)
-PREFILL_ATTN_UNPAIRED = {128: "wg3h1k64s4o"}  # ... where a KV head has an odd number of q heads (h2 pairs them)
+PREFILL_ATTN_UNPAIRED = {128: "wg3h1k64s4o"}  # ... where a KV head's q heads do not divide by the default's H
 PREFILL_ATTN_OTHER_HD = "w8m1k64s2"         # head sizes without a sweep (hd 64: tested, not timed)
 _PIPE = re.compile(r"w(\d+)m(\d+)k(\d+)s(\d+)")
 _WGMMA = re.compile(r"w([gs])(\d)h(\d)k(\d+)s(\d)o?p?")
@@ -114,16 +116,17 @@ def prefill_tiles(variant: str) -> tuple[int, int, int]:
         return 64, 1, 64
     if variant in PREFILL_ATTN_WGMMA:
         groups, heads, keys, _ = (int(x) for x in _WGMMA.fullmatch(variant).groups()[1:])
-        return 64 * groups // heads, heads, keys
+        return 64 * groups // min(heads, groups), heads, keys
     warps, mt, keys, _ = (int(x) for x in _PIPE.fullmatch(variant).groups())
     return 16 * warps * mt, 1, keys
 
 
 def default_prefill_variant(m: dict) -> str:
-    """The head size's default prefill attention variant for this model's head groups."""
+    """The head size's default prefill attention variant for this model's head groups (a wgmma default covering
+    H q heads a block gives way where a KV head's q heads do not divide by H)."""
     hd, group = m["head_dim"], m["num_heads"] // m["num_kv_heads"]
     variant = PREFILL_ATTN_KERNEL.get(hd, PREFILL_ATTN_OTHER_HD)
-    return PREFILL_ATTN_UNPAIRED[hd] if variant in PREFILL_ATTN_WGMMA and "h2" in variant and group % 2 else variant
+    return PREFILL_ATTN_UNPAIRED[hd] if variant in PREFILL_ATTN_WGMMA and group % prefill_tiles(variant)[1] else variant
 
 
 def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, variant: str | None = None,
@@ -142,7 +145,8 @@ def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, varian
         if hd != 128 or (nh // m["num_kv_heads"]) % heads:
             raise KernelBuildError(f"prefill attention {variant}: needs head_dim 128 and q heads per KV head "
                                    f"divisible by {heads} (head_dim {hd}, {nh} q heads, {m['num_kv_heads']} KV heads)")
-        smem = (groups * 64 + stages * 2 * keys) * hd * 2 + 1024    # Q tiles, K/V ring, 1024-B alignment
+        q_tiles = groups * heads // min(heads, groups)                # 64 rows of one head each
+        smem = (q_tiles * 64 + stages * 2 * keys) * hd * 2 + 1024   # Q tiles, K/V ring, 1024-B alignment
         grid = [nh // heads, -(-op.rows // prefill_tiles(variant)[0]) + op.num_seqs]
         return launch(f"attn_prefill_{variant}_hd{hd}", grid, [128 * groups + (128 if mode == "s" else 0)], smem, args)
     warps, mt, keys, stages = (int(x) for x in _PIPE.fullmatch(variant).groups())

@@ -29,8 +29,10 @@ def test_wgmma_variant_plan_matches_numpy_backend(tmp_path, seed, variant):
     model_dir = make_tiny_model(tmp_path / "hf", "qwen3", seed=seed, **SHAPE)
     plan = compile_plan(model_dir, tmp_path / "plan", BuildConfig(**BUILD, prefill_attention=variant))
     fns = {op.cuda.kernel for bk in plan.buckets if bk.kind == "prefill" for op in bk.ops if op.op == "attention"}
-    from xserv_aot.plan.attention_plan import PREFILL_ATTN_KERNEL
-    assert fns == {f"attn_prefill_{PREFILL_ATTN_KERNEL[128] if variant == 'auto' else variant}_hd128"}
+    from xserv_aot.plan.attention_plan import default_prefill_variant
+    m = {"num_heads": SHAPE["num_attention_heads"], "num_kv_heads": SHAPE["num_key_value_heads"], "head_dim": 128}
+    want = {default_prefill_variant(m, rows) for rows in BUILD["prefill_buckets"]} if variant == "auto" else {variant}
+    assert fns == {f"attn_prefill_{v}_hd128" for v in want}
     rng = np.random.default_rng(seed)
     prompt = rng.integers(3, SHAPE["vocab_size"], 300).tolist()     # chunks of 256 + 44 tokens
     forced = rng.integers(3, SHAPE["vocab_size"], 6).tolist()

@@ -31,8 +31,11 @@ PREFILL_ATTN_WGMMA = ("wg2h2k64s2", "wg3h1k64s2", "wg2h2k64s4o", "wg3h1k64s4o", 
                       "ws2h4k64s3", "ws2h4k64s4")
 PREFILL_ATTN_VARIANTS += PREFILL_ATTN_WGMMA
 PREFILL_ATTN_BOTH_HD = ("v1", "w8m1k64s2", "w4m2k32s2")
-PREFILL_ATTN_KERNEL = {128: "ws2h2k128s2"}  # per head size: the H200 winner at 2k - 8k tokens (docs/cuda-notes.md)
-PREFILL_ATTN_UNPAIRED = {128: "wg3h1k64s4o"}  # ... where a KV head's q heads do not divide by the default's H
+# Defaults per head size, best first, for prefill buckets of >= PREFILL_ATTN_LONG_ROWS rows and for smaller ones: the
+# first whose q heads a block divide the model's q heads per KV head (the H200 sweep, docs/cuda-notes.md).
+PREFILL_ATTN_LONG_ROWS = 2048
+PREFILL_ATTN_KERNEL = {128: ("ws3h1k64s3",)}
+PREFILL_ATTN_SHORT = {128: ("ws2h4k64s4", "ws2h2k64s4", "w4m2k16s4")}
 PREFILL_ATTN_OTHER_HD = "w8m1k64s2"         # head sizes without a sweep (hd 64: tested, not timed)
 _PIPE = re.compile(r"w(\d+)m(\d+)k(\d+)s(\d+)")
 _WGMMA = re.compile(r"w([gs])(\d)h(\d)k(\d+)s(\d)o?p?")
@@ -121,12 +124,11 @@ def prefill_tiles(variant: str) -> tuple[int, int, int]:
     return 16 * warps * mt, 1, keys
 
 
-def default_prefill_variant(m: dict) -> str:
-    """The head size's default prefill attention variant for this model's head groups (a wgmma default covering
-    H q heads a block gives way where a KV head's q heads do not divide by H)."""
+def default_prefill_variant(m: dict, rows: int) -> str:
+    """The default prefill attention variant for this model and a bucket of `rows` query rows."""
     hd, group = m["head_dim"], m["num_heads"] // m["num_kv_heads"]
-    variant = PREFILL_ATTN_KERNEL.get(hd, PREFILL_ATTN_OTHER_HD)
-    return PREFILL_ATTN_UNPAIRED[hd] if variant in PREFILL_ATTN_WGMMA and group % prefill_tiles(variant)[1] else variant
+    table = PREFILL_ATTN_KERNEL if rows >= PREFILL_ATTN_LONG_ROWS else PREFILL_ATTN_SHORT
+    return next((v for v in table.get(hd, ()) if group % prefill_tiles(v)[1] == 0), PREFILL_ATTN_OTHER_HD)
 
 
 def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, variant: str | None = None,
@@ -134,7 +136,7 @@ def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, varian
     """The flash prefill kernel (variant: the model's default) over every seq of >= min_rows query rows; it
     zeroes the rows no seq covers."""
     nh, hd = m["num_heads"], m["head_dim"]
-    variant = variant or default_prefill_variant(m)
+    variant = variant or default_prefill_variant(m, op.rows)
     args = common + [ptr(op.out), i32(op.rows), i32(op.num_seqs), i32(nh), i32(m["num_kv_heads"]), *tail,
                      i32(min_rows)]
     if variant == "v1":

@@ -263,21 +263,23 @@ def bench_prefill(args) -> None:
     causal prompts over a shuffled paged KV: `--prompts 2048,4096,8192,4x1024` (N x L: N seqs of L new tokens),
     plus a mixed-bucket case (one 640-token prompt in a bucket of 256 seq slots, the rest empty). Each output
     poisoned, checked against torch float32 (per seq and q head); ms is one layer; causal TFLOP/s counts
-    4 x sum over queries of the keys each attends x head_dim x num_heads (QK^T and PV), against 790."""
+    4 x sum over queries of the keys each attends x head_dim x num_heads (QK^T and PV), against 790; fill TB/s:
+    the K/V bytes the kernel's blocks copy from L2 into shared memory (attention_plan.prefill_tiles) per second."""
     from xserv_aot.plan import attention_plan
     from xserv_aot.plan.op_records import Attention
     nh, nkv, hd, bs = 32, 8, 128, 16
     G, scale = nh // nkv, hd ** -0.5
     torch.zeros(1, device="cuda")
-    kern = Kernels("attention_prefill.cu", "attention_prefill_pipe.cu")
-    gen = torch.Generator(device="cuda").manual_seed(1234)
     variants = args.variants.split(",") if args.variants else list(attention_plan.PREFILL_ATTN_VARIANTS)
+    kern = Kernels(*sorted({attention_plan.prefill_attn_source(v) for v in variants}))
+    gen = torch.Generator(device="cuda").manual_seed(1234)
     cases = [[int(L)] * int(N) for N, L in (c.split("x") if "x" in c else ("1", c) for c in args.prompts.split(","))]
     cases = [(c, len(c)) for c in cases] + [([640], 256)]
     print(f"prefill attention, Qwen3-8B shape (nh {nh}, nkv {nkv}, hd {hd}), block_size {bs}; ms per layer; "
           f"TFLOP/s = 4 * sum(keys attended) * hd * nh / t, vs 790 dense bf16; "
-          f"plan default {attention_plan.PREFILL_ATTN_KERNEL[hd]}")
-    print(f"{'prompts':>10} {'S':>4} {'variant':8} {'ms':>8} {'TFLOP/s':>8} {'%790':>5} {'err':>8}")
+          f"plan defaults: buckets >= {attention_plan.PREFILL_ATTN_LONG_ROWS} rows "
+          f"{attention_plan.PREFILL_ATTN_KERNEL[hd][0]}, smaller {attention_plan.PREFILL_ATTN_SHORT[hd][0]}")
+    print(f"{'prompts':>10} {'S':>4} {'variant':13} {'ms':>8} {'TFLOP/s':>8} {'%790':>5} {'err':>8} {'fill TB/s':>9}")
     for lens_list, S in cases:
         T = sum(lens_list)
         blocks = [-(-L // bs) for L in lens_list]
@@ -307,6 +309,12 @@ def bench_prefill(args) -> None:
                 ref[q0:q0 + L, h] = sc.softmax(-1) @ v
         ref = ref.view(T, nh * hd)
         flops = 4 * sum(L * (L + 1) // 2 for L in lens_list) * hd * nh
+
+        def fill_bytes(var):
+            """K/V bytes the variant's blocks copy into shared memory (each block: the tiles up to its last row)."""
+            rows, heads, keys = attention_plan.prefill_tiles(var)
+            tiles = sum(-(-min((t + 1) * rows, L) // keys) for L in lens_list for t in range(-(-L // rows)))
+            return tiles * keys * hd * 2 * 2 * nh // heads
         op = Attention(q="q", kv_cache="kv_cache", layer=0, query_start_loc="qsl", seq_lens="lens",
                        block_tables="bt", out="attn", rows=T, num_seqs=S, num_heads=nh, num_kv_heads=nkv,
                        head_dim=hd, scale=scale)
@@ -317,7 +325,7 @@ def bench_prefill(args) -> None:
         name = f"{len(lens_list)}x{lens_list[0]}"
         for var in variants:
             rec = attention_plan.prefill_attn_launch(op, m, [], [], var)
-            fn = kern.fn("attention_prefill.cu" if var == "v1" else "attention_prefill_pipe.cu", rec.fn, rec.smem)
+            fn = kern.fn(attention_plan.prefill_attn_source(var), rec.fn, rec.smem)
             lp = Launch(rec.fn, fn, rec.grid, rec.block, rec.smem,
                         ptrs + [("ptr", out.data_ptr()), ("i32", T), ("i32", S), ("i32", nh), ("i32", nkv), *tail,
                                 ("i32", 2)], pdl=False)
@@ -327,7 +335,8 @@ def bench_prefill(args) -> None:
             err = rel_err(out, ref)
             ms = time_graph(lambda j: lp(stream()), 1)
             tf = flops / ms / 1e9
-            print(f"{name:>10} {S:4} {var:8} {ms:8.4f} {tf:8.1f} {100 * tf / 790:5.1f} {err:8.1e}", flush=True)
+            print(f"{name:>10} {S:4} {var:13} {ms:8.4f} {tf:8.1f} {100 * tf / 790:5.1f} {err:8.1e} "
+                  f"{fill_bytes(var) / ms / 1e9:7.2f}", flush=True)
         del kv, q, out, ref
         torch.cuda.empty_cache()
 

@@ -24,10 +24,10 @@ CASES = {
 }
 
 
-def prefill_inputs(lib, rng, seqs, nh, nkv, hd, pad=7):
+def prefill_inputs(lib, rng, seqs, nh, nkv, hd, pad=7, q_scale=1.0):
     qsl, lens, tables, kv = paged_setup(rng, seqs, nkv, hd, BLOCK_SIZE, max_blocks=MAX_BLOCKS)
     T = int(qsl[-1]) + pad
-    q = bf(rng.standard_normal((T, nh, hd)))
+    q = bf(q_scale * rng.standard_normal((T, nh, hd)))
     dev = [lib.to_device(q, "bfloat16"), lib.to_device(kv, "bfloat16"), lib.to_device(qsl), lib.to_device(lens),
            lib.to_device(tables)]
     return (q, kv, qsl, lens, tables), dev, T
@@ -67,6 +67,29 @@ def test_prefill_attention(lib, rng, variant, hd, nh, nkv, case, min_rows):
     rows = np.setdiff1d(np.arange(int(qsl[-1])), skipped)
     check(got[rows], want[rows])
     assert not got[qsl[-1]:].any(), f"{rec.fn}: padding rows not zeroed"
+
+
+def run_and_check(lib, rng, variant, seqs, nh, nkv, hd, min_rows, q_scale=1.0):
+    (q, kv, qsl, lens, tables), dev, T = prefill_inputs(lib, rng, seqs, nh, nkv, hd, q_scale=q_scale)
+    out = lib.empty((T, nh * hd), "bfloat16")
+    rec, args = prefill_launch(variant, seqs, T, nh, nkv, hd, dev, out, min_rows)
+    lib.launch(rec.fn, rec.grid, rec.block, args, smem=rec.smem)
+    got = out.numpy()
+    want = ref.attention(q, kv, qsl, lens, tables, BLOCK_SIZE, hd ** -0.5)
+    check(got[:qsl[-1]], want[:qsl[-1]])
+    assert not got[qsl[-1]:].any(), f"{rec.fn}: padding rows not zeroed"
+
+
+# wgmma kernels: many query tiles and key tiles a seq (the ring wraps), chunks at offsets that are not multiples of
+# a tile, peaked softmax (q x 4: row maxima move late), and q heads per KV head 3 and 1 for the one-head variants.
+LONG = [(700, 900), (129, 129), (64, 1000), (1, 5), (250, 251)]
+WGMMA_SHAPES = [(v, 32, 8) for v in attention_plan.PREFILL_ATTN_WGMMA] + \
+               [(v, nh, nkv) for v in attention_plan.PREFILL_ATTN_WGMMA if "h1" in v for nh, nkv in ((12, 4), (4, 4))]
+
+
+@pytest.mark.parametrize("variant,nh,nkv", WGMMA_SHAPES)
+def test_wgmma_prefill_long_seqs_and_head_groups(lib, rng, variant, nh, nkv):
+    run_and_check(lib, rng, variant, LONG, nh, nkv, 128, 1, q_scale=4.0)
 
 
 @pytest.mark.parametrize("variant", attention_plan.PREFILL_ATTN_VARIANTS)

@@ -1,13 +1,15 @@
 """The prefill attention launch of plan_attention (plan/attention_plan.py), every variant: the kernel exists in
-kernels/attention_prefill.cu with the op's argument kinds, the dynamic shared memory fits an H200 SM, and the
+kernels/attention_prefill*.cu with the op's argument kinds, the dynamic shared memory fits an H200 SM, and the
 grid has a (seq, tile) block for every query tile of any split of the rows into seqs. No GPU."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from xserv_aot.config import BuildConfig, ConfigError
 from xserv_aot.plan import attention_plan as ap
 from xserv_aot.plan import signatures as sg
+from xserv_aot.plan.nvrtc_build import KernelBuildError
 from xserv_aot.plan.op_records import Attention
 
 H200_SMEM_PER_BLOCK = 227 * 1024
@@ -23,8 +25,14 @@ def op(rows, num_seqs, hd=128):
 def test_prefill_bucket_runs_the_default_variant_then_the_batched_decode_kernel():
     choice = ap.plan_attention(op(2048, 256), "prefill", MODEL, {"max_seq_len": 8192}, 16, 512, 640000)
     pre, dec = choice.launch
-    assert pre.fn == f"attn_prefill_{ap.PREFILL_ATTN_KERNEL[128]}_hd128"
-    assert set(ap.PREFILL_ATTN_KERNEL.values()) <= set(ap.PREFILL_ATTN_VARIANTS)
+    assert pre.fn == f"attn_prefill_{ap.PREFILL_ATTN_KERNEL[128][0]}_hd128"
+    short = ap.plan_attention(op(ap.PREFILL_ATTN_LONG_ROWS - 1, 16), "prefill", MODEL, {"max_seq_len": 8192}, 16, 512,
+                              640000)
+    assert short.launch[0].fn == f"attn_prefill_{ap.PREFILL_ATTN_SHORT[128][0]}_hd128"
+    defaults = {v for table in (ap.PREFILL_ATTN_KERNEL, ap.PREFILL_ATTN_SHORT) for vs in table.values() for v in vs}
+    assert defaults <= set(ap.PREFILL_ATTN_VARIANTS)
+    for table in (ap.PREFILL_ATTN_KERNEL, ap.PREFILL_ATTN_SHORT):
+        assert all(ap.prefill_tiles(vs[-1])[1] == 1 for vs in table.values()), "the last one fits any head groups"
     assert ap.PREFILL_ATTN_OTHER_HD in ap.PREFILL_ATTN_BOTH_HD, "unswept head sizes get a kernel built for hd 64"
     small = ap.plan_attention(op(256, 16, hd=64), "prefill", dict(MODEL, head_dim=64), {"max_seq_len": 8192}, 16, 512,
                               640000)
@@ -34,11 +42,12 @@ def test_prefill_bucket_runs_the_default_variant_then_the_batched_decode_kernel(
 
 
 BUILT = [(v, 128) for v in ap.PREFILL_ATTN_VARIANTS] + [(v, 64) for v in ap.PREFILL_ATTN_BOTH_HD]
+SOURCES = ("attention_prefill.cu", "attention_prefill_pipe.cu", "attention_prefill_wgmma.cu")
 
 
 @pytest.mark.parametrize("variant,hd", BUILT)
 def test_every_variant_launches_a_built_kernel_with_its_argument_kinds(variant, hd):
-    sigs = {**sg.kernel_signatures("attention_prefill.cu"), **sg.kernel_signatures("attention_prefill_pipe.cu")}
+    sigs = {fn: p for src in SOURCES for fn, p in sg.kernel_signatures(src).items()}
     m = dict(MODEL, head_dim=hd)
     common = [("ptr", "q"), ("kv", 3), ("ptr", "qsl"), ("ptr", "lens"), ("ptr", "bt")]
     tail = [("i32", 16), ("i32", 512), ("i32", 640000), ("f32", hd ** -0.5)]
@@ -46,7 +55,7 @@ def test_every_variant_launches_a_built_kernel_with_its_argument_kinds(variant, 
     assert rec.fn in sigs, rec.fn
     kinds = ["ptr" if k == "kv" else k for k, _ in rec.args]
     assert kinds == [p["type"] for p in sigs[rec.fn]]
-    assert rec.smem <= H200_SMEM_PER_BLOCK and rec.block[0] in (128, 256)
+    assert rec.smem <= H200_SMEM_PER_BLOCK and rec.block[0] in (128, 256, 384, 512)
     assert set(sigs) == {"attn_prefill_hd64", "attn_prefill_hd128"} | {f"attn_prefill_{v}_hd{h}" for v, h in BUILT
                                                                        if v != "v1"}, "built == listed"
     assert rec.grid[1] <= 65535
@@ -56,11 +65,69 @@ def test_every_variant_launches_a_built_kernel_with_its_argument_kinds(variant, 
 def test_grid_covers_every_query_tile_of_any_split_of_the_rows(variant, seed):
     rng = np.random.default_rng(seed)
     rec = ap.prefill_attn_launch(op(1000, 16), MODEL, [], [], variant)
-    rows_per_tile = 64 if variant == "v1" else 16 * rec.block[0] // 32 * int(variant.split("m")[1].split("k")[0])
+    if variant in ap.PREFILL_ATTN_WGMMA:                     # 64 rows a warpgroup, h heads a block share them
+        heads = int(variant.split("h")[1][0])
+        rows_per_tile = int(variant[2]) * 64 // min(heads, int(variant[2]))
+        assert rec.grid[0] * heads == 32
+    else:
+        rows_per_tile = 64 if variant == "v1" else 16 * rec.block[0] // 32 * int(variant.split("m")[1].split("k")[0])
     tile_blocks = rec.grid[0] if variant == "v1" else rec.grid[1]
     heads = rec.grid[1] if variant == "v1" else rec.grid[0]
-    assert heads == 32
+    assert heads == 32 or variant in ap.PREFILL_ATTN_WGMMA
     for _ in range(200):
         cuts = np.sort(rng.integers(0, 1001, 15))
         n = np.diff(np.concatenate([[0], cuts, [1000]]))
         assert sum(-(-int(x) // rows_per_tile) for x in n) <= tile_blocks, n.tolist()
+
+
+def test_a_default_that_shares_kv_tiles_across_q_heads_gives_way_where_they_do_not_divide(monkeypatch):
+    monkeypatch.setitem(ap.PREFILL_ATTN_SHORT, 128, ("ws2h4k64s4", "ws2h2k64s4", "w4m2k16s4"))
+    fn = {}
+    for q_heads in (32, 16, 24):                             # 4, 2 and 3 q heads a KV head
+        m = dict(MODEL, num_heads=q_heads)
+        fn[q_heads] = ap.plan_attention(op(512, 4), "prefill", m, {"max_seq_len": 8192}, 16, 512, 640000).launch[0].fn
+    assert fn == {32: "attn_prefill_ws2h4k64s4_hd128", 16: "attn_prefill_ws2h2k64s4_hd128",
+                  24: "attn_prefill_w4m2k16s4_hd128"}
+
+
+def test_the_build_config_selects_the_variant_and_wgmma_refuses_shapes_it_lacks():
+    choice = ap.plan_attention(op(2048, 4), "prefill", MODEL, {"max_seq_len": 8192, "prefill": "wg2h2k64s2"}, 16, 512,
+                               640000)
+    assert choice.launch[0].fn == "attn_prefill_wg2h2k64s2_hd128" and choice.launch[0].block == (256, 1, 1)
+    odd = dict(MODEL, num_heads=24)                           # 3 q heads a KV head: no pair of heads to share
+    with pytest.raises(KernelBuildError, match="divisible by 2"):
+        ap.plan_attention(op(2048, 4), "prefill", odd, {"max_seq_len": 8192, "prefill": "wg2h2k64s2"}, 16, 512, 640000)
+    assert ap.plan_attention(op(2048, 4), "prefill", odd, {"max_seq_len": 8192, "prefill": "wg3h1k64s2"}, 16, 512,
+                             640000).launch[0].grid[0] == 24
+    with pytest.raises(KernelBuildError, match="head_dim 128"):
+        ap.plan_attention(op(256, 4, hd=64), "prefill", dict(MODEL, head_dim=64), {"max_seq_len": 8192,
+                                                                                    "prefill": "wg3h1k64s4o"},
+                          16, 512, 640000)
+    with pytest.raises(ConfigError, match="prefill_attention 'wg9' is not auto"):
+        BuildConfig(prefill_attention="wg9").validate()
+
+
+def test_the_cli_option_reaches_every_prefill_bucket_and_refuses_a_head_size_it_lacks(tmp_path):
+    import json
+
+    pytest.importorskip("cuda.core")
+    from tests.test_cli import assert_one_line_error, cli
+    from xserv_aot.plan.manifest import Plan
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 512, "hidden_size": 256,
+              "intermediate_size": 512, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 128, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+              "tie_word_embeddings": True}
+    small = ["--max-num-seqs", "2", "--prefill-buckets", "16,128", "--max-seq-len", "256", "--dummy-weights",
+             "--no-gemm-library", "--prefill-attention", "ws2h2k64s3"]
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    r = cli("compile", tmp_path / "c.json", "-o", tmp_path / "plan", *small)
+    assert r.returncode == 0, r.stderr
+    plan = Plan.load(tmp_path / "plan")
+    assert plan.build.prefill_attention == "ws2h2k64s3"
+    attn = {bk.kind: {op.cuda.kernel for op in bk.ops if op.op == "attention"} for bk in plan.buckets}
+    assert attn["prefill"] == {"attn_prefill_ws2h2k64s3_hd128"}
+    assert not any(k.startswith("attn_prefill") for k in attn["decode"])
+    (tmp_path / "c64.json").write_text(json.dumps(dict(config, head_dim=64)))
+    r = cli("compile", tmp_path / "c64.json", "-o", tmp_path / "plan64", *small)
+    assert_one_line_error(r, "needs head_dim 128")
+    assert not (tmp_path / "plan64").exists()

@@ -76,6 +76,8 @@ def compile(
     fp8_scheme: Optional[str] = typer.Option(None, help="fp8 scales: channel | block128 | auto (block128 where "
                                              "N and K divide by 128, else channel)"),
     quantize_lm_head: Optional[bool] = typer.Option(None, help="fp8: the lm_head too (default: it stays bf16)"),
+    prefill_attention: Optional[str] = typer.Option(None, help="prefill attention kernel variant (auto: the "
+                                                    "H200 default; see docs/cuda-notes.md)"),
     dummy_weights: bool = typer.Option(False, help="random weights from the config alone (benchmarks)"),
     seed: int = typer.Option(0, help="seed for --dummy-weights"),
     force: bool = typer.Option(False, help="replace an existing plan"),
@@ -88,8 +90,9 @@ def compile(
     base = read_json_file(build_config, "build config") if build_config else {}
     given = dict(max_num_seqs=max_num_seqs, decode_buckets=_ints(decode_buckets), prefill_buckets=_ints(prefill_buckets),
                  max_seq_len=max_seq_len, block_size=block_size, num_blocks=num_blocks, dtype=dtype, target=target,
-                 gemm_library=gemm_library, pdl=pdl, gemm_residual=gemm_residual, tensor_parallel=tensor_parallel, quantization=quantization,
-                 fp8_scheme=fp8_scheme, quantize_lm_head=quantize_lm_head)
+                 gemm_library=gemm_library, pdl=pdl, gemm_residual=gemm_residual, tensor_parallel=tensor_parallel,
+                 quantization=quantization, fp8_scheme=fp8_scheme, quantize_lm_head=quantize_lm_head,
+                 prefill_attention=prefill_attention)
     run_compile(model, out, base, given, kv_memory_gib, dummy_weights, seed, force, generation_config)
 
 

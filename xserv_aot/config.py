@@ -183,6 +183,7 @@ class BuildConfig:
     quantization: str = "none"            # none | fp8: linear weights stored as e4m3 with scales (plan/quantize.py)
     fp8_scheme: str = "auto"              # fp8: channel | block128 | auto (block128 where N and K divide by 128)
     quantize_lm_head: bool = False        # fp8: the lm_head too (embedding and norms always stay in dtype)
+    prefill_attention: str = "auto"       # CUDA: a prefill attention variant (plan/attention_plan.py), auto: the default
 
     @property
     def prefill_chunk(self) -> int:
@@ -245,6 +246,10 @@ class BuildConfig:
             check_gemm_table(self.gemm_configs)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        from xserv_aot.plan.attention_plan import PREFILL_ATTN_VARIANTS
+        if self.prefill_attention != "auto" and self.prefill_attention not in PREFILL_ATTN_VARIANTS:
+            raise ConfigError(f"prefill_attention {self.prefill_attention!r} is not auto or one of "
+                              f"{', '.join(PREFILL_ATTN_VARIANTS)}")
         for name in ("gemm_library", "pdl", "quantize_lm_head", "gemm_residual"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 from xserv_aot.plan.launch_records import f32, i32, kernel, kv, launch, ptr
+from xserv_aot.plan.nvrtc_build import KernelBuildError
 from xserv_aot.plan.op_records import Attention, KernelChoice, LaunchRecord, QkNormRopeCache
 
 BATCHED_ATTN_MIN_SEQS = 3    # decode attention for >= 3 seqs: the batched kernels below
@@ -20,10 +21,24 @@ BATCHED_ATTN_BLOCKS = 4 * 132  # splits per seq chosen so a full bucket launches
 # PREFILL_ATTN_BOTH_HD also for hd 64.
 PREFILL_ATTN_VARIANTS = ("v1", "w8m1k64s2", "w8m1k64s3", "w4m1k64s2", "w4m2k32s2", "w4m2k32s3", "w8m2k32s2",
                          "w4m2k16s3", "w4m2k16s4")
+# w{g|s}GhHkKsS[o][p] (attention_prefill_wgmma.cu, hd 128 only): G warpgroups of 64 rows on wgmma, H q heads of a
+# KV head a block (4: two a warpgroup, in turn), S-deep ring of K-key tiles copied by every thread (wg) or by a
+# producer warpgroup (ws), o: QK^T of the next tile overlaps this tile's softmax, p: the two warpgroups take turns
+# issuing their products (ping-pong).
+PREFILL_ATTN_WGMMA = ("wg2h2k64s2", "wg3h1k64s2", "wg2h2k64s4o", "wg3h1k64s4o", "wg2h2k128s2", "ws2h2k64s3",
+                      "ws2h2k64s4", "ws2h2k64s4o", "ws2h1k64s4o", "ws2h1k64s3o", "ws2h2k128s2", "ws2h2k128s3",
+                      "ws2h1k128s2", "ws2h2k128s3o", "ws2h2k128s3op", "ws2h1k128s3op", "ws3h1k64s3", "ws3h1k64s4",
+                      "ws2h4k64s3", "ws2h4k64s4")
+PREFILL_ATTN_VARIANTS += PREFILL_ATTN_WGMMA
 PREFILL_ATTN_BOTH_HD = ("v1", "w8m1k64s2", "w4m2k32s2")
-PREFILL_ATTN_KERNEL = {128: "w4m2k16s4"}   # per head size: the H200 winner at 2k - 8k tokens (docs/cuda-notes.md)
+# Defaults per head size, best first, for prefill buckets of >= PREFILL_ATTN_LONG_ROWS rows and for smaller ones: the
+# first whose q heads a block divide the model's q heads per KV head (the H200 sweep, docs/cuda-notes.md).
+PREFILL_ATTN_LONG_ROWS = 2048
+PREFILL_ATTN_KERNEL = {128: ("ws3h1k64s3",)}
+PREFILL_ATTN_SHORT = {128: ("ws2h4k64s4", "ws2h2k64s4", "w4m2k16s4")}
 PREFILL_ATTN_OTHER_HD = "w8m1k64s2"         # head sizes without a sweep (hd 64: tested, not timed)
 _PIPE = re.compile(r"w(\d+)m(\d+)k(\d+)s(\d+)")
+_WGMMA = re.compile(r"w([gs])(\d)h(\d)k(\d+)s(\d)o?p?")
 FEW_ATTN_STAGES = 3          # fused few-seq kernel: tiles of 64 keys in its cp.async ring (2, 3, 4, 6 built)
 FEW_ATTN_MIN_TILES = 1       # ... a split holds >= this many tiles
 # ... and a sequence of <= stages - 1 tiles (all copied at once) is one split: no combine
@@ -91,19 +106,54 @@ def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, 
                             i32(op.rows), i32(m["num_heads"]), i32(nkv), *tail])
 
 
+def prefill_attn_source(variant: str) -> str:
+    """The kernels/ file that defines a prefill attention variant's kernels."""
+    if variant == "v1":
+        return "attention_prefill.cu"
+    return "attention_prefill_wgmma.cu" if variant in PREFILL_ATTN_WGMMA else "attention_prefill_pipe.cu"
+
+
+def prefill_tiles(variant: str) -> tuple[int, int, int]:
+    """(query rows, q heads) a block of a prefill attention variant covers, and the keys of its K/V tiles."""
+    if variant == "v1":
+        return 64, 1, 64
+    if variant in PREFILL_ATTN_WGMMA:
+        groups, heads, keys, _ = (int(x) for x in _WGMMA.fullmatch(variant).groups()[1:])
+        return 64 * groups // min(heads, groups), heads, keys
+    warps, mt, keys, _ = (int(x) for x in _PIPE.fullmatch(variant).groups())
+    return 16 * warps * mt, 1, keys
+
+
+def default_prefill_variant(m: dict, rows: int) -> str:
+    """The default prefill attention variant for this model and a bucket of `rows` query rows."""
+    hd, group = m["head_dim"], m["num_heads"] // m["num_kv_heads"]
+    table = PREFILL_ATTN_KERNEL if rows >= PREFILL_ATTN_LONG_ROWS else PREFILL_ATTN_SHORT
+    return next((v for v in table.get(hd, ()) if group % prefill_tiles(v)[1] == 0), PREFILL_ATTN_OTHER_HD)
+
+
 def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, variant: str | None = None,
                         min_rows: int = 2) -> LaunchRecord:
-    """The flash prefill kernel (variant: the head size's default) over every seq of >= min_rows query rows; it
+    """The flash prefill kernel (variant: the model's default) over every seq of >= min_rows query rows; it
     zeroes the rows no seq covers."""
     nh, hd = m["num_heads"], m["head_dim"]
-    variant = variant or PREFILL_ATTN_KERNEL.get(hd, PREFILL_ATTN_OTHER_HD)
+    variant = variant or default_prefill_variant(m, op.rows)
     args = common + [ptr(op.out), i32(op.rows), i32(op.num_seqs), i32(nh), i32(m["num_kv_heads"]), *tail,
                      i32(min_rows)]
     if variant == "v1":
         return launch(f"attn_prefill_hd{hd}", [-(-op.rows // 64) + op.num_seqs, nh], [128], 0, args)
+    if variant in PREFILL_ATTN_WGMMA:
+        mode, *shape = _WGMMA.fullmatch(variant).groups()
+        groups, heads, keys, stages = (int(x) for x in shape)
+        if hd != 128 or (nh // m["num_kv_heads"]) % heads:
+            raise KernelBuildError(f"prefill attention {variant}: needs head_dim 128 and q heads per KV head "
+                                   f"divisible by {heads} (head_dim {hd}, {nh} q heads, {m['num_kv_heads']} KV heads)")
+        q_tiles = groups * heads // min(heads, groups)                # 64 rows of one head each
+        smem = (q_tiles * 64 + stages * 2 * keys) * hd * 2 + 1024   # Q tiles, K/V ring, 1024-B alignment
+        grid = [nh // heads, -(-op.rows // prefill_tiles(variant)[0]) + op.num_seqs]
+        return launch(f"attn_prefill_{variant}_hd{hd}", grid, [128 * groups + (128 if mode == "s" else 0)], smem, args)
     warps, mt, keys, stages = (int(x) for x in _PIPE.fullmatch(variant).groups())
     smem = stages * 2 * keys * (hd + 8) * 2                              # K and V tiles, rows padded to hd + 8
-    return launch(f"attn_prefill_{variant}_hd{hd}", [nh, -(-op.rows // (16 * warps * mt)) + op.num_seqs],
+    return launch(f"attn_prefill_{variant}_hd{hd}", [nh, -(-op.rows // prefill_tiles(variant)[0]) + op.num_seqs],
                   [32 * warps], smem, args)
 
 
@@ -111,7 +161,7 @@ def plan_attention(op: Attention, kind: str, m: dict, attn: dict, block_size: in
                    num_slots: int, rope: QkNormRopeCache | None = None) -> KernelChoice:
     """Decode buckets: the fused few-seq kernel (rope: the op it absorbs, see fuses_rope) or the batched
     flash-decoding kernel. Prefill buckets: the flash prefill kernel, plus the batched decode kernel for the
-    one-row (decode) seqs of a mixed step."""
+    one-row (decode) seqs of a mixed step (attn["prefill"]: the build's prefill_attention variant)."""
     hd, nh, nkv = m["head_dim"], m["num_heads"], m["num_kv_heads"]
     common = [ptr(op.q), kv(op.layer), ptr(op.query_start_loc), ptr(op.seq_lens), ptr(op.block_tables)]
     tail = [i32(block_size), i32(max_blocks), i32(num_slots), f32(op.scale)]
@@ -121,5 +171,6 @@ def plan_attention(op: Attention, kind: str, m: dict, attn: dict, block_size: in
     dec = batched_attn_launch(op, m, attn["max_seq_len"], common, tail)
     if kind == "decode":
         return KernelChoice(dec.fn, (dec,), splits=dec.grid[2])
-    pre = prefill_attn_launch(op, m, common, tail)
+    variant = attn.get("prefill", "auto")
+    pre = prefill_attn_launch(op, m, common, tail, None if variant == "auto" else variant)
     return KernelChoice(pre.fn, (pre, dec), splits=dec.grid[2])

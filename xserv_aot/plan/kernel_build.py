@@ -237,7 +237,8 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
     m, b = rank_model(manifest), manifest["build"]
     cubins = compile_all(out_dir, target, progress)
     cutlass, why_not = try_cutlass(manifest, out_dir, target, progress)
-    attn = {"split": P_KEYS, "splits": -(-b["max_seq_len"] // P_KEYS), "max_seq_len": b["max_seq_len"]}
+    attn = {"split": P_KEYS, "splits": -(-b["max_seq_len"] // P_KEYS), "max_seq_len": b["max_seq_len"],
+            "prefill": b.get("prefill_attention", "auto")}
     if attn["splits"] > 1024:
         raise KernelBuildError(f"max_seq_len {b['max_seq_len']} needs {attn['splits']} decode splits (max 1024)")
     records = {bk["name"]: [op_from_dict(op, f"bucket {bk['name']} op {i}") for i, op in enumerate(bk["ops"])]

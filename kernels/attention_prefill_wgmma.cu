@@ -1,0 +1,303 @@
+// Hopper (sm_90a) causal prefill attention over the paged KV cache on warpgroup MMA (wgmma), same contract as
+// attention_prefill_pipe.cu (varlen by query_start_loc, queries at the end of each seq's context, GQA, seqs of
+// < min_rows rows skipped, rows no seq covers zeroed). attn_prefill_{wg|ws}{G}h{H}k{K}s{S}[o][p]_hd128: G consumer
+// warpgroups of 64 query rows; H q heads of one KV head a block: H 1: consecutive rows of one q head, H 2: two q
+// heads (same rows), H 4 (2 warpgroups): two q heads a warpgroup, one after the other on each K/V tile.
+// K/V tiles of 64 keys go through the block table by cp.async (zero-fill past the block's last key) into an S-deep
+// ring of 128B-swizzled tiles ([2 halves of 64 dims][64 keys][128 B]); wg: every thread copies, one __syncthreads
+// a tile; ws: a producer warpgroup copies (its registers handed to the consumers by setmaxnreg), full/empty
+// mbarriers a slot (the consumer warpgroups drift apart).
+// S = Q K^T: 8 wgmma m64n64k16, Q and K from shared memory (K-major); online softmax in registers (exp2, scale
+// folded in); P to bf16 in registers as the A operand of O += P V: 4 wgmma m64n128k16, V MN-major (transposed by
+// the descriptor). o: the next tile's QK^T is issued with this tile's PV, and this tile's softmax runs while PV does.
+// Grid (nh / H, ceil(T / rows a block) + num_seqs): block y takes the y-th (seq, tile) pair, a seq's tiles in
+// reverse (longest rows first); every block zeroes uncovered rows r with r % gridDim.y == y.
+#include "wgmma.cuh"
+
+constexpr int WG_HD = 128;                                       // head size
+constexpr u32 WG_QTILE = 64 * WG_HD * 2;                         // bytes of one warpgroup's Q tile
+// ws: the producer warpgroup's registers go to the consumers (at launch 65536 / threads each, rounded down to 8):
+// 2 consumer warpgroups 168 -> 40 / 232, 3 consumer warpgroups 128 -> 32 / 160.
+__device__ constexpr int ws_producer_regs(int nwg) { return nwg == 2 ? 40 : 32; }
+__device__ constexpr int ws_consumer_regs(int nwg) { return nwg == 2 ? 232 : 160; }
+
+// Thread t of NTH copies its share of K/V tile kt of KT keys (rows past max_pos zero-filled) into the slot at dst
+// (K tile, then the V tile KT x 256 bytes later).
+template <int KT, int NTH>
+__device__ __forceinline__ void copy_kv_tile(u32 dst, const bf16* kv_head, const int* bt, int kt, int max_pos,
+                                             int bs_log2, size_t kv_stride, size_t v_off, int t) {
+#pragma unroll
+    for (int i = 0; i < (KT * 16 + NTH - 1) / NTH; i++) {
+        const int c = t + i * NTH, kr = c >> 4, ch = c & 15, p = kt * KT + kr;
+        if (KT * 16 % NTH != 0 && c >= KT * 16) break;
+        const bool ok = p <= max_pos;
+        const size_t slot = ok ? ((size_t)bt[p >> bs_log2] << bs_log2) + (p & ((1 << bs_log2) - 1)) : 0;
+        const bf16* kp = kv_head + slot * kv_stride + ch * 8;
+        const u32 off = sw128_offset(kr, ch, KT);
+        cp_async16_zfill(dst + off, kp, ok ? 16 : 0);
+        cp_async16_zfill(dst + KT * 256 + off, kp + v_off, ok ? 16 : 0);
+    }
+}
+
+template <int NWG, int HB, int KT, int STAGES, bool OV, bool WS, bool PP>
+__device__ __forceinline__ void attn_prefill_wgmma_impl(
+        const bf16* __restrict__ q, const bf16* __restrict__ kv_layer, const int* __restrict__ qsl,
+        const int* __restrict__ seq_lens, const int* __restrict__ block_tables, bf16* __restrict__ out,
+        int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots, float scale,
+        int min_rows) {
+    pdl_entry();
+    // HB q heads a block: the warpgroups split them HG ways (the rest of the warpgroups take further rows), each
+    // warpgroup covers HPW of them in turn (its K/V tiles serve HPW x 64 (row, head) pairs).
+    constexpr int HG = HB < NWG ? HB : NWG, HPW = HB / HG;
+    constexpr int HD = WG_HD, NC = NWG * 128, NT = NC + (WS ? 128 : 0), BQ = 64 * NWG / HG;
+    constexpr u32 HALF = KT * 128, TILE = 2 * HALF;              // bytes of 64 dims of a K (V) tile, of the tile
+    static_assert(NWG % HG == 0 && HB % HG == 0 && (WS || !OV || STAGES >= 3) && (HPW == 1 || !OV),
+                  "warpgroups per head; wg + o keeps 2 tiles live; heads in turn without the overlap");
+    static_assert(!PP || (WS && OV && NWG == 2), "turns: two consumer warpgroups of ws + o");
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    __shared__ __align__(8) u64 bars[2 * STAGES];               // ws: full[STAGES], empty[STAGES]
+    const u32 q_s = (smem_addr(smem_raw) + 1023u) & ~1023u;      // swizzle atoms need 1024-byte alignment
+    const u32 kv_s = q_s + NWG * HPW * WG_QTILE;                 // [STAGES][K tile | V tile]
+    const u32 full = smem_addr(bars), empty = full + 8 * STAGES;
+    const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wl = (tid >> 5) & 3, h0 = blockIdx.x * HB;
+    if (WS && tid == 0) {
+        for (int s = 0; s < STAGES; s++) { mbar_init(full + 8 * s, 128); mbar_init(empty + 8 * s, NWG * 4); }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    const int covered = qsl[num_seqs];
+    for (int r = covered + blockIdx.y; r < T; r += gridDim.y)
+        for (int d = tid; d < HB * HD; d += NT) out[((size_t)r * nh + h0) * HD + d] = 0;
+
+    int seq, tile;
+    find_tile<NT>(qsl, num_seqs, min_rows, BQ, blockIdx.y, seq, tile);  // (its barriers also publish the inits)
+    if (seq < 0) return;
+    const int n = qsl[seq + 1] - qsl[seq], pos0 = seq_lens[seq] - n, kvh = h0 / (nh / nkv);
+    const int q0 = ((n + BQ - 1) / BQ - 1 - tile) * BQ;          // first query (within seq) of this block
+    const int max_pos = pos0 + min(q0 + BQ, n) - 1;
+    const int ntiles = max_pos / KT + 1;
+    const size_t kv_stride = (size_t)nkv * HD, v_off = (size_t)num_slots * kv_stride;
+    const int* bt = block_tables + (size_t)seq * max_blocks;
+    const int bs_log2 = __ffs(block_size) - 1;                   // block_size is a power of two (BuildConfig)
+    const bf16* kv_head = kv_layer + (size_t)kvh * HD;
+    auto slot_of = [&](int kt) { return kv_s + (kt % STAGES) * 2 * TILE; };
+
+    if (WS && tid >= NC) {                                       // the producer warpgroup
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(ws_producer_regs(NWG)));
+        for (int kt = 0; kt < ntiles; kt++) {
+            if (kt >= STAGES) mbar_wait(empty + 8 * (kt % STAGES), (kt / STAGES - 1) & 1);
+            copy_kv_tile<KT, 128>(slot_of(kt), kv_head, bt, kt, max_pos, bs_log2, kv_stride, v_off, tid - NC);
+            mbar_arrive_on_copies(full + 8 * (kt % STAGES));
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        return;
+    }
+    // Q tile w * HPW + j: warpgroup w's 64 rows (rows past the seq's end repeat its last row; results dropped) of
+    // head h0 + (w % HG) HPW + j; wg: every thread copies every tile (in the first tile's group), ws: each
+    // warpgroup its own.
+    constexpr int QW = WS ? HPW : NWG * HPW, QTH = WS ? 128 : NC;
+#pragma unroll
+    for (int i = 0; i < QW * 64 * 16 / QTH; i++) {
+        const int c = (WS ? tid & 127 : tid) + i * QTH, qt = (WS ? wg * HPW : 0) + (c >> 10), r = (c >> 4) & 63;
+        const int w = qt / HPW, head = h0 + (w % HG) * HPW + qt % HPW, ch = c & 15;
+        const size_t row = qsl[seq] + min(q0 + (w / HG) * 64 + r, n - 1);
+        cp_async16_zfill(q_s + qt * WG_QTILE + sw128_offset(r, ch, 64), q + (row * nh + head) * HD + ch * 8, 16);
+    }
+    if constexpr (WS) {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(ws_consumer_regs(NWG)));
+        cp_async_commit();                                       // (wait_group waits for committed groups only)
+        cp_async_wait<0>();
+        fence_proxy_async();
+        asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");   // this warpgroup's Q is in place
+    }
+
+    // This warpgroup: rows w0 .. w0 + 63 (within seq), thread rows wl * 16 + lane / 4 + 8 e.
+    const int w0 = q0 + (wg / HG) * 64, row_l = w0 + wl * 16 + (lane >> 2);
+    const int wpos_first = pos0 + min(w0, n - 1), wpos_last = w0 < n ? pos0 + min(w0 + 63, n - 1) : -1;
+    const int wtiles = wpos_last < 0 ? 0 : wpos_last / KT + 1;  // tiles with a key visible to this warpgroup
+    const int qpos[2] = {pos0 + min(row_l, n - 1), pos0 + min(row_l + 8, n - 1)};
+    const u32 qw = q_s + wg * HPW * WG_QTILE;                    // this warpgroup's first Q tile
+    const float sl2 = scale * 1.4426950408889634f;
+    float o[HPW][64], s[KT / 2], m_r[HPW][2], l_r[HPW][2], corr[2];   // o, m, l: one set per head in turn
+    u32 pf[KT / 16][4];
+#pragma unroll
+    for (int j = 0; j < HPW; j++) {
+#pragma unroll
+        for (int i = 0; i < 64; i++) o[j][i] = 0.f;
+        m_r[j][0] = m_r[j][1] = -__int_as_float(0x7f800000);
+        l_r[j][0] = l_r[j][1] = 0.f;
+    }
+
+    auto issue_s = [&](int kt, u32 qw) {                         // s = Q K(kt)^T, committed as one group
+        const u32 ks = slot_of(kt);
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < HD / 16; k++)
+            wgmma_ss(s, sw128_desc(qw + (k >> 2) * (WG_QTILE / 2) + (k & 3) * 32, 16, 1024),
+                     sw128_desc(ks + (k >> 2) * HALF + (k & 3) * 32, 16, 1024), k > 0);
+        wg_commit();
+    };
+    auto issue_pv = [&](int kt, float (&o)[64]) {                // o += P V(kt), committed as one group
+        const u32 vs = slot_of(kt) + TILE;
+        reg_fence(o);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < KT / 16; kk++)
+            wgmma_rs_n128_tb(o, pf[kk], sw128_desc(vs + kk * 16 * 128, HALF, 1024));
+        wg_commit();
+    };
+    auto softmax = [&](int kt, float (&m)[2], float (&l)[2]) {   // s -> P in place; corr; returns moved
+        const int kb = kt * KT;
+        const int lim[2] = {qpos[0] - kb - (lane & 3) * 2, qpos[1] - kb - (lane & 3) * 2};
+        reg_fence(s);
+        return softmax_tile(s, m, l, corr, kb + KT - 1 > wpos_first, lim, sl2);
+    };
+    auto step = [&](int kt) {                                    // tile kt, products one after the other
+        if (kt >= wtiles) return;                                // every key is after this warpgroup's rows
+#pragma unroll
+        for (int j = 0; j < HPW; j++) {
+            issue_s(kt, qw + j * WG_QTILE);
+            wg_wait<0>();
+            const bool moved = softmax(kt, m_r[j], l_r[j]);
+            rescale(o[j], corr, moved);
+            pack_p(s, pf);
+            issue_pv(kt, o[j]);
+            wg_wait<0>();
+            reg_fence(o[j]);
+            reg_fence(pf);
+        }
+    };
+    // p: the two warpgroups take turns issuing their products (named barriers 3, 4), so that one's softmax runs while
+    // the other's products do; warpgroup 1 lets warpgroup 0 go first and skips its last pass (counts match).
+    auto turn_wait = [&]() {
+        if constexpr (PP) asm volatile("bar.sync %0, 256;" :: "r"(3 + wg) : "memory");
+    };
+    auto turn_pass = [&](int kt) {
+        if constexpr (PP) if (wg == 0 || kt < ntiles) asm volatile("bar.arrive %0, 256;" :: "r"(4 - wg) : "memory");
+    };
+    auto step_overlap = [&](int kt) {                            // kt in 0..ntiles: S(kt) and PV(kt - 1) in flight
+        turn_wait();
+        if (kt < wtiles) {
+            issue_s(kt, qw);
+            if (kt > 0) issue_pv(kt - 1, o[0]);
+            turn_pass(kt);
+            if (kt > 0) wg_wait<1>();                            // S(kt) done, PV(kt - 1) may still run
+            else wg_wait<0>();
+            const bool moved = softmax(kt, m_r[0], l_r[0]);
+            wg_wait<0>();
+            reg_fence(o[0]);
+            reg_fence(pf);
+            rescale(o[0], corr, moved);
+            pack_p(s, pf);
+        } else if (kt == wtiles && kt > 0) {
+            issue_pv(kt - 1, o[0]);
+            turn_pass(kt);
+            wg_wait<0>();
+            reg_fence(o[0]);
+            reg_fence(pf);
+        } else {
+            turn_pass(kt);
+        }
+    };
+
+    if constexpr (WS) {
+        // Tile kt waits for full[kt % S] (phase kt / S); a warp releases a slot (empty) when done with its tile:
+        // after step kt, or after step_overlap kt + 1 (V of tile kt is read there).
+        if (PP && wg == 1) asm volatile("bar.arrive 3, 256;" ::: "memory");
+        for (int kt = 0; kt <= ntiles; kt++) {
+            if (kt < ntiles) {
+                mbar_wait(full + 8 * (kt % STAGES), (kt / STAGES) & 1);
+                fence_proxy_async();
+            }
+            if constexpr (OV) step_overlap(kt); else if (kt < ntiles) step(kt);
+            const int done = OV ? kt - 1 : kt;
+            __syncwarp();
+            if (lane == 0 && done >= 0 && done < ntiles) mbar_arrive(empty + 8 * (done % STAGES));
+        }
+    } else if constexpr (!OV) {
+#pragma unroll
+        for (int st = 0; st < STAGES - 1; st++) {
+            if (st < ntiles)
+                copy_kv_tile<KT, NT>(slot_of(st), kv_head, bt, st, max_pos, bs_log2, kv_stride, v_off, tid);
+            cp_async_commit();                                   // group 0 also holds Q
+        }
+        for (int kt = 0; kt < ntiles; kt++) {
+            cp_async_wait<STAGES - 2>();                         // tile kt landed (this thread's copies) ...
+            fence_proxy_async();                                 // ... visible to the tensor cores
+            __syncthreads();                                     // ... every thread's; tile kt - 1 is free
+            if (kt + STAGES - 1 < ntiles)
+                copy_kv_tile<KT, NT>(slot_of(kt + STAGES - 1), kv_head, bt, kt + STAGES - 1, max_pos, bs_log2,
+                                     kv_stride, v_off, tid);
+            cp_async_commit();
+            step(kt);
+        }
+    } else {
+        // Tile kt's slot is refilled at iteration kt + 2 (its V is read in iteration kt + 1): S - 2 tiles ahead.
+#pragma unroll
+        for (int st = 0; st < STAGES - 2; st++) {
+            if (st < ntiles)
+                copy_kv_tile<KT, NT>(slot_of(st), kv_head, bt, st, max_pos, bs_log2, kv_stride, v_off, tid);
+            cp_async_commit();
+        }
+        for (int kt = 0; kt <= ntiles; kt++) {
+            cp_async_wait<STAGES - 3>();                         // tile kt landed
+            fence_proxy_async();
+            __syncthreads();                                     // every warpgroup is done with tile kt - 2
+            if (kt + STAGES - 2 < ntiles)
+                copy_kv_tile<KT, NT>(slot_of(kt + STAGES - 2), kv_head, bt, kt + STAGES - 2, max_pos, bs_log2,
+                                     kv_stride, v_off, tid);
+            cp_async_commit();
+            step_overlap(kt);
+        }
+    }
+    cp_async_wait<0>();                                          // no copy outlives the block
+
+#pragma unroll
+    for (int j = 0; j < HPW; j++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            float l = l_r[j][e];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = 1.f / l;
+            const int r = row_l + e * 8;
+            if (r >= n) continue;
+            bf16* orow = out + ((size_t)(qsl[seq] + r) * nh + h0 + (wg % HG) * HPW + j) * HD + (lane & 3) * 2;
+#pragma unroll
+            for (int t = 0; t < 16; t++)
+                *reinterpret_cast<u32*>(orow + t * 8) = pack2(o[j][4 * t + 2 * e] * inv,
+                                                              o[j][4 * t + 2 * e + 1] * inv);
+        }
+    }
+}
+
+#define PREFILL_WGMMA_KERNEL(MODE, NWG, HB, KEYS, S, SUFFIX, OV, WS, PP, THREADS)                           \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                  \
+    attn_prefill_##MODE##NWG##h##HB##k##KEYS##s##S##SUFFIX##_hd128(                                         \
+        const bf16* q, const bf16* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,     \
+        bf16* out, int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots,        \
+        float scale, int min_rows) {                                                                           \
+        attn_prefill_wgmma_impl<NWG, HB, KEYS, S, OV, WS, PP>(q, kv_layer, qsl, seq_lens, block_tables, out, T,  \
+                                                        num_seqs, nh, nkv, block_size, max_blocks, num_slots, scale, \
+                                                        min_rows); }
+
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 2, , false, false, false, 256)
+PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 2, , false, false, false, 384)
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 4, o, true, false, false, 256)
+PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 4, o, true, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 3, , false, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, o, true, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 4, o, true, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 3, o, true, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, o, true, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 2, , false, true, false, 384)
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 128, 2, , false, false, false, 256)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, , false, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, , false, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 2, , false, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, , false, true, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, , false, true, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, op, true, true, true, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 3, op, true, true, true, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 4, , false, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 3, , false, true, false, 384)

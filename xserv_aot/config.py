@@ -178,6 +178,8 @@ class BuildConfig:
     quantization: str = "none"            # none | fp8: linear weights stored as e4m3 with scales (plan/quantize.py)
     fp8_scheme: str = "auto"              # fp8: channel | block128 | auto (block128 where N and K divide by 128)
     quantize_lm_head: bool = False        # fp8: the lm_head too (embedding and norms always stay in dtype)
+    fp8_w8a16_max_rows: int = 64          # fp8: linears of at most this many rows read bf16 activations (W8A16),
+                                          # larger ones quantize them per token (W8A8), plan/ops.linear_ops
 
     @property
     def prefill_chunk(self) -> int:
@@ -231,6 +233,10 @@ class BuildConfig:
             raise ConfigError(f"quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
         if self.fp8_scheme not in FP8_SCHEME_CHOICES:
             raise ConfigError(f"fp8_scheme {self.fp8_scheme!r} is not one of {', '.join(FP8_SCHEME_CHOICES)}")
+        if not (isinstance(self.fp8_w8a16_max_rows, int) and 2 <= self.fp8_w8a16_max_rows <= 64) \
+                or isinstance(self.fp8_w8a16_max_rows, bool):
+            raise ConfigError(f"fp8_w8a16_max_rows {self.fp8_w8a16_max_rows!r} must be an integer in 2..64 (rows 1-2 "
+                              f"are always W8A16 GEMVs; the W8A16 skinny kernels end at 64 rows)")
         for name in ("gemm_library", "pdl", "quantize_lm_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -1,10 +1,13 @@
 """CUDA kernels of the FP8 linears (docs/plan-format.md "FP8"): W8A16 GEMV (rows 1..2, kernels/gemv_fp8.cu) and
-skinny tensor-core GEMM (rows 3..64, kernels/gemm_skinny_fp8.cu), quantize_fp8, and W8A8 CUTLASS FP8 GEMMs with
-scale epilogues (more rows, kernels/cutlass/gemm_sm90_fp8*.{h,cuh,cu}). Called by plan.kernel_build."""
+skinny tensor-core GEMM (rows 3..64, kernels/gemm_skinny_fp8.cu), quantize_fp8, and W8A8 (which rows are W8A8 is
+BuildConfig.fp8_w8a16_max_rows, plan/ops.linear_ops): the W8A8 skinny kernel (rows <= 64,
+kernels/gemm_skinny_w8a8.cu) or CUTLASS FP8 GEMMs with scale epilogues (more rows,
+kernels/cutlass/gemm_sm90_fp8*.{h,cuh,cu}). Called by plan.kernel_build."""
 from __future__ import annotations
 
 from xserv_aot import fp8
-from xserv_aot.plan.kernel_constants import skinny_smem
+from xserv_aot.plan.cutlass_build import NUM_SMS_H200
+from xserv_aot.plan.kernel_constants import SK_WARPS, skinny_smem, skinny_w8a8_smem
 from xserv_aot.plan.launch_records import i32, kernel, launch, library_call, ptr
 from xserv_aot.plan.linear_plan import GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS
 from xserv_aot.plan.nvrtc_build import KERNEL_DIR, KernelBuildError
@@ -16,6 +19,10 @@ FP8_SOURCE = KERNEL_DIR / "cutlass" / "gemm_sm90_fp8.cu"
 FP8_SKINNY_FUSE_GATE = False              # as linear_plan.SKINNY_FUSE_GATE: gate_up and silu_mul stay two kernels
 QUANTIZE_WARPS = 8                        # (row, group) pairs per quantize_fp8 block
 SCHEME_TAG = {fp8.CHANNEL: "ch", fp8.BLOCK128: "blk"}
+W8A8_SKINNY_MAX_ROWS = 64                 # W8A8 linears of at most this many rows: kernels/gemm_skinny_w8a8.cu
+W8A8_SKINNY_ROWS = SK_WARPS * 32          # weight rows a W8A8 skinny block
+W8A8_SKINNY_CLUSTERS = (1, 2, 4, 5, 8)    # blocks a cluster (splitting K) that the kernel file instantiates
+W8A8_QUANTIZE_IN_KERNEL = True            # block128 W8A8 skinny linears quantize their bf16 input themselves
 
 
 def host_signatures() -> dict[str, list[dict]]:
@@ -56,6 +63,8 @@ def plan_w8a8(op: Linear, out_dtype: str, cutlass: dict | None) -> KernelChoice:
     """quantize_fp8's packed e4m3 rows and scales x the e4m3 weight, scales in the CUTLASS mainloop (block128) or
     epilogue (channel)."""
     from xserv_aot.plan.cutlass_build import FP8_CONFIG, FP8_CONFIGS
+    if op.rows <= W8A8_SKINNY_MAX_ROWS:
+        return plan_w8a8_skinny(op, out_dtype)
     if cutlass is None:
         raise KernelBuildError(f"FP8 linear {op.weight} with {op.rows} rows is W8A8 and needs the CUTLASS GEMM "
                                f"library, which this build has not (enable gemm_library, or compile a plan whose "
@@ -68,6 +77,45 @@ def plan_w8a8(op: Linear, out_dtype: str, cutlass: dict | None) -> KernelChoice:
                         [i32(cfg), ptr(op.inp), ptr(op.inp_scale), ptr(op.weight), ptr(op.weight_scale), ptr(op.out),
                          ptr(op.bias), i32(op.rows), i32(op.n), i32(op.k)])
     return KernelChoice("cutlass_fp8", (call,), gemm_config=cfg)
+
+
+def w8a8_cluster(n: int, k: int) -> int:
+    """Blocks splitting K per 256-row tile: the cluster size whose grid fills the SMs best over its waves (the
+    smaller on ties), with at least one 128-k step a block."""
+    tiles, steps = -(-n // W8A8_SKINNY_ROWS), -(-k // 128)
+
+    def fill(c: int) -> float:
+        blocks = tiles * c
+        return blocks / (-(-blocks // NUM_SMS_H200) * NUM_SMS_H200)         # one block an SM (shared memory)
+    return max((c for c in W8A8_SKINNY_CLUSTERS if c <= steps), key=lambda c: (fill(c), -c))
+
+
+def quantize_fuses_into(qop: QuantizeFp8, nxt) -> bool:
+    """Whether the W8A8 linear after quantize_fp8 quantizes its input itself (then quantize_fp8 launches nothing):
+    block128 skinny rows, whose 128-k steps are the activation groups."""
+    return (W8A8_QUANTIZE_IN_KERNEL and isinstance(nxt, Linear) and nxt.inp == qop.out and nxt.inp_scale == qop.scale
+            and nxt.quant == fp8.BLOCK128 and nxt.rows <= W8A8_SKINNY_MAX_ROWS and qop.group == fp8.BLOCK
+            and qop.rows == nxt.rows and qop.k == nxt.k)
+
+
+def plan_w8a8_skinny(op: Linear, out_dtype: str, cluster: int | None = None,
+                     quantized_from: str | None = None) -> KernelChoice:
+    """quantize_fp8's rows and scales x the e4m3 weight on mma.sync e4m3 (kernels/gemm_skinny_w8a8.cu); cluster:
+    force the K split (tests, bench), by default w8a8_cluster; quantized_from: the bf16 buffer the fused
+    quantize_fp8 reads (quantize_fuses_into): the kernel quantizes it itself (`blkq`)."""
+    mt = next(m for m in (16, 32, 64) if m >= op.rows)
+    c = cluster or w8a8_cluster(op.n, op.k)
+    if c not in W8A8_SKINNY_CLUSTERS:
+        raise KernelBuildError(f"W8A8 skinny cluster {c} is not built (built: {W8A8_SKINNY_CLUSTERS})")
+    suffix = "f32" if out_dtype == "float32" else "bf16"
+    tail = [ptr(op.bias), ptr(op.out), i32(op.rows), i32(op.n), i32(op.k)]
+    if quantized_from:
+        fn, args = f"skinny_w8a8_blkq_m{mt}c{c}_{suffix}", [ptr(quantized_from), ptr(op.weight), ptr(op.weight_scale)]
+    else:
+        fn = f"skinny_w8a8_{SCHEME_TAG[op.quant]}_m{mt}c{c}_{suffix}"
+        args = [ptr(op.inp), ptr(op.inp_scale), ptr(op.weight), ptr(op.weight_scale)]
+    return kernel(launch(fn, [-(-op.n // W8A8_SKINNY_ROWS), c], [256], skinny_w8a8_smem(mt, bool(quantized_from)),
+                         args + tail))
 
 
 def plan_quantize(op: QuantizeFp8) -> KernelChoice:

@@ -77,12 +77,16 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             else:
                 c = kernel(launch("silu_mul", [min(-(-(rows * op.inter // 8) // 256), 4096)], [256], 0,
                                   [ptr(op.inp), ptr(op.out), i32(rows), i32(op.inter)]))
+        elif isinstance(op, Linear) and idx and out[-1].kernel == "fused_into_next" and isinstance(ops[idx - 1],
+                                                                                                 QuantizeFp8):
+            from xserv_aot.plan.fp8_build import plan_w8a8_skinny
+            c = plan_w8a8_skinny(op, arena[op.out]["dtype"], quantized_from=ops[idx - 1].inp)
         elif isinstance(op, Linear):
             fuse = nxt.out if isinstance(nxt, SiluMul) and nxt.inp == op.out else None
             c = plan_linear(op, arena[op.out]["dtype"], fuse, cutlass, kind == "decode")
         elif isinstance(op, QuantizeFp8):
-            from xserv_aot.plan.fp8_build import plan_quantize
-            c = plan_quantize(op)
+            from xserv_aot.plan.fp8_build import plan_quantize, quantize_fuses_into
+            c = KernelChoice("fused_into_next") if quantize_fuses_into(op, nxt) else plan_quantize(op)
         elif isinstance(op, QkNormRopeCache) and isinstance(nxt, Attention) and fuses_rope(kind, op, nxt):
             c = KernelChoice("fused_into_next")
         elif isinstance(op, QkNormRopeCache):

@@ -12,10 +12,11 @@ GEMM_STAGES_64 = 4      # ... and of the 64x64 tiles
 SK_WARPS = 8            # warps of a kernels/gemm_skinny.cu block
 SK_RT = 2               # 16-row weight tiles per skinny warp
 SK_STAGES = 3           # ring of 64-k steps per skinny warp (SK_RT * 16 rows * 128 B each)
+SW8_STAGES = 4          # ring of 128-k steps per W8A8 skinny block (256 weight lines + the X tile each)
 
 KERNEL_DEFINES = {"P_KEYS": P_KEYS, "G_MAX": G_MAX, "NORM_NC": NORM_NC, "GEMM_BK": GEMM_BK, "GEMM_LDS": GEMM_LDS,
                   "GEMM_STAGES_128": GEMM_STAGES_128, "GEMM_STAGES_64": GEMM_STAGES_64, "SK_WARPS": SK_WARPS,
-                  "SK_RT": SK_RT, "SK_STAGES": SK_STAGES}
+                  "SK_RT": SK_RT, "SK_STAGES": SK_STAGES, "SW8_STAGES": SW8_STAGES}
 
 
 def gemm_smem(tile: str) -> int:
@@ -29,6 +30,14 @@ def skinny_smem(mt: int) -> int:
     """Dynamic shared memory (bytes) of a skinny kernel for mt batch rows: the weight rings, reused afterwards for
     the partial sums (SK_WARPS * SK_RT * mt/8 tiles of 4 x 32 floats)."""
     return max(SK_WARPS * SK_STAGES * SK_RT * 16 * 128, SK_WARPS * SK_RT * (mt // 8) * 4 * 32 * 4)
+
+
+def skinny_w8a8_smem(mt: int, qx: bool = False) -> int:
+    """Dynamic shared memory (bytes) of a kernels/gemm_skinny_w8a8.cu block for mt batch rows: SW8_STAGES steps of
+    SK_WARPS * 32 weight lines of 128 B and the X tile: mt e4m3 lines + mt float scales, or (qx) mt bf16 lines of
+    256 B, then one e4m3 tile + scales; the partial sums [mt, SK_WARPS * 32 + 4] floats reuse it."""
+    stage = SK_WARPS * 32 * 128 + (mt * 256 if qx else mt * 128 + mt * 4)
+    return max(SW8_STAGES * stage + (mt * 128 + mt * 4 if qx else 0), mt * (SK_WARPS * 32 + 4) * 4)
 
 
 def nvrtc_defines() -> list[tuple[str, str]]:

@@ -2,7 +2,7 @@
 // out[m, n] = sum_g xs[m, g] * sw[n | n / 128, g] * sum_{k in g} xq[m, k] * W[n, k] (+ bias), fp32 sums; xq / xs are
 // quantize_fp8's e4m3 rows and scales ([M, K] and [M, groups] packed), W e4m3 [N, K] with CH: sw[N] (one group: the
 // whole row) or BLK: sw[ceil(N/128), ceil(K/128)] (groups of 128 k).
-// Block = 8 warps x 32 weight rows (256 rows); every warp of a block works on the same 128-k step, so the step's X
+// Block = 8 warps x 32 weight rows (256 rows; 16 = 128 rows at 128 batch rows); every warp of a block works on the same 128-k step, so the step's X
 // tile (MT rows x 128 B) is copied to shared memory once per block and read by all 8 warps. A block streams a
 // SW8_STAGES-deep cp.async ring of steps (256 weight lines + the X tile + BLK: the X scales of the step), one block
 // barrier a step. CLUSTER blocks (grid y, a thread-block cluster) split the k-steps of one 256-row tile
@@ -40,7 +40,7 @@ __device__ __forceinline__ void mma_e4m3(float* d, u32 a0, u32 a1, u32 a2, u32 a
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ void cluster_barrier() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
 }
 // The same shared-memory offset in the block of cluster rank `rank`, read as 4 floats.
 __device__ __forceinline__ float4 ld_cluster_v4(u32 local, u32 rank) {
@@ -52,17 +52,16 @@ __device__ __forceinline__ float4 ld_cluster_v4(u32 local, u32 rank) {
     return v;
 }
 
-#define SW8_ROWS (SK_WARPS * 32)         // weight rows a block (8 warps x 2 m16 tiles)
-#define SW8_PSTRIDE (SW8_ROWS + 4)       // floats a batch row of the partial sums (conflict-free fragment stores)
-
-template <int MB, bool OUT_F32, bool BLK, int C, bool QX>
+// RT m16 weight tiles a warp: 2 (256 rows a block) up to 64 batch rows, 1 (128 rows) at 128 (register budget).
+template <int MB, bool OUT_F32, bool BLK, int C, bool QX, int RT = (MB > 8 ? 1 : 2)>
 __device__ __forceinline__ void skinny_w8a8_impl(const void* __restrict__ XIN, const float* __restrict__ XS,
                                                  const e4m3* __restrict__ W, const float* __restrict__ WS,
                                                  const bf16* __restrict__ bias, void* __restrict__ out,
                                                  int M, int N, int K) {
     pdl_entry();
     static_assert(BLK || !QX, "quantizing X in the kernel needs 128-k activation groups (block scales)");
-    constexpr int MT = 8 * MB, W_BYTES = SW8_ROWS * 128, X_BYTES = MT * 128;
+    constexpr int MT = 8 * MB, SW8_ROWS = SK_WARPS * 16 * RT, W_BYTES = SW8_ROWS * 128, X_BYTES = MT * 128;
+    constexpr int SW8_PSTRIDE = SW8_ROWS + 4;      // floats a batch row of the partial sums (conflict-free stores)
     // stage: weight lines, then QX: the bf16 X tile (MT x 256 B); else the e4m3 X tile and its MT scales
     constexpr int STAGE = W_BYTES + (QX ? MT * 256 : X_BYTES + MT * 4);
     const e4m3* XQ = (const e4m3*)XIN;
@@ -110,15 +109,15 @@ __device__ __forceinline__ void skinny_w8a8_impl(const void* __restrict__ XIN, c
 #pragma unroll
     for (int j = 0; j < SW8_STAGES - 1; j++) issue(j);
 
-    float acc[2][MB][4];
+    float acc[RT][MB][4];
 #pragma unroll
-    for (int rt = 0; rt < 2; rt++)
+    for (int rt = 0; rt < RT; rt++)
 #pragma unroll
         for (int mb = 0; mb < MB; mb++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[rt][mb][e] = 0.f;
-    // BLK: a warp's 32 rows lie in one 128-row block of the weight scales
-    const float* sw_row = WS + (size_t)(min(n0 + warp * 32, N - 1) >> 7) * steps;
+    // BLK: a warp's 16 RT rows lie in one 128-row block of the weight scales
+    const float* sw_row = WS + (size_t)(min(n0 + warp * 16 * RT, N - 1) >> 7) * steps;
 
     for (int j = 0; j < n_my; j++) {
         cp_async_wait<SW8_STAGES - 2>();
@@ -152,12 +151,12 @@ __device__ __forceinline__ void skinny_w8a8_impl(const void* __restrict__ XIN, c
             }
             __syncthreads();                       // the quantized tile for all warps
         }
-        uint4 a[2][2][2];                      // [m16 tile][row g, g + 8][piece t, 4 + t]
+        uint4 a[RT][2][2];                     // [m16 tile][row g, g + 8][piece t, 4 + t]
 #pragma unroll
-        for (int rt = 0; rt < 2; rt++)
+        for (int rt = 0; rt < RT; rt++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                const int r = warp * 32 + rt * 16 + g + 8 * h;
+                const int r = warp * 16 * RT + rt * 16 + g + 8 * h;
 #pragma unroll
                 for (int q = 0; q < 2; q++)
                     a[rt][h][q] = sw8_lds16(st + (u32)(r * 128 + (((4 * q + t) ^ ((r & 1) << 2)) << 4)));
@@ -177,7 +176,7 @@ __device__ __forceinline__ void skinny_w8a8_impl(const void* __restrict__ XIN, c
                 s.y *= sw;
             }
 #pragma unroll
-            for (int rt = 0; rt < 2; rt++) {
+            for (int rt = 0; rt < RT; rt++) {
                 float tmp[4] = {0.f, 0.f, 0.f, 0.f};
                 float* d = BLK ? tmp : acc[rt][mb];
 #pragma unroll
@@ -200,12 +199,12 @@ __device__ __forceinline__ void skinny_w8a8_impl(const void* __restrict__ XIN, c
 
     // partial sums [MT][SW8_PSTRIDE] (batch row, weight row of the tile) over the ring
 #pragma unroll
-    for (int rt = 0; rt < 2; rt++)
+    for (int rt = 0; rt < RT; rt++)
 #pragma unroll
         for (int mb = 0; mb < MB; mb++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int n = warp * 32 + rt * 16 + g + 8 * (e >> 1), m = mb * 8 + 2 * t + (e & 1);
+                const int n = warp * 16 * RT + rt * 16 + g + 8 * (e >> 1), m = mb * 8 + 2 * t + (e & 1);
                 smem[m * SW8_PSTRIDE + n] = acc[rt][mb][e];
             }
     if (C > 1) cluster_barrier();
@@ -237,7 +236,7 @@ __device__ __forceinline__ void skinny_w8a8_impl(const void* __restrict__ XIN, c
     if (C > 1) cluster_barrier();              // no block leaves while the cluster still reads its partials
 }
 
-// Grid (ceil(N / 256), C) of 256 threads, clusters (1, C, 1); dynamic shared memory skinny_w8a8_smem(MT, QX); M <= MT.
+// Grid (ceil(N / rows a block), C) of 256 threads, clusters (1, C, 1); dynamic shared memory skinny_w8a8_smem(MT, QX); M <= MT.
 #define SKINNY_W8A8_KERNELS(S, BLK, MT, CL)                                                                        \
     extern "C" __global__ void __launch_bounds__(256, 1) __cluster_dims__(1, CL, 1) skinny_w8a8_##S##_m##MT##c##CL##_bf16( \
         const e4m3* XQ, const float* XS, const e4m3* W, const float* WS, const bf16* bias, bf16* out, int M, int N, \
@@ -284,6 +283,16 @@ SKINNY_W8A8_KERNELS(blk, true, 64, 2)
 SKINNY_W8A8_KERNELS(blk, true, 64, 4)
 SKINNY_W8A8_KERNELS(blk, true, 64, 5)
 SKINNY_W8A8_KERNELS(blk, true, 64, 8)
+SKINNY_W8A8_KERNELS(ch, false, 128, 1)
+SKINNY_W8A8_KERNELS(ch, false, 128, 2)
+SKINNY_W8A8_KERNELS(ch, false, 128, 4)
+SKINNY_W8A8_KERNELS(ch, false, 128, 5)
+SKINNY_W8A8_KERNELS(ch, false, 128, 8)
+SKINNY_W8A8_KERNELS(blk, true, 128, 1)
+SKINNY_W8A8_KERNELS(blk, true, 128, 2)
+SKINNY_W8A8_KERNELS(blk, true, 128, 4)
+SKINNY_W8A8_KERNELS(blk, true, 128, 5)
+SKINNY_W8A8_KERNELS(blk, true, 128, 8)
 SKINNY_W8A8_QX_KERNELS(16, 1)
 SKINNY_W8A8_QX_KERNELS(16, 2)
 SKINNY_W8A8_QX_KERNELS(16, 4)

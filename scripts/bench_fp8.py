@@ -167,9 +167,12 @@ BATCHED_SHAPES = ("qkv", "o_proj", "gate_up", "down")
 def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
     """`bench_kernels.py fp8-batched`: old vs new FP8 decode linears at 16-256 rows on the Qwen3-8B layer shapes.
     old: W8A16 skinny (rows <= 64, what fp8_w8a16_max_rows 64 plans run), quantize_fp8 + CUTLASS W8A8 (more rows,
-    with --lib); new: quantize_fp8 + the W8A8 skinny kernel (rows <= 64; the planned cluster, then every built
-    cluster size), and for block128 the kernel quantizing its bf16 input itself (blkq). ms per call (graph replay, weights rotated over copies beyond L2), GB/s of weight bytes."""
-    from xserv_aot.plan.fp8_build import W8A8_SKINNY_CLUSTERS, W8A8_SKINNY_MAX_ROWS, plan_w8a8_skinny
+    with --lib); new: quantize_fp8 + the W8A8 skinny kernel (rows <= 128; above 64 bench only, not routed), the
+    planned cluster, then the GEMM alone at every built cluster size; fused: for block128 at <= 64 rows the kernel
+    quantizing its bf16 input itself (blkq, what the plan routes). ms per call (graph replay, weights rotated over
+    copies beyond L2), GB/s of weight bytes; the last lines sum 36 layers per row count."""
+    from xserv_aot.plan.fp8_build import (W8A8_SKINNY_CLUSTERS, W8A8_SKINNY_MAX_ROWS, W8A8_SKINNY_TILES,
+                                          plan_w8a8_skinny)
     torch.zeros(1, device="cuda")
     kern = Kernels("gemv_fp8.cu", "gemm_skinny_fp8.cu", "gemm_skinny_w8a8.cu")
     so = None
@@ -197,7 +200,9 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
                 qrec = plan_quantize(QuantizeFp8(rows=M, inp="x", out="xq", scale="xs", k=K, group=group)).launch[0]
                 (ql,) = launches(kern, qrec, [[("ptr", x.data_ptr()), ("ptr", xq.data_ptr()), ("ptr", xs.data_ptr()),
                                                ("i32", M), ("i32", K), ("i32", group)]])
-                bodies = []                                        # (variant, kind, body(j))
+                bodies = []                                        # (variant, kinds, body(j))
+                op8 = Linear(inp="xq", inp_scale="xs", weight="w", bias=None, out="y", rows=M, n=N, k=K,
+                             weight_scale="w.scale", quant=scheme)
                 if M <= W8A8_SKINNY_MAX_ROWS:
                     op = Linear(inp="x", weight="w", bias=None, out="y", rows=M, n=N, k=K, weight_scale="w.scale",
                                 quant=scheme)
@@ -205,27 +210,7 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
                     ls = launches(kern, rec, [[("ptr", x.data_ptr()), ("ptr", w.data_ptr()), ("ptr", s.data_ptr()),
                                                ("ptr", 0), ("ptr", y.data_ptr()), ("i32", M), ("i32", N), ("i32", K)]
                                               for w, s in ws])
-                    bodies.append((f"old W8A16 {rec.fn}", "old", lambda j, ls=ls: ls[j](stream())))
-                    op8 = Linear(inp="xq", inp_scale="xs", weight="w", bias=None, out="y", rows=M, n=N, k=K,
-                                 weight_scale="w.scale", quant=scheme)
-                    planned = plan_w8a8_skinny(op8, "bfloat16").launch[0]
-                    for c in (None,) + W8A8_SKINNY_CLUSTERS:
-                        rec = plan_w8a8_skinny(op8, "bfloat16", c).launch[0]
-                        if c is not None and rec.fn == planned.fn:
-                            continue
-                        ls = launches(kern, rec, [[("ptr", xq.data_ptr()), ("ptr", xs.data_ptr()), ("ptr", w.data_ptr()),
-                                                   ("ptr", s.data_ptr()), ("ptr", 0), ("ptr", y.data_ptr()),
-                                                   ("i32", M), ("i32", N), ("i32", K)] for w, s in ws])
-                        if c is None:
-                            bodies.append((f"new quantize + {rec.fn}", "new",
-                                           lambda j, ls=ls: (ql(stream()), ls[j](stream()))))
-                        bodies.append((f"  gemm alone {rec.fn}", "", lambda j, ls=ls: ls[j](stream())))
-                    if scheme == fp8.BLOCK128:                 # quantize folded into the kernel (blkq)
-                        rec = plan_w8a8_skinny(op8, "bfloat16", quantized_from="x").launch[0]
-                        ls = launches(kern, rec, [[("ptr", x.data_ptr()), ("ptr", w.data_ptr()), ("ptr", s.data_ptr()),
-                                                   ("ptr", 0), ("ptr", y.data_ptr()), ("i32", M), ("i32", N),
-                                                   ("i32", K)] for w, s in ws])
-                        bodies.append((f"new fused {rec.fn}", "fused", lambda j, ls=ls: ls[j](stream())))
+                    bodies.append((f"old W8A16 {rec.fn}", ("old",), lambda j, ls=ls: ls[j](stream())))
                 elif so is not None:
                     cfg = FP8_CONFIG[(scheme, "bfloat16")]
 
@@ -235,9 +220,30 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
                                                y.data_ptr(), None, M, N, K, stream())
                         if st:
                             raise RuntimeError(f"xserv_gemm_fp8 config {cfg} M={M} N={N} K={K}: status {st}")
-                    bodies.append(("old = new: quantize + CUTLASS W8A8", "both", lambda j, g=gemm: (ql(stream()), g(j))))
-                    bodies.append(("  gemm alone CUTLASS W8A8", "", gemm))
-                for variant, kind, body in bodies:
+                    kinds = ("old",) if M <= W8A8_SKINNY_TILES[-1] else ("old", "new", "fused")
+                    bodies.append(("old: quantize + CUTLASS W8A8", kinds, lambda j, g=gemm: (ql(stream()), g(j))))
+                    bodies.append(("  gemm alone CUTLASS W8A8", (), gemm))
+                if M <= W8A8_SKINNY_TILES[-1]:        # above W8A8_SKINNY_MAX_ROWS: bench only (not routed)
+                    planned = plan_w8a8_skinny(op8, "bfloat16").launch[0]
+                    for c in (None,) + W8A8_SKINNY_CLUSTERS:
+                        rec = plan_w8a8_skinny(op8, "bfloat16", c).launch[0]
+                        if c is not None and rec.fn == planned.fn:
+                            continue
+                        ls = launches(kern, rec, [[("ptr", xq.data_ptr()), ("ptr", xs.data_ptr()), ("ptr", w.data_ptr()),
+                                                   ("ptr", s.data_ptr()), ("ptr", 0), ("ptr", y.data_ptr()),
+                                                   ("i32", M), ("i32", N), ("i32", K)] for w, s in ws])
+                        if c is None:
+                            kinds = ("new",) if scheme == fp8.BLOCK128 and M <= W8A8_SKINNY_MAX_ROWS else ("new", "fused")
+                            bodies.append((f"new quantize + {rec.fn}", kinds,
+                                           lambda j, ls=ls: (ql(stream()), ls[j](stream()))))
+                        bodies.append((f"  gemm alone {rec.fn}", (), lambda j, ls=ls: ls[j](stream())))
+                    if scheme == fp8.BLOCK128 and M <= W8A8_SKINNY_MAX_ROWS:     # quantize folded in (blkq)
+                        rec = plan_w8a8_skinny(op8, "bfloat16", quantized_from="x").launch[0]
+                        ls = launches(kern, rec, [[("ptr", x.data_ptr()), ("ptr", w.data_ptr()), ("ptr", s.data_ptr()),
+                                                   ("ptr", 0), ("ptr", y.data_ptr()), ("i32", M), ("i32", N),
+                                                   ("i32", K)] for w, s in ws])
+                        bodies.append((f"new fused {rec.fn}", ("fused",), lambda j, ls=ls: ls[j](stream())))
+                for variant, kinds, body in bodies:
                     y.fill_(float("nan"))
                     body(0)
                     torch.cuda.synchronize()
@@ -246,7 +252,7 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
                     gbs = N * K / ms / 1e6
                     print(f"{scheme:12} {name:8} {M:4} {variant:40} {ms:8.4f} {gbs:7.0f} {gbs / HBM_GBS:6.0%} "
                           f"{err:8.1e}", flush=True)
-                    for k in (("old", "new", "fused") if kind == "both" else (kind,) if kind else ()):
+                    for k in kinds:
                         total[(scheme, M, k)] = total.get((scheme, M, k), 0.0) + 36 * ms
             del ws
             torch.cuda.empty_cache()

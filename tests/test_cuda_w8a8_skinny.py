@@ -27,8 +27,9 @@ def run_w8a8_skinny(lib, rng, scheme, M, N, K, out_dtype, bias, cluster=None):
     qop = QuantizeFp8(rows=M, inp="x", out="xq", scale="xs", k=K, group=group)
     op = Linear(rows=M, n=N, k=K, inp="xq", inp_scale="xs", weight="w", bias="b" if bias else None, out="out",
                 weight_scale="w.scale", quant=scheme)
-    choice = fp8_build.plan_w8a8_skinny(op, out_dtype, cluster) if cluster else plan_linear(op, out_dtype, None,
-                                                                                            None, decode=True)
+    direct = cluster or M > fp8_build.W8A8_SKINNY_MAX_ROWS                # 128-row tiles: bench only, not routed
+    choice = (fp8_build.plan_w8a8_skinny(op, out_dtype, cluster) if direct else
+              plan_linear(op, out_dtype, None, None, decode=True))
     assert choice.kernel.startswith(f"skinny_w8a8_{fp8_build.SCHEME_TAG[scheme]}_"), choice.kernel
     bufs = {"x": lib.to_device(x, "bfloat16"), "w": to_dev_fp8(lib, q), "w.scale": lib.to_device(s),
             "b": lib.to_device(b, "bfloat16") if bias else None,
@@ -67,6 +68,8 @@ CASES = [  # rows, N, K, out dtype, bias
     (32, 4096, 4096, "float32", True),
     (5, 1000, 576, "float32", True),          # N not a multiple of the 256-row tile, K not of 128
     (48, 1002, 592, "float32", False),
+    (128, 4096, 4096, "bfloat16", True),      # the 128-row tile (bench only)
+    (100, 1000, 576, "float32", False),
 ]
 
 
@@ -81,7 +84,7 @@ def test_w8a8_skinny_linear(lib, rng, scheme, M, N, K, out_dtype, bias):
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("cluster", fp8_build.W8A8_SKINNY_CLUSTERS)
-@pytest.mark.parametrize("M,K", [(64, 2176), (20, 576)])   # 17 steps; 5 steps (cluster 8: blocks without a step)
+@pytest.mark.parametrize("M,K", [(64, 2176), (20, 576), (128, 1152)])  # 17, 5 (c8: blocks without a step), 9 steps
 def test_w8a8_skinny_every_cluster(lib, rng, scheme, cluster, M, K):
     bufs, _, (x, q, s, b) = run_w8a8_skinny(lib, rng, scheme, M, 1000, K, "float32", True, cluster)
     check(bufs, x, q, s, b, scheme, "float32")
@@ -105,7 +108,7 @@ def run_blkq(lib, rng, M, N, K, out_dtype, bias, cluster=None):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,N,K,out_dtype,bias", CASES)
+@pytest.mark.parametrize("M,N,K,out_dtype,bias", [c for c in CASES if c[0] <= fp8_build.W8A8_SKINNY_MAX_ROWS])
 def test_w8a8_skinny_quantizing_in_kernel(lib, rng, M, N, K, out_dtype, bias):
     """blkq == quantize_fp8 (NumPy, the op the plan keeps) + linear_w8a8; the in-kernel e4m3 bytes and scales are
     those of the quantize op, so the only difference is the fp32 summation order."""
@@ -233,3 +236,4 @@ def test_w8a8_rows_up_to_64_take_the_skinny_kernel_without_cutlass(rows, mt):
     (rec,) = plan_linear(w8a8_op(rows, 4096, 4096, fp8.CHANNEL), "float32", None, None, decode=True).launch
     assert rec.fn == f"skinny_w8a8_ch_m{mt}c8_f32"
     assert rec.smem == fp8_build.skinny_w8a8_smem(mt) and rec.smem <= 227 * 1024
+    assert fp8_build.skinny_w8a8_smem(mt, qx=True) <= 227 * 1024 and fp8_build.skinny_w8a8_smem(128) <= 227 * 1024

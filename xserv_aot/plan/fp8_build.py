@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from xserv_aot import fp8
 from xserv_aot.plan.cutlass_build import NUM_SMS_H200
-from xserv_aot.plan.kernel_constants import SK_WARPS, skinny_smem, skinny_w8a8_smem
+from xserv_aot.plan.kernel_constants import skinny_smem, skinny_w8a8_rows, skinny_w8a8_smem
 from xserv_aot.plan.launch_records import i32, kernel, launch, library_call, ptr
 from xserv_aot.plan.linear_plan import GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS
 from xserv_aot.plan.nvrtc_build import KERNEL_DIR, KernelBuildError
@@ -20,7 +20,7 @@ FP8_SKINNY_FUSE_GATE = False              # as linear_plan.SKINNY_FUSE_GATE: gat
 QUANTIZE_WARPS = 8                        # (row, group) pairs per quantize_fp8 block
 SCHEME_TAG = {fp8.CHANNEL: "ch", fp8.BLOCK128: "blk"}
 W8A8_SKINNY_MAX_ROWS = 64                 # W8A8 linears of at most this many rows: kernels/gemm_skinny_w8a8.cu
-W8A8_SKINNY_ROWS = SK_WARPS * 32          # weight rows a W8A8 skinny block
+W8A8_SKINNY_TILES = (16, 32, 64, 128)     # batch-row tiles it is built for (128: bench only, CUTLASS routed there)
 W8A8_SKINNY_CLUSTERS = (1, 2, 4, 5, 8)    # blocks a cluster (splitting K) that the kernel file instantiates
 W8A8_QUANTIZE_IN_KERNEL = True            # block128 W8A8 skinny linears quantize their bf16 input themselves
 
@@ -79,10 +79,10 @@ def plan_w8a8(op: Linear, out_dtype: str, cutlass: dict | None) -> KernelChoice:
     return KernelChoice("cutlass_fp8", (call,), gemm_config=cfg)
 
 
-def w8a8_cluster(n: int, k: int) -> int:
-    """Blocks splitting K per 256-row tile: the cluster size whose grid fills the SMs best over its waves (the
-    smaller on ties), with at least one 128-k step a block."""
-    tiles, steps = -(-n // W8A8_SKINNY_ROWS), -(-k // 128)
+def w8a8_cluster(n: int, k: int, block_rows: int = skinny_w8a8_rows(64)) -> int:
+    """Blocks splitting K per tile of block_rows weight rows: the cluster size whose grid fills the SMs best over
+    its waves (the smaller on ties), with at least one 128-k step a block."""
+    tiles, steps = -(-n // block_rows), -(-k // 128)
 
     def fill(c: int) -> float:
         blocks = tiles * c
@@ -103,19 +103,21 @@ def plan_w8a8_skinny(op: Linear, out_dtype: str, cluster: int | None = None,
     """quantize_fp8's rows and scales x the e4m3 weight on mma.sync e4m3 (kernels/gemm_skinny_w8a8.cu); cluster:
     force the K split (tests, bench), by default w8a8_cluster; quantized_from: the bf16 buffer the fused
     quantize_fp8 reads (quantize_fuses_into): the kernel quantizes it itself (`blkq`)."""
-    mt = next(m for m in (16, 32, 64) if m >= op.rows)
-    c = cluster or w8a8_cluster(op.n, op.k)
+    mt = next(m for m in W8A8_SKINNY_TILES if m >= op.rows)
+    rows = skinny_w8a8_rows(mt)
+    c = cluster or w8a8_cluster(op.n, op.k, rows)
     if c not in W8A8_SKINNY_CLUSTERS:
         raise KernelBuildError(f"W8A8 skinny cluster {c} is not built (built: {W8A8_SKINNY_CLUSTERS})")
     suffix = "f32" if out_dtype == "float32" else "bf16"
     tail = [ptr(op.bias), ptr(op.out), i32(op.rows), i32(op.n), i32(op.k)]
     if quantized_from:
+        if mt > 64:
+            raise KernelBuildError(f"W8A8 skinny {op.weight}: no in-kernel quantize variant at {op.rows} rows")
         fn, args = f"skinny_w8a8_blkq_m{mt}c{c}_{suffix}", [ptr(quantized_from), ptr(op.weight), ptr(op.weight_scale)]
     else:
         fn = f"skinny_w8a8_{SCHEME_TAG[op.quant]}_m{mt}c{c}_{suffix}"
         args = [ptr(op.inp), ptr(op.inp_scale), ptr(op.weight), ptr(op.weight_scale)]
-    return kernel(launch(fn, [-(-op.n // W8A8_SKINNY_ROWS), c], [256], skinny_w8a8_smem(mt, bool(quantized_from)),
-                         args + tail))
+    return kernel(launch(fn, [-(-op.n // rows), c], [256], skinny_w8a8_smem(mt, bool(quantized_from)), args + tail))
 
 
 def plan_quantize(op: QuantizeFp8) -> KernelChoice:

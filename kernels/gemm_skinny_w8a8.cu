@@ -52,8 +52,8 @@ __device__ __forceinline__ float4 ld_cluster_v4(u32 local, u32 rank) {
     return v;
 }
 
-// RT m16 weight tiles a warp: 2 (256 rows a block) up to 64 batch rows, 1 (128 rows) at 128 (register budget).
-template <int MB, bool OUT_F32, bool BLK, int C, bool QX, int RT = (MB > 8 ? 1 : 2)>
+// RT m16 weight tiles a warp: 2 (256 rows a block; 1, 128 rows, at 128 batch rows: the register budget).
+template <int MB, bool OUT_F32, bool BLK, int C, bool QX, int RT>
 __device__ __forceinline__ void skinny_w8a8_impl(const void* __restrict__ XIN, const float* __restrict__ XS,
                                                  const e4m3* __restrict__ W, const float* __restrict__ WS,
                                                  const bf16* __restrict__ bias, void* __restrict__ out,
@@ -237,74 +237,90 @@ __device__ __forceinline__ void skinny_w8a8_impl(const void* __restrict__ XIN, c
 }
 
 // Grid (ceil(N / rows a block), C) of 256 threads, clusters (1, C, 1); dynamic shared memory skinny_w8a8_smem(MT, QX); M <= MT.
-#define SKINNY_W8A8_KERNELS(S, BLK, MT, CL)                                                                        \
-    extern "C" __global__ void __launch_bounds__(256, 1) __cluster_dims__(1, CL, 1) skinny_w8a8_##S##_m##MT##c##CL##_bf16( \
+// RT: m16 weight tiles a warp (TAG r1: one tile, 128-row blocks, below 128 batch rows).
+#define SKINNY_W8A8_KERNELS(S, BLK, MT, CL, RT, TAG)                                                              \
+    extern "C" __global__ void __launch_bounds__(256, 1) __cluster_dims__(1, CL, 1) skinny_w8a8_##S##_m##MT##TAG##c##CL##_bf16( \
         const e4m3* XQ, const float* XS, const e4m3* W, const float* WS, const bf16* bias, bf16* out, int M, int N, \
-        int K) { skinny_w8a8_impl<MT / 8, false, BLK, CL, false>(XQ, XS, W, WS, bias, out, M, N, K); }             \
-    extern "C" __global__ void __launch_bounds__(256, 1) __cluster_dims__(1, CL, 1) skinny_w8a8_##S##_m##MT##c##CL##_f32( \
+        int K) { skinny_w8a8_impl<MT / 8, false, BLK, CL, false, RT>(XQ, XS, W, WS, bias, out, M, N, K); }         \
+    extern "C" __global__ void __launch_bounds__(256, 1) __cluster_dims__(1, CL, 1) skinny_w8a8_##S##_m##MT##TAG##c##CL##_f32( \
         const e4m3* XQ, const float* XS, const e4m3* W, const float* WS, const bf16* bias, float* out, int M, int N, \
-        int K) { skinny_w8a8_impl<MT / 8, true, BLK, CL, false>(XQ, XS, W, WS, bias, out, M, N, K); }
+        int K) { skinny_w8a8_impl<MT / 8, true, BLK, CL, false, RT>(XQ, XS, W, WS, bias, out, M, N, K); }
 // blkq: the bf16 X quantized in the kernel (QX).
-#define SKINNY_W8A8_QX_KERNELS(MT, CL)                                                                             \
-    extern "C" __global__ void __launch_bounds__(256, 1) __cluster_dims__(1, CL, 1) skinny_w8a8_blkq_m##MT##c##CL##_bf16( \
+#define SKINNY_W8A8_QX_KERNELS(MT, CL, RT, TAG)                                                                    \
+    extern "C" __global__ void __launch_bounds__(256, 1) __cluster_dims__(1, CL, 1) skinny_w8a8_blkq_m##MT##TAG##c##CL##_bf16( \
         const bf16* X, const e4m3* W, const float* WS, const bf16* bias, bf16* out, int M, int N, int K) {        \
-        skinny_w8a8_impl<MT / 8, false, true, CL, true>(X, nullptr, W, WS, bias, out, M, N, K); }                \
-    extern "C" __global__ void __launch_bounds__(256, 1) __cluster_dims__(1, CL, 1) skinny_w8a8_blkq_m##MT##c##CL##_f32( \
+        skinny_w8a8_impl<MT / 8, false, true, CL, true, RT>(X, nullptr, W, WS, bias, out, M, N, K); }            \
+    extern "C" __global__ void __launch_bounds__(256, 1) __cluster_dims__(1, CL, 1) skinny_w8a8_blkq_m##MT##TAG##c##CL##_f32( \
         const bf16* X, const e4m3* W, const float* WS, const bf16* bias, float* out, int M, int N, int K) {       \
-        skinny_w8a8_impl<MT / 8, true, true, CL, true>(X, nullptr, W, WS, bias, out, M, N, K); }
+        skinny_w8a8_impl<MT / 8, true, true, CL, true, RT>(X, nullptr, W, WS, bias, out, M, N, K); }
 
-SKINNY_W8A8_KERNELS(ch, false, 16, 1)
-SKINNY_W8A8_KERNELS(ch, false, 16, 2)
-SKINNY_W8A8_KERNELS(ch, false, 16, 4)
-SKINNY_W8A8_KERNELS(ch, false, 16, 5)
-SKINNY_W8A8_KERNELS(ch, false, 16, 8)
-SKINNY_W8A8_KERNELS(ch, false, 32, 1)
-SKINNY_W8A8_KERNELS(ch, false, 32, 2)
-SKINNY_W8A8_KERNELS(ch, false, 32, 4)
-SKINNY_W8A8_KERNELS(ch, false, 32, 5)
-SKINNY_W8A8_KERNELS(ch, false, 32, 8)
-SKINNY_W8A8_KERNELS(ch, false, 64, 1)
-SKINNY_W8A8_KERNELS(ch, false, 64, 2)
-SKINNY_W8A8_KERNELS(ch, false, 64, 4)
-SKINNY_W8A8_KERNELS(ch, false, 64, 5)
-SKINNY_W8A8_KERNELS(ch, false, 64, 8)
-SKINNY_W8A8_KERNELS(blk, true, 16, 1)
-SKINNY_W8A8_KERNELS(blk, true, 16, 2)
-SKINNY_W8A8_KERNELS(blk, true, 16, 4)
-SKINNY_W8A8_KERNELS(blk, true, 16, 5)
-SKINNY_W8A8_KERNELS(blk, true, 16, 8)
-SKINNY_W8A8_KERNELS(blk, true, 32, 1)
-SKINNY_W8A8_KERNELS(blk, true, 32, 2)
-SKINNY_W8A8_KERNELS(blk, true, 32, 4)
-SKINNY_W8A8_KERNELS(blk, true, 32, 5)
-SKINNY_W8A8_KERNELS(blk, true, 32, 8)
-SKINNY_W8A8_KERNELS(blk, true, 64, 1)
-SKINNY_W8A8_KERNELS(blk, true, 64, 2)
-SKINNY_W8A8_KERNELS(blk, true, 64, 4)
-SKINNY_W8A8_KERNELS(blk, true, 64, 5)
-SKINNY_W8A8_KERNELS(blk, true, 64, 8)
-SKINNY_W8A8_KERNELS(ch, false, 128, 1)
-SKINNY_W8A8_KERNELS(ch, false, 128, 2)
-SKINNY_W8A8_KERNELS(ch, false, 128, 4)
-SKINNY_W8A8_KERNELS(ch, false, 128, 5)
-SKINNY_W8A8_KERNELS(ch, false, 128, 8)
-SKINNY_W8A8_KERNELS(blk, true, 128, 1)
-SKINNY_W8A8_KERNELS(blk, true, 128, 2)
-SKINNY_W8A8_KERNELS(blk, true, 128, 4)
-SKINNY_W8A8_KERNELS(blk, true, 128, 5)
-SKINNY_W8A8_KERNELS(blk, true, 128, 8)
-SKINNY_W8A8_QX_KERNELS(16, 1)
-SKINNY_W8A8_QX_KERNELS(16, 2)
-SKINNY_W8A8_QX_KERNELS(16, 4)
-SKINNY_W8A8_QX_KERNELS(16, 5)
-SKINNY_W8A8_QX_KERNELS(16, 8)
-SKINNY_W8A8_QX_KERNELS(32, 1)
-SKINNY_W8A8_QX_KERNELS(32, 2)
-SKINNY_W8A8_QX_KERNELS(32, 4)
-SKINNY_W8A8_QX_KERNELS(32, 5)
-SKINNY_W8A8_QX_KERNELS(32, 8)
-SKINNY_W8A8_QX_KERNELS(64, 1)
-SKINNY_W8A8_QX_KERNELS(64, 2)
-SKINNY_W8A8_QX_KERNELS(64, 4)
-SKINNY_W8A8_QX_KERNELS(64, 5)
-SKINNY_W8A8_QX_KERNELS(64, 8)
+SKINNY_W8A8_KERNELS(ch, false, 16, 1, 2, )
+SKINNY_W8A8_KERNELS(ch, false, 16, 2, 2, )
+SKINNY_W8A8_KERNELS(ch, false, 16, 4, 2, )
+SKINNY_W8A8_KERNELS(ch, false, 16, 5, 2, )
+SKINNY_W8A8_KERNELS(ch, false, 16, 8, 2, )
+SKINNY_W8A8_KERNELS(ch, false, 32, 1, 2, )
+SKINNY_W8A8_KERNELS(ch, false, 32, 2, 2, )
+SKINNY_W8A8_KERNELS(ch, false, 32, 4, 2, )
+SKINNY_W8A8_KERNELS(ch, false, 32, 5, 2, )
+SKINNY_W8A8_KERNELS(ch, false, 32, 8, 2, )
+SKINNY_W8A8_KERNELS(ch, false, 64, 1, 2, )
+SKINNY_W8A8_KERNELS(ch, false, 64, 2, 2, )
+SKINNY_W8A8_KERNELS(ch, false, 64, 4, 2, )
+SKINNY_W8A8_KERNELS(ch, false, 64, 5, 2, )
+SKINNY_W8A8_KERNELS(ch, false, 64, 8, 2, )
+SKINNY_W8A8_KERNELS(ch, false, 128, 1, 1, )
+SKINNY_W8A8_KERNELS(ch, false, 128, 2, 1, )
+SKINNY_W8A8_KERNELS(ch, false, 128, 4, 1, )
+SKINNY_W8A8_KERNELS(ch, false, 128, 5, 1, )
+SKINNY_W8A8_KERNELS(ch, false, 128, 8, 1, )
+SKINNY_W8A8_KERNELS(ch, false, 64, 1, 1, r1)
+SKINNY_W8A8_KERNELS(ch, false, 64, 2, 1, r1)
+SKINNY_W8A8_KERNELS(ch, false, 64, 4, 1, r1)
+SKINNY_W8A8_KERNELS(ch, false, 64, 5, 1, r1)
+SKINNY_W8A8_KERNELS(ch, false, 64, 8, 1, r1)
+SKINNY_W8A8_KERNELS(blk, true, 16, 1, 2, )
+SKINNY_W8A8_KERNELS(blk, true, 16, 2, 2, )
+SKINNY_W8A8_KERNELS(blk, true, 16, 4, 2, )
+SKINNY_W8A8_KERNELS(blk, true, 16, 5, 2, )
+SKINNY_W8A8_KERNELS(blk, true, 16, 8, 2, )
+SKINNY_W8A8_KERNELS(blk, true, 32, 1, 2, )
+SKINNY_W8A8_KERNELS(blk, true, 32, 2, 2, )
+SKINNY_W8A8_KERNELS(blk, true, 32, 4, 2, )
+SKINNY_W8A8_KERNELS(blk, true, 32, 5, 2, )
+SKINNY_W8A8_KERNELS(blk, true, 32, 8, 2, )
+SKINNY_W8A8_KERNELS(blk, true, 64, 1, 2, )
+SKINNY_W8A8_KERNELS(blk, true, 64, 2, 2, )
+SKINNY_W8A8_KERNELS(blk, true, 64, 4, 2, )
+SKINNY_W8A8_KERNELS(blk, true, 64, 5, 2, )
+SKINNY_W8A8_KERNELS(blk, true, 64, 8, 2, )
+SKINNY_W8A8_KERNELS(blk, true, 128, 1, 1, )
+SKINNY_W8A8_KERNELS(blk, true, 128, 2, 1, )
+SKINNY_W8A8_KERNELS(blk, true, 128, 4, 1, )
+SKINNY_W8A8_KERNELS(blk, true, 128, 5, 1, )
+SKINNY_W8A8_KERNELS(blk, true, 128, 8, 1, )
+SKINNY_W8A8_KERNELS(blk, true, 64, 1, 1, r1)
+SKINNY_W8A8_KERNELS(blk, true, 64, 2, 1, r1)
+SKINNY_W8A8_KERNELS(blk, true, 64, 4, 1, r1)
+SKINNY_W8A8_KERNELS(blk, true, 64, 5, 1, r1)
+SKINNY_W8A8_KERNELS(blk, true, 64, 8, 1, r1)
+SKINNY_W8A8_QX_KERNELS(16, 1, 2, )
+SKINNY_W8A8_QX_KERNELS(16, 2, 2, )
+SKINNY_W8A8_QX_KERNELS(16, 4, 2, )
+SKINNY_W8A8_QX_KERNELS(16, 5, 2, )
+SKINNY_W8A8_QX_KERNELS(16, 8, 2, )
+SKINNY_W8A8_QX_KERNELS(32, 1, 2, )
+SKINNY_W8A8_QX_KERNELS(32, 2, 2, )
+SKINNY_W8A8_QX_KERNELS(32, 4, 2, )
+SKINNY_W8A8_QX_KERNELS(32, 5, 2, )
+SKINNY_W8A8_QX_KERNELS(32, 8, 2, )
+SKINNY_W8A8_QX_KERNELS(64, 1, 2, )
+SKINNY_W8A8_QX_KERNELS(64, 2, 2, )
+SKINNY_W8A8_QX_KERNELS(64, 4, 2, )
+SKINNY_W8A8_QX_KERNELS(64, 5, 2, )
+SKINNY_W8A8_QX_KERNELS(64, 8, 2, )
+SKINNY_W8A8_QX_KERNELS(64, 1, 1, r1)
+SKINNY_W8A8_QX_KERNELS(64, 2, 1, r1)
+SKINNY_W8A8_QX_KERNELS(64, 4, 1, r1)
+SKINNY_W8A8_QX_KERNELS(64, 5, 1, r1)
+SKINNY_W8A8_QX_KERNELS(64, 8, 1, r1)

@@ -169,7 +169,8 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
     old: W8A16 skinny (rows <= 64, what fp8_w8a16_max_rows 64 plans run), quantize_fp8 + CUTLASS W8A8 (more rows,
     with --lib); new: quantize_fp8 + the W8A8 skinny kernel (rows <= 128; above 64 bench only, not routed), the
     planned cluster, then the GEMM alone at every built cluster size; fused: for block128 at <= 64 rows the kernel
-    quantizing its bf16 input itself (blkq, what the plan routes). ms per call (graph replay, weights rotated over
+    quantizing its bf16 input itself (blkq, what the plan routes); -r1: the same with 128-row blocks at 33-64 rows
+    (fp8_build.W8A8_SKINNY_HALF). ms per call (graph replay, weights rotated over
     copies beyond L2), GB/s of weight bytes; the last lines sum 36 layers per row count."""
     from xserv_aot.plan.fp8_build import (W8A8_SKINNY_CLUSTERS, W8A8_SKINNY_MAX_ROWS, W8A8_SKINNY_TILES,
                                           plan_w8a8_skinny)
@@ -237,12 +238,23 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
                             bodies.append((f"new quantize + {rec.fn}", kinds,
                                            lambda j, ls=ls: (ql(stream()), ls[j](stream()))))
                         bodies.append((f"  gemm alone {rec.fn}", (), lambda j, ls=ls: ls[j](stream())))
-                    if scheme == fp8.BLOCK128 and M <= W8A8_SKINNY_MAX_ROWS:     # quantize folded in (blkq)
-                        rec = plan_w8a8_skinny(op8, "bfloat16", quantized_from="x").launch[0]
+                    half = plan_w8a8_skinny(op8, "bfloat16", half=True).launch[0]
+                    if half.fn != planned.fn:                  # 33-64 rows: the 128-row blocks (r1) too
+                        ls = launches(kern, half, [[("ptr", xq.data_ptr()), ("ptr", xs.data_ptr()),
+                                                    ("ptr", w.data_ptr()), ("ptr", s.data_ptr()), ("ptr", 0),
+                                                    ("ptr", y.data_ptr()), ("i32", M), ("i32", N), ("i32", K)]
+                                                   for w, s in ws])
+                        bodies.append((f"new-r1 quantize + {half.fn}", ("new-r1",),
+                                       lambda j, ls=ls: (ql(stream()), ls[j](stream()))))
+                    for h in (False, True) if scheme == fp8.BLOCK128 and M <= W8A8_SKINNY_MAX_ROWS else ():
+                        rec = plan_w8a8_skinny(op8, "bfloat16", quantized_from="x", half=h).launch[0]
+                        if h and rec.fn.replace("r1", "") == rec.fn:
+                            continue
                         ls = launches(kern, rec, [[("ptr", x.data_ptr()), ("ptr", w.data_ptr()), ("ptr", s.data_ptr()),
                                                    ("ptr", 0), ("ptr", y.data_ptr()), ("i32", M), ("i32", N),
                                                    ("i32", K)] for w, s in ws])
-                        bodies.append((f"new fused {rec.fn}", ("fused",), lambda j, ls=ls: ls[j](stream())))
+                        bodies.append((f"new fused {rec.fn}", ("fused-r1" if h else "fused",),
+                                       lambda j, ls=ls: ls[j](stream())))
                 for variant, kinds, body in bodies:
                     y.fill_(float("nan"))
                     body(0)
@@ -258,9 +270,9 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
             torch.cuda.empty_cache()
     for scheme in schemes:
         for M in rows_list:
-            old, new, fused = (total.get((scheme, M, k)) for k in ("old", "new", "fused"))
-            if old is not None and new is not None:
+            old = total.get((scheme, M, "old"))
+            news = [(k, total[(scheme, M, k)]) for k in ("new", "fused", "new-r1", "fused-r1") if (scheme, M, k) in total]
+            if old is not None and news:
                 print(f"Qwen3-8B FP8 layer linears ({scheme}, rows {M}, 36 layers, quantize included): old "
-                      f"{old:.3f} ms/step, new {new:.3f} ms/step ({old / new:.2f}x)"
-                      + (f", new with the quantize in the kernel {fused:.3f} ({old / fused:.2f}x)" if fused else ""))
+                      f"{old:.3f} ms/step; " + ", ".join(f"{k} {t:.3f} ({old / t:.2f}x)" for k, t in news))
 

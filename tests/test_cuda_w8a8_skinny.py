@@ -18,7 +18,7 @@ from xserv_aot.plan.op_records import Linear, QuantizeFp8
 from xserv_aot.runtime import numpy_ops
 
 
-def run_w8a8_skinny(lib, rng, scheme, M, N, K, out_dtype, bias, cluster=None):
+def run_w8a8_skinny(lib, rng, scheme, M, N, K, out_dtype, bias, cluster=None, half=False):
     """quantize_fp8 (device) + the W8A8 skinny kernel; -> (bufs, records, (x, q, s, b))."""
     q, s = make_weight(rng, N, K, scheme)
     x = bf(rng.standard_normal((M, K), dtype=np.float32) * np.exp(rng.uniform(-2, 2, (M, 1))).astype(np.float32))
@@ -27,8 +27,8 @@ def run_w8a8_skinny(lib, rng, scheme, M, N, K, out_dtype, bias, cluster=None):
     qop = QuantizeFp8(rows=M, inp="x", out="xq", scale="xs", k=K, group=group)
     op = Linear(rows=M, n=N, k=K, inp="xq", inp_scale="xs", weight="w", bias="b" if bias else None, out="out",
                 weight_scale="w.scale", quant=scheme)
-    direct = cluster or M > fp8_build.W8A8_SKINNY_MAX_ROWS                # 128-row tiles: bench only, not routed
-    choice = (fp8_build.plan_w8a8_skinny(op, out_dtype, cluster) if direct else
+    direct = cluster or half or M > fp8_build.W8A8_SKINNY_MAX_ROWS        # 128-row tiles: bench only, not routed
+    choice = (fp8_build.plan_w8a8_skinny(op, out_dtype, cluster, half=half) if direct else
               plan_linear(op, out_dtype, None, None, decode=True))
     assert choice.kernel.startswith(f"skinny_w8a8_{fp8_build.SCHEME_TAG[scheme]}_"), choice.kernel
     bufs = {"x": lib.to_device(x, "bfloat16"), "w": to_dev_fp8(lib, q), "w.scale": lib.to_device(s),
@@ -90,7 +90,7 @@ def test_w8a8_skinny_every_cluster(lib, rng, scheme, cluster, M, K):
     check(bufs, x, q, s, b, scheme, "float32")
 
 
-def run_blkq(lib, rng, M, N, K, out_dtype, bias, cluster=None):
+def run_blkq(lib, rng, M, N, K, out_dtype, bias, cluster=None, half=False):
     """The blkq kernel (bf16 X quantized in the kernel); -> (out, x, q, s, b, record)."""
     q, s = make_weight(rng, N, K, fp8.BLOCK128)
     x = bf(rng.standard_normal((M, K), dtype=np.float32) * np.exp(rng.uniform(-2, 2, (M, 1))).astype(np.float32))
@@ -98,7 +98,7 @@ def run_blkq(lib, rng, M, N, K, out_dtype, bias, cluster=None):
     b = bf(rng.standard_normal(N)) if bias else None
     op = Linear(rows=M, n=N, k=K, inp="xq", inp_scale="xs", weight="w", bias="b" if bias else None, out="out",
                 weight_scale="w.scale", quant=fp8.BLOCK128)
-    (rec,) = fp8_build.plan_w8a8_skinny(op, out_dtype, cluster, quantized_from="x").launch
+    (rec,) = fp8_build.plan_w8a8_skinny(op, out_dtype, cluster, quantized_from="x", half=half).launch
     assert rec.fn.startswith("skinny_w8a8_blkq_")
     bufs = {"x": lib.to_device(x, "bfloat16"), "w": to_dev_fp8(lib, q), "w.scale": lib.to_device(s),
             "b": lib.to_device(b, "bfloat16") if bias else None, "out": lib.empty((M, N), out_dtype)}
@@ -125,6 +125,20 @@ def test_w8a8_skinny_quantizing_in_kernel(lib, rng, M, N, K, out_dtype, bias):
 @pytest.mark.parametrize("cluster", fp8_build.W8A8_SKINNY_CLUSTERS)
 def test_w8a8_skinny_quantizing_in_kernel_every_cluster(lib, rng, cluster):
     bufs, _, (x, q, s, b) = run_blkq(lib, rng, 33, 1000, 2176, "float32", True, cluster)
+    xq, xs = numpy_ops.quantize_fp8(x, fp8.BLOCK)
+    assert rel_err(bufs["out"].numpy(), numpy_ops.linear_w8a8(xq, xs, q, s, fp8.BLOCK128, b)) <= 3e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K,cluster", [(64, 4096, 4096, None), (40, 1000, 592, None), (64, 1000, 2176, 5)])
+def test_w8a8_skinny_half_width_blocks(lib, rng, M, N, K, cluster):
+    """The r1 variants (128-row blocks at 33-64 rows), both schemes and the in-kernel quantize."""
+    for scheme in SCHEMES:
+        bufs, recs, (x, q, s, b) = run_w8a8_skinny(lib, rng, scheme, M, N, K, "float32", True, cluster, half=True)
+        assert "r1c" in recs[-1].fn
+        check(bufs, x, q, s, b, scheme, "float32")
+    bufs, rec, (x, q, s, b) = run_blkq(lib, rng, M, N, K, "float32", True, cluster, half=True)
+    assert "r1c" in rec.fn
     xq, xs = numpy_ops.quantize_fp8(x, fp8.BLOCK)
     assert rel_err(bufs["out"].numpy(), numpy_ops.linear_w8a8(xq, xs, q, s, fp8.BLOCK128, b)) <= 3e-5
 

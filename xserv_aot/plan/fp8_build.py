@@ -23,6 +23,7 @@ W8A8_SKINNY_MAX_ROWS = 64                 # W8A8 linears of at most this many ro
 W8A8_SKINNY_TILES = (16, 32, 64, 128)     # batch-row tiles it is built for (128: bench only, CUTLASS routed there)
 W8A8_SKINNY_CLUSTERS = (1, 2, 4, 5, 8)    # blocks a cluster (splitting K) that the kernel file instantiates
 W8A8_QUANTIZE_IN_KERNEL = True            # block128 W8A8 skinny linears quantize their bf16 input themselves
+W8A8_SKINNY_HALF = False                  # 33-64 rows: 128-row blocks (r1, no spills) instead of 256-row ones
 
 
 def host_signatures() -> dict[str, list[dict]]:
@@ -98,26 +99,29 @@ def quantize_fuses_into(qop: QuantizeFp8, nxt) -> bool:
             and qop.rows == nxt.rows and qop.k == nxt.k)
 
 
-def plan_w8a8_skinny(op: Linear, out_dtype: str, cluster: int | None = None,
-                     quantized_from: str | None = None) -> KernelChoice:
+def plan_w8a8_skinny(op: Linear, out_dtype: str, cluster: int | None = None, quantized_from: str | None = None,
+                     half: bool = W8A8_SKINNY_HALF) -> KernelChoice:
     """quantize_fp8's rows and scales x the e4m3 weight on mma.sync e4m3 (kernels/gemm_skinny_w8a8.cu); cluster:
     force the K split (tests, bench), by default w8a8_cluster; quantized_from: the bf16 buffer the fused
-    quantize_fp8 reads (quantize_fuses_into): the kernel quantizes it itself (`blkq`)."""
+    quantize_fp8 reads (quantize_fuses_into): the kernel quantizes it itself (`blkq`); half: the 128-row blocks
+    (`r1`, one m16 weight tile a warp) at 33-64 rows."""
     mt = next(m for m in W8A8_SKINNY_TILES if m >= op.rows)
-    rows = skinny_w8a8_rows(mt)
+    half = half and mt == 64
+    rows = skinny_w8a8_rows(mt, half)
     c = cluster or w8a8_cluster(op.n, op.k, rows)
     if c not in W8A8_SKINNY_CLUSTERS:
         raise KernelBuildError(f"W8A8 skinny cluster {c} is not built (built: {W8A8_SKINNY_CLUSTERS})")
-    suffix = "f32" if out_dtype == "float32" else "bf16"
+    suffix, tile = "f32" if out_dtype == "float32" else "bf16", f"m{mt}{'r1' if half else ''}c{c}"
     tail = [ptr(op.bias), ptr(op.out), i32(op.rows), i32(op.n), i32(op.k)]
     if quantized_from:
         if mt > 64:
             raise KernelBuildError(f"W8A8 skinny {op.weight}: no in-kernel quantize variant at {op.rows} rows")
-        fn, args = f"skinny_w8a8_blkq_m{mt}c{c}_{suffix}", [ptr(quantized_from), ptr(op.weight), ptr(op.weight_scale)]
+        fn, args = f"skinny_w8a8_blkq_{tile}_{suffix}", [ptr(quantized_from), ptr(op.weight), ptr(op.weight_scale)]
     else:
-        fn = f"skinny_w8a8_{SCHEME_TAG[op.quant]}_m{mt}c{c}_{suffix}"
+        fn = f"skinny_w8a8_{SCHEME_TAG[op.quant]}_{tile}_{suffix}"
         args = [ptr(op.inp), ptr(op.inp_scale), ptr(op.weight), ptr(op.weight_scale)]
-    return kernel(launch(fn, [-(-op.n // rows), c], [256], skinny_w8a8_smem(mt, bool(quantized_from)), args + tail))
+    return kernel(launch(fn, [-(-op.n // rows), c], [256], skinny_w8a8_smem(mt, bool(quantized_from), half),
+                         args + tail))
 
 
 def plan_quantize(op: QuantizeFp8) -> KernelChoice:

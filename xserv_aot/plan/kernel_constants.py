@@ -32,16 +32,17 @@ def skinny_smem(mt: int) -> int:
     return max(SK_WARPS * SK_STAGES * SK_RT * 16 * 128, SK_WARPS * SK_RT * (mt // 8) * 4 * 32 * 4)
 
 
-def skinny_w8a8_rows(mt: int) -> int:
-    """Weight rows a kernels/gemm_skinny_w8a8.cu block: SK_WARPS warps x 2 m16 tiles, 1 tile at 128 batch rows."""
-    return SK_WARPS * 16 * (1 if mt > 64 else 2)
+def skinny_w8a8_rows(mt: int, half: bool = False) -> int:
+    """Weight rows a kernels/gemm_skinny_w8a8.cu block: SK_WARPS warps x 2 m16 tiles, 1 tile at 128 batch rows or
+    in the half-width (`r1`) variants."""
+    return SK_WARPS * 16 * (1 if mt > 64 or half else 2)
 
 
-def skinny_w8a8_smem(mt: int, qx: bool = False) -> int:
+def skinny_w8a8_smem(mt: int, qx: bool = False, half: bool = False) -> int:
     """Dynamic shared memory (bytes) of a kernels/gemm_skinny_w8a8.cu block for mt batch rows: SW8_STAGES steps of
     skinny_w8a8_rows weight lines of 128 B and the X tile: mt e4m3 lines + mt float scales, or (qx) mt bf16 lines
     of 256 B, then one e4m3 tile + scales; the partial sums [mt, rows + 4] floats reuse it."""
-    rows = skinny_w8a8_rows(mt)
+    rows = skinny_w8a8_rows(mt, half)
     stage = rows * 128 + (mt * 256 if qx else mt * 128 + mt * 4)
     return max(SW8_STAGES * stage + (mt * 128 + mt * 4 if qx else 0), mt * (rows + 4) * 4)
 

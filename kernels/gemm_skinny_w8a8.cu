@@ -177,8 +177,7 @@ __device__ __forceinline__ void skinny_w8a8_impl(const void* __restrict__ XIN, c
             }
 #pragma unroll
             for (int rt = 0; rt < RT; rt++) {
-                float tmp[4] = {0.f, 0.f, 0.f, 0.f};
-                float* d = BLK ? tmp : acc[rt][mb];
+                float d[4] = {0.f, 0.f, 0.f, 0.f};      // the step's sum, promoted to fp32 (FP8 MMA sums are short)
 #pragma unroll
                 for (int q = 0; q < 2; q++) {
                     const uint4 &lo = a[rt][0][q], &hi = a[rt][1][q];
@@ -186,10 +185,13 @@ __device__ __forceinline__ void skinny_w8a8_impl(const void* __restrict__ XIN, c
                     mma_e4m3(d, lo.z, hi.z, lo.w, hi.w, b[q].z, b[q].w);
                 }
                 if (BLK) {
-                    acc[rt][mb][0] += tmp[0] * s.x;
-                    acc[rt][mb][1] += tmp[1] * s.y;
-                    acc[rt][mb][2] += tmp[2] * s.x;
-                    acc[rt][mb][3] += tmp[3] * s.y;
+                    acc[rt][mb][0] += d[0] * s.x;
+                    acc[rt][mb][1] += d[1] * s.y;
+                    acc[rt][mb][2] += d[2] * s.x;
+                    acc[rt][mb][3] += d[3] * s.y;
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) acc[rt][mb][e] += d[e];
                 }
             }
         }

@@ -54,7 +54,7 @@ def check(bufs, x, q, s, b, scheme, out_dtype):
         cols = slice(g * group, min(K, (g + 1) * group))
         ref += (xq[:, cols].astype(np.float64) * xs[:, g:g + 1]) @ wr[:, cols].T
     ref += 0 if b is None else b.astype(np.float64)
-    tol = 1e-2 if out_dtype == "bfloat16" else 3e-5
+    tol = 1e-2 if out_dtype == "bfloat16" else 3e-4           # FP8 tensor-core sums carry fewer than 23 bits
     assert rel_err(out, want) <= tol and rel_err(out, ref) <= tol
     # against the unquantized activations: the W8A8 error stays at the e4m3 level
     assert rel_err(out, x.astype(np.float64) @ wr.T + (0 if b is None else b)) <= 6e-2
@@ -115,7 +115,7 @@ def test_w8a8_skinny_quantizing_in_kernel(lib, rng, M, N, K, out_dtype, bias):
     bufs, _, (x, q, s, b) = run_blkq(lib, rng, M, N, K, out_dtype, bias)
     xq, xs = numpy_ops.quantize_fp8(x, fp8.BLOCK)
     out = bufs["out"].numpy()
-    tol = 1e-2 if out_dtype == "bfloat16" else 3e-5
+    tol = 1e-2 if out_dtype == "bfloat16" else 3e-4
     assert rel_err(out, numpy_ops.linear_w8a8(xq, xs, q, s, fp8.BLOCK128, b)) <= tol
     wr = ref_weight_real(q, s, fp8.BLOCK128)
     assert rel_err(out, x.astype(np.float64) @ wr.T + (0 if b is None else b)) <= 6e-2
@@ -126,7 +126,7 @@ def test_w8a8_skinny_quantizing_in_kernel(lib, rng, M, N, K, out_dtype, bias):
 def test_w8a8_skinny_quantizing_in_kernel_every_cluster(lib, rng, cluster):
     bufs, _, (x, q, s, b) = run_blkq(lib, rng, 33, 1000, 2176, "float32", True, cluster)
     xq, xs = numpy_ops.quantize_fp8(x, fp8.BLOCK)
-    assert rel_err(bufs["out"].numpy(), numpy_ops.linear_w8a8(xq, xs, q, s, fp8.BLOCK128, b)) <= 3e-5
+    assert rel_err(bufs["out"].numpy(), numpy_ops.linear_w8a8(xq, xs, q, s, fp8.BLOCK128, b)) <= 3e-4
 
 
 @pytest.mark.gpu
@@ -140,7 +140,7 @@ def test_w8a8_skinny_half_width_blocks(lib, rng, M, N, K, cluster):
     bufs, rec, (x, q, s, b) = run_blkq(lib, rng, M, N, K, "float32", True, cluster, half=True)
     assert "r1c" in rec.fn
     xq, xs = numpy_ops.quantize_fp8(x, fp8.BLOCK)
-    assert rel_err(bufs["out"].numpy(), numpy_ops.linear_w8a8(xq, xs, q, s, fp8.BLOCK128, b)) <= 3e-5
+    assert rel_err(bufs["out"].numpy(), numpy_ops.linear_w8a8(xq, xs, q, s, fp8.BLOCK128, b)) <= 3e-4
 
 
 @pytest.mark.gpu

@@ -180,6 +180,8 @@ class BuildConfig:
     quantize_lm_head: bool = False        # fp8: the lm_head too (embedding and norms always stay in dtype)
     fp8_w8a16_max_rows: int = 64          # fp8: linears of at most this many rows read bf16 activations (W8A16),
                                           # larger ones quantize them per token (W8A8), plan/ops.linear_ops
+    fp8_quantize_in_producer: bool = False  # fp8, CUDA: rmsnorm / add_rmsnorm / silu_mul also write the next
+                                          # quantize_fp8's output (plan/fp8_build.producer_fuses_quantize)
 
     @property
     def prefill_chunk(self) -> int:
@@ -237,7 +239,7 @@ class BuildConfig:
                 or isinstance(self.fp8_w8a16_max_rows, bool):
             raise ConfigError(f"fp8_w8a16_max_rows {self.fp8_w8a16_max_rows!r} must be an integer in 2..64 (rows 1-2 "
                               f"are always W8A16 GEMVs; the W8A16 skinny kernels end at 64 rows)")
-        for name in ("gemm_library", "pdl", "quantize_lm_head"):
+        for name in ("gemm_library", "pdl", "quantize_lm_head", "fp8_quantize_in_producer"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.decode_buckets = sorted(set(int(b) for b in self.decode_buckets))

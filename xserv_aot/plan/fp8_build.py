@@ -11,7 +11,7 @@ from xserv_aot.plan.kernel_constants import skinny_smem, skinny_w8a8_rows, skinn
 from xserv_aot.plan.launch_records import i32, kernel, launch, library_call, ptr
 from xserv_aot.plan.linear_plan import GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS
 from xserv_aot.plan.nvrtc_build import KERNEL_DIR, KernelBuildError
-from xserv_aot.plan.op_records import KernelChoice, Linear, QuantizeFp8
+from xserv_aot.plan.op_records import AddRmsNorm, KernelChoice, Linear, QuantizeFp8, RmsNorm, SiluMul
 from xserv_aot.plan.signatures import host_signature
 
 FP8_ENTRY = "xserv_gemm_fp8"              # the CUTLASS library's W8A8 entry point
@@ -97,6 +97,17 @@ def quantize_fuses_into(qop: QuantizeFp8, nxt) -> bool:
     return (W8A8_QUANTIZE_IN_KERNEL and isinstance(nxt, Linear) and nxt.inp == qop.out and nxt.inp_scale == qop.scale
             and nxt.quant == fp8.BLOCK128 and nxt.rows <= W8A8_SKINNY_MAX_ROWS and qop.group == fp8.BLOCK
             and qop.rows == nxt.rows and qop.k == nxt.k)
+
+
+def producer_fuses_quantize(prod, qop, after, enabled: bool) -> bool:
+    """Whether rmsnorm / add_rmsnorm / silu_mul `prod` also writes the next op's quantize_fp8 output (build setting
+    fp8_quantize_in_producer): groups of 128 (norms: or the whole row), unless the linear after quantizes itself."""
+    if not (enabled and isinstance(qop, QuantizeFp8) and qop.inp == prod.out and qop.rows == prod.rows) \
+            or quantize_fuses_into(qop, after):
+        return False
+    if isinstance(prod, SiluMul):
+        return qop.group == fp8.BLOCK and qop.k == prod.inter and prod.inter % fp8.BLOCK == 0
+    return isinstance(prod, (RmsNorm, AddRmsNorm)) and qop.group in (fp8.BLOCK, qop.k)
 
 
 def plan_w8a8_skinny(op: Linear, out_dtype: str, cluster: int | None = None, quantized_from: str | None = None,

@@ -13,6 +13,7 @@ from typing import Callable
 
 from xserv_aot.plan.kernel_constants import G_MAX, NORM_NC, P_KEYS
 from xserv_aot.plan.attention_plan import fuses_rope, plan_attention
+from xserv_aot.plan.fp8_build import producer_fuses_quantize
 from xserv_aot.plan.launch_records import check_launches, f32, i32, kernel, kv, launch, ptr
 from xserv_aot.plan.linear_plan import (CUTLASS_MIN_ROWS, GEMM_ENTRY, GEMM_ENTRY_EX, GEMM_SOURCE,  # noqa: F401
                                         GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS, SWAP_MIN_ROWS, plan_linear,
@@ -38,6 +39,9 @@ def add_arena_buffer(manifest: dict, name: str, shape: list[int], dtype: str) ->
         arena["buffers"][name] = info.to_dict()
 
 
+QUANTIZING_PRODUCERS = ("rmsnorm_q", "add_rmsnorm_q", "silu_mul_q")   # they write the next quantize_fp8's output
+
+
 def norm_threads(hidden: int) -> int:
     return min(1024, -(-(hidden // 8) // 32) * 32)
 
@@ -50,23 +54,26 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
     nh, nkv = m["num_heads"], m["num_kv_heads"]
     num_slots, block_size = kv_slots(kvc), kvc["shape"][3]
     arena = manifest["arena"]["buffers"]
+    fuse_quantize = bool(manifest["build"].get("fp8_quantize_in_producer"))
     row_threads = [min(ELEMWISE_THREADS, hidden // 8)]
     out: list[KernelChoice] = []
     for idx, op in enumerate(ops):
         rows, nxt = op.rows, ops[idx + 1] if idx + 1 < len(ops) else None
+        after = ops[idx + 2] if idx + 2 < len(ops) else None
         if isinstance(op, ResolveInputIds):
             c = kernel(launch("resolve_input_ids", [-(-rows // ELEMWISE_THREADS)], [ELEMWISE_THREADS], 0,
                               [ptr(op.ids), ptr(op.prev_rows), ptr(op.sampled), i32(rows)]))
         elif isinstance(op, Embedding):
             c = kernel(launch("embedding", [rows], row_threads, 0,
                               [ptr(op.ids), ptr(op.table), ptr(op.out), i32(hidden), i32(vocab)]))
-        elif isinstance(op, RmsNorm):
-            c = kernel(launch("rmsnorm", [rows], [norm_threads(hidden)], 0,
-                              [ptr(op.inp), ptr(op.weight), ptr(op.out), i32(hidden), f32(op.eps)]))
-        elif isinstance(op, AddRmsNorm):
-            c = kernel(launch("add_rmsnorm", [rows], [norm_threads(hidden)], 0,
-                              [ptr(op.residual), ptr(op.delta), ptr(op.weight), ptr(op.out), i32(hidden),
-                               f32(op.eps)]))
+        elif isinstance(op, (RmsNorm, AddRmsNorm)):
+            head = [ptr(op.inp)] if isinstance(op, RmsNorm) else [ptr(op.residual), ptr(op.delta)]
+            fn, tail = op.op, []
+            if producer_fuses_quantize(op, nxt, after, fuse_quantize):
+                fn, tail = f"{op.op}_q", [ptr(nxt.out), ptr(nxt.scale)]
+            c = kernel(launch(fn, [rows], [norm_threads(hidden)], 0,
+                              head + [ptr(op.weight), ptr(op.out)] + tail + [i32(hidden), f32(op.eps)] +
+                              ([i32(nxt.group)] if tail else [])))
         elif isinstance(op, GatherRows):
             c = kernel(launch("gather_rows", [rows], row_threads, 0,
                               [ptr(op.inp), ptr(op.indices), ptr(op.out), i32(hidden), i32(arena[op.inp]["shape"][0])]))
@@ -75,8 +82,10 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             if prev_choice and prev_choice.fused_silu_out == op.out and getattr(prev, "out", None) == op.inp:
                 c = KernelChoice("fused_into_previous")
             else:
-                c = kernel(launch("silu_mul", [min(-(-(rows * op.inter // 8) // 256), 4096)], [256], 0,
-                                  [ptr(op.inp), ptr(op.out), i32(rows), i32(op.inter)]))
+                q = producer_fuses_quantize(op, nxt, after, fuse_quantize)
+                c = kernel(launch("silu_mul_q" if q else "silu_mul", [min(-(-(rows * op.inter // 8) // 256), 4096)],
+                                  [256], 0, [ptr(op.inp), ptr(op.out)] + ([ptr(nxt.out), ptr(nxt.scale)] if q else [])
+                                  + [i32(rows), i32(op.inter)]))
         elif isinstance(op, Linear) and idx and out[-1].kernel == "fused_into_next" and isinstance(ops[idx - 1],
                                                                                                  QuantizeFp8):
             from xserv_aot.plan.fp8_build import plan_w8a8_skinny
@@ -86,7 +95,10 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             c = plan_linear(op, arena[op.out]["dtype"], fuse, cutlass, kind == "decode")
         elif isinstance(op, QuantizeFp8):
             from xserv_aot.plan.fp8_build import plan_quantize, quantize_fuses_into
-            c = KernelChoice("fused_into_next") if quantize_fuses_into(op, nxt) else plan_quantize(op)
+            if out[-1].kernel in QUANTIZING_PRODUCERS:
+                c = KernelChoice("fused_into_previous")
+            else:
+                c = KernelChoice("fused_into_next") if quantize_fuses_into(op, nxt) else plan_quantize(op)
         elif isinstance(op, QkNormRopeCache) and isinstance(nxt, Attention) and fuses_rope(kind, op, nxt):
             c = KernelChoice("fused_into_next")
         elif isinstance(op, QkNormRopeCache):

@@ -64,8 +64,13 @@ __device__ __forceinline__ void skinny_w8a8_impl(const void* __restrict__ XIN, c
     constexpr int SW8_PSTRIDE = SW8_ROWS + 4;      // floats a batch row of the partial sums (conflict-free stores)
     // stage: weight lines, then QX: the bf16 X tile (MT x 256 B); else the e4m3 X tile and its MT scales
     constexpr int STAGE = W_BYTES + (QX ? MT * 256 : X_BYTES + MT * 4);
-    const e4m3* XQ = (const e4m3*)XIN;
-    const bf16* XB = (const bf16*)XIN;
+    // grid z: MT-row slices of the batch (more than MT rows; a slice's blocks re-read the weights from L2)
+    const int m0 = blockIdx.z * MT;
+    M -= m0;
+    const e4m3* XQ = (const e4m3*)XIN + (size_t)m0 * K;
+    const bf16* XB = (const bf16*)XIN + (size_t)m0 * K;
+    if (!QX) XS += BLK ? (size_t)m0 * ((K + 127) >> 7) : (size_t)m0;
+    out = OUT_F32 ? (void*)((float*)out + (size_t)m0 * N) : (void*)((bf16*)out + (size_t)m0 * N);
     extern __shared__ __align__(16) float smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * SW8_ROWS, z = blockIdx.y;
@@ -238,7 +243,8 @@ __device__ __forceinline__ void skinny_w8a8_impl(const void* __restrict__ XIN, c
     if (C > 1) cluster_barrier();              // no block leaves while the cluster still reads its partials
 }
 
-// Grid (ceil(N / rows a block), C) of 256 threads, clusters (1, C, 1); dynamic shared memory skinny_w8a8_smem(MT, QX); M <= MT.
+// Grid (ceil(N / rows a block), C, ceil(M / MT)) of 256 threads, clusters (1, C, 1); dynamic shared memory
+// skinny_w8a8_smem(MT, QX).
 // RT: m16 weight tiles a warp (TAG r1: one tile, 128-row blocks, below 128 batch rows).
 #define SKINNY_W8A8_KERNELS(S, BLK, MT, CL, RT, TAG)                                                              \
     extern "C" __global__ void __launch_bounds__(256, 1) __cluster_dims__(1, CL, 1) skinny_w8a8_##S##_m##MT##TAG##c##CL##_bf16( \

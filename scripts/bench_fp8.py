@@ -167,13 +167,13 @@ BATCHED_SHAPES = ("qkv", "o_proj", "gate_up", "down")
 def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
     """`bench_kernels.py fp8-batched`: old vs new FP8 decode linears at 16-256 rows on the Qwen3-8B layer shapes.
     old: W8A16 skinny (rows <= 64, what fp8_w8a16_max_rows 64 plans run), quantize_fp8 + CUTLASS W8A8 (more rows,
-    with --lib); new: quantize_fp8 + the W8A8 skinny kernel (rows <= 128; above 64 bench only, not routed), the
+    with --lib); new: quantize_fp8 + the W8A8 skinny kernel (above 64 rows bench only, not routed; above 128 in
+    128-row slices), the
     planned cluster, then the GEMM alone at every built cluster size; fused: for block128 at <= 64 rows the kernel
     quantizing its bf16 input itself (blkq, what the plan routes); -r1: the same with 128-row blocks at 33-64 rows
     (fp8_build.W8A8_SKINNY_HALF). ms per call (graph replay, weights rotated over
     copies beyond L2), GB/s of weight bytes; the last lines sum 36 layers per row count."""
-    from xserv_aot.plan.fp8_build import (W8A8_SKINNY_CLUSTERS, W8A8_SKINNY_MAX_ROWS, W8A8_SKINNY_TILES,
-                                          plan_w8a8_skinny)
+    from xserv_aot.plan.fp8_build import W8A8_SKINNY_CLUSTERS, W8A8_SKINNY_MAX_ROWS, plan_w8a8_skinny
     torch.zeros(1, device="cuda")
     kern = Kernels("gemv_fp8.cu", "gemm_skinny_fp8.cu", "gemm_skinny_w8a8.cu")
     so = None
@@ -221,40 +221,38 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
                                                y.data_ptr(), None, M, N, K, stream())
                         if st:
                             raise RuntimeError(f"xserv_gemm_fp8 config {cfg} M={M} N={N} K={K}: status {st}")
-                    kinds = ("old",) if M <= W8A8_SKINNY_TILES[-1] else ("old", "new", "fused")
-                    bodies.append(("old: quantize + CUTLASS W8A8", kinds, lambda j, g=gemm: (ql(stream()), g(j))))
+                    bodies.append(("old: quantize + CUTLASS W8A8", ("old",), lambda j, g=gemm: (ql(stream()), g(j))))
                     bodies.append(("  gemm alone CUTLASS W8A8", (), gemm))
-                if M <= W8A8_SKINNY_TILES[-1]:        # above W8A8_SKINNY_MAX_ROWS: bench only (not routed)
-                    planned = plan_w8a8_skinny(op8, "bfloat16").launch[0]
-                    for c in (None,) + W8A8_SKINNY_CLUSTERS:
-                        rec = plan_w8a8_skinny(op8, "bfloat16", c).launch[0]
-                        if c is not None and rec.fn == planned.fn:
-                            continue
-                        ls = launches(kern, rec, [[("ptr", xq.data_ptr()), ("ptr", xs.data_ptr()), ("ptr", w.data_ptr()),
-                                                   ("ptr", s.data_ptr()), ("ptr", 0), ("ptr", y.data_ptr()),
-                                                   ("i32", M), ("i32", N), ("i32", K)] for w, s in ws])
-                        if c is None:
-                            kinds = ("new",) if scheme == fp8.BLOCK128 and M <= W8A8_SKINNY_MAX_ROWS else ("new", "fused")
-                            bodies.append((f"new quantize + {rec.fn}", kinds,
-                                           lambda j, ls=ls: (ql(stream()), ls[j](stream()))))
-                        bodies.append((f"  gemm alone {rec.fn}", (), lambda j, ls=ls: ls[j](stream())))
-                    half = plan_w8a8_skinny(op8, "bfloat16", half=True).launch[0]
-                    if half.fn != planned.fn:                  # 33-64 rows: the 128-row blocks (r1) too
-                        ls = launches(kern, half, [[("ptr", xq.data_ptr()), ("ptr", xs.data_ptr()),
-                                                    ("ptr", w.data_ptr()), ("ptr", s.data_ptr()), ("ptr", 0),
-                                                    ("ptr", y.data_ptr()), ("i32", M), ("i32", N), ("i32", K)]
-                                                   for w, s in ws])
-                        bodies.append((f"new-r1 quantize + {half.fn}", ("new-r1",),
+                planned = plan_w8a8_skinny(op8, "bfloat16").launch[0]
+                for c in (None,) + W8A8_SKINNY_CLUSTERS:
+                    rec = plan_w8a8_skinny(op8, "bfloat16", c).launch[0]
+                    if c is not None and rec.fn == planned.fn:
+                        continue
+                    ls = launches(kern, rec, [[("ptr", xq.data_ptr()), ("ptr", xs.data_ptr()), ("ptr", w.data_ptr()),
+                                               ("ptr", s.data_ptr()), ("ptr", 0), ("ptr", y.data_ptr()),
+                                               ("i32", M), ("i32", N), ("i32", K)] for w, s in ws])
+                    if c is None:
+                        kinds = ("new",) if scheme == fp8.BLOCK128 and M <= W8A8_SKINNY_MAX_ROWS else ("new", "fused")
+                        bodies.append((f"new quantize + {rec.fn}", kinds,
                                        lambda j, ls=ls: (ql(stream()), ls[j](stream()))))
-                    for h in (False, True) if scheme == fp8.BLOCK128 and M <= W8A8_SKINNY_MAX_ROWS else ():
-                        rec = plan_w8a8_skinny(op8, "bfloat16", quantized_from="x", half=h).launch[0]
-                        if h and rec.fn.replace("r1", "") == rec.fn:
-                            continue
-                        ls = launches(kern, rec, [[("ptr", x.data_ptr()), ("ptr", w.data_ptr()), ("ptr", s.data_ptr()),
-                                                   ("ptr", 0), ("ptr", y.data_ptr()), ("i32", M), ("i32", N),
-                                                   ("i32", K)] for w, s in ws])
-                        bodies.append((f"new fused {rec.fn}", ("fused-r1" if h else "fused",),
-                                       lambda j, ls=ls: ls[j](stream())))
+                    bodies.append((f"  gemm alone {rec.fn}", (), lambda j, ls=ls: ls[j](stream())))
+                half = plan_w8a8_skinny(op8, "bfloat16", half=True).launch[0]
+                if half.fn != planned.fn:                  # 33-64 rows: the 128-row blocks (r1) too
+                    ls = launches(kern, half, [[("ptr", xq.data_ptr()), ("ptr", xs.data_ptr()),
+                                                ("ptr", w.data_ptr()), ("ptr", s.data_ptr()), ("ptr", 0),
+                                                ("ptr", y.data_ptr()), ("i32", M), ("i32", N), ("i32", K)]
+                                               for w, s in ws])
+                    bodies.append((f"new-r1 quantize + {half.fn}", ("new-r1",),
+                                   lambda j, ls=ls: (ql(stream()), ls[j](stream()))))
+                for h in (False, True) if scheme == fp8.BLOCK128 and M <= W8A8_SKINNY_MAX_ROWS else ():
+                    rec = plan_w8a8_skinny(op8, "bfloat16", quantized_from="x", half=h).launch[0]
+                    if h and rec.fn.replace("r1", "") == rec.fn:
+                        continue
+                    ls = launches(kern, rec, [[("ptr", x.data_ptr()), ("ptr", w.data_ptr()), ("ptr", s.data_ptr()),
+                                               ("ptr", 0), ("ptr", y.data_ptr()), ("i32", M), ("i32", N),
+                                               ("i32", K)] for w, s in ws])
+                    bodies.append((f"new fused {rec.fn}", ("fused-r1" if h else "fused",),
+                                   lambda j, ls=ls: ls[j](stream())))
                 for variant, kinds, body in bodies:
                     y.fill_(float("nan"))
                     body(0)

@@ -70,6 +70,7 @@ CASES = [  # rows, N, K, out dtype, bias
     (48, 1002, 592, "float32", False),
     (128, 4096, 4096, "bfloat16", True),      # the 128-row tile (bench only)
     (100, 1000, 576, "float32", False),
+    (200, 1000, 576, "float32", True),        # two 128-row slices on grid z
 ]
 
 

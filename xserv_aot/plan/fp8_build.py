@@ -20,7 +20,8 @@ FP8_SKINNY_FUSE_GATE = False              # as linear_plan.SKINNY_FUSE_GATE: gat
 QUANTIZE_WARPS = 8                        # (row, group) pairs per quantize_fp8 block
 SCHEME_TAG = {fp8.CHANNEL: "ch", fp8.BLOCK128: "blk"}
 W8A8_SKINNY_MAX_ROWS = 64                 # W8A8 linears of at most this many rows: kernels/gemm_skinny_w8a8.cu
-W8A8_SKINNY_TILES = (16, 32, 64, 128)     # batch-row tiles it is built for (128: bench only, CUTLASS routed there)
+W8A8_SKINNY_TILES = (16, 32, 64, 128)     # batch-row tiles it is built for (128: bench only, CUTLASS routed there;
+                                          # more rows run as 128-row slices on grid z)
 W8A8_SKINNY_CLUSTERS = (1, 2, 4, 5, 8)    # blocks a cluster (splitting K) that the kernel file instantiates
 W8A8_QUANTIZE_IN_KERNEL = True            # block128 W8A8 skinny linears quantize their bf16 input themselves
 W8A8_SKINNY_HALF = False                  # 33-64 rows: 128-row blocks (r1, no spills) instead of 256-row ones
@@ -116,7 +117,7 @@ def plan_w8a8_skinny(op: Linear, out_dtype: str, cluster: int | None = None, qua
     force the K split (tests, bench), by default w8a8_cluster; quantized_from: the bf16 buffer the fused
     quantize_fp8 reads (quantize_fuses_into): the kernel quantizes it itself (`blkq`); half: the 128-row blocks
     (`r1`, one m16 weight tile a warp) at 33-64 rows."""
-    mt = next(m for m in W8A8_SKINNY_TILES if m >= op.rows)
+    mt = next((m for m in W8A8_SKINNY_TILES if m >= op.rows), W8A8_SKINNY_TILES[-1])  # more rows: grid z slices
     half = half and mt == 64
     rows = skinny_w8a8_rows(mt, half)
     c = cluster or w8a8_cluster(op.n, op.k, rows)
@@ -131,8 +132,8 @@ def plan_w8a8_skinny(op: Linear, out_dtype: str, cluster: int | None = None, qua
     else:
         fn = f"skinny_w8a8_{SCHEME_TAG[op.quant]}_{tile}_{suffix}"
         args = [ptr(op.inp), ptr(op.inp_scale), ptr(op.weight), ptr(op.weight_scale)]
-    return kernel(launch(fn, [-(-op.n // rows), c], [256], skinny_w8a8_smem(mt, bool(quantized_from), half),
-                         args + tail))
+    return kernel(launch(fn, [-(-op.n // rows), c, -(-op.rows // mt)], [256],
+                         skinny_w8a8_smem(mt, bool(quantized_from), half), args + tail))
 
 
 def plan_quantize(op: QuantizeFp8) -> KernelChoice:

@@ -42,7 +42,10 @@ __device__ __forceinline__ void norm_store(float (&f)[NORM_NC][8], const vec16 (
         if (c < H) {
             float g[8]; unpack8(wv[j], g);
 #pragma unroll
-            for (int i = 0; i < 8; i++) { f[j][i] = round_bf(f[j][i] * inv * g[i]); amax = fmaxf(amax, fabsf(f[j][i])); }
+            for (int i = 0; i < 8; i++) {
+                f[j][i] = round_bf(f[j][i] * inv * g[i]);
+                amax = fmaxf(amax, fabsf(f[j][i]));
+            }
             st16(out + c, pack8(f[j]));
         }
     }

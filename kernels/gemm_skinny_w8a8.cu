@@ -1,13 +1,14 @@
-// W8A8 skinny tensor-core GEMM for decode batches of up to 64 rows, the NumPy op linear_w8a8:
+// W8A8 skinny tensor-core GEMM for decode batches (routed up to 64 rows), the NumPy op linear_w8a8:
 // out[m, n] = sum_g xs[m, g] * sw[n | n / 128, g] * sum_{k in g} xq[m, k] * W[n, k] (+ bias), fp32 sums; xq / xs are
 // quantize_fp8's e4m3 rows and scales ([M, K] and [M, groups] packed), W e4m3 [N, K] with CH: sw[N] (one group: the
 // whole row) or BLK: sw[ceil(N/128), ceil(K/128)] (groups of 128 k).
-// Block = 8 warps x 32 weight rows (256 rows; 16 = 128 rows at 128 batch rows); every warp of a block works on the same 128-k step, so the step's X
-// tile (MT rows x 128 B) is copied to shared memory once per block and read by all 8 warps. A block streams a
-// SW8_STAGES-deep cp.async ring of steps (256 weight lines + the X tile + BLK: the X scales of the step), one block
-// barrier a step. CLUSTER blocks (grid y, a thread-block cluster) split the k-steps of one 256-row tile
-// (interleaved: block y takes steps y, y + C, ..); their partial sums meet in distributed shared memory, and block y
-// reduces its share of the tile's outputs in cluster-rank order (deterministic, no atomics, no workspace).
+// Block = 8 warps x RT m16 weight tiles (RT 2: 256 rows; 1: 128 rows, at 128 batch rows and the r1 variants); every
+// warp of a block works on the same 128-k step, so the step's X tile (MT rows x 128 B) is copied to shared memory
+// once per block and read by all 8 warps. A block streams a SW8_STAGES-deep cp.async ring of steps (the block's
+// weight lines + the X tile + BLK: the X scales of the step), one block barrier a step. C blocks (grid y, a
+// thread-block cluster) split the k-steps of one tile (interleaved: block y takes steps y, y + C, ..); their
+// partial sums meet in distributed shared memory, and block y reduces its share of the tile's outputs in
+// cluster-rank order (deterministic, no atomics, no workspace). Grid z: slices of MT batch rows.
 // mma.sync m16n8k32 e4m3: weights are A (16 rows), X rows are B (8 batch rows). Lane (g, t) holds 16-byte pieces t
 // and 4 + t of a 128-byte line; each piece feeds two MMAs (bytes 0-7, 8-15), the same k permutation for A and B.
 // Shared line of row r: piece p at (p ^ 4 (r & 1)) * 16 (conflict-free copies and fragment reads). K % 16 == 0.
@@ -18,7 +19,8 @@
 
 __device__ __forceinline__ uint4 sw8_lds16(u32 addr) {
     uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
     return v;
 }
 __device__ __forceinline__ float2 sw8_lds8f(u32 addr) {
@@ -225,7 +227,8 @@ __device__ __forceinline__ void skinny_w8a8_impl(const void* __restrict__ XIN, c
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int zz = 0; zz < C; zz++) {
-            const float4 p = C > 1 ? ld_cluster_v4(off, zz) : *reinterpret_cast<const float4*>(smem + m * SW8_PSTRIDE + nl);
+            const float4 p = C > 1 ? ld_cluster_v4(off, zz)
+                                   : *reinterpret_cast<const float4*>(smem + m * SW8_PSTRIDE + nl);
             v.x += p.x; v.y += p.y; v.z += p.z; v.w += p.w;
         }
         const float vals[4] = {v.x, v.y, v.z, v.w};
@@ -247,18 +250,22 @@ __device__ __forceinline__ void skinny_w8a8_impl(const void* __restrict__ XIN, c
 // skinny_w8a8_smem(MT, QX).
 // RT: m16 weight tiles a warp (TAG r1: one tile, 128-row blocks, below 128 batch rows).
 #define SKINNY_W8A8_KERNELS(S, BLK, MT, CL, RT, TAG)                                                              \
-    extern "C" __global__ void __launch_bounds__(256, 1) __cluster_dims__(1, CL, 1) skinny_w8a8_##S##_m##MT##TAG##c##CL##_bf16( \
+    extern "C" __global__ void __launch_bounds__(256, 1) __cluster_dims__(1, CL, 1)                              \
+    skinny_w8a8_##S##_m##MT##TAG##c##CL##_bf16( \
         const e4m3* XQ, const float* XS, const e4m3* W, const float* WS, const bf16* bias, bf16* out, int M, int N, \
         int K) { skinny_w8a8_impl<MT / 8, false, BLK, CL, false, RT>(XQ, XS, W, WS, bias, out, M, N, K); }         \
-    extern "C" __global__ void __launch_bounds__(256, 1) __cluster_dims__(1, CL, 1) skinny_w8a8_##S##_m##MT##TAG##c##CL##_f32( \
+    extern "C" __global__ void __launch_bounds__(256, 1) __cluster_dims__(1, CL, 1)                              \
+    skinny_w8a8_##S##_m##MT##TAG##c##CL##_f32( \
         const e4m3* XQ, const float* XS, const e4m3* W, const float* WS, const bf16* bias, float* out, int M, int N, \
         int K) { skinny_w8a8_impl<MT / 8, true, BLK, CL, false, RT>(XQ, XS, W, WS, bias, out, M, N, K); }
 // blkq: the bf16 X quantized in the kernel (QX).
 #define SKINNY_W8A8_QX_KERNELS(MT, CL, RT, TAG)                                                                    \
-    extern "C" __global__ void __launch_bounds__(256, 1) __cluster_dims__(1, CL, 1) skinny_w8a8_blkq_m##MT##TAG##c##CL##_bf16( \
+    extern "C" __global__ void __launch_bounds__(256, 1) __cluster_dims__(1, CL, 1)                              \
+    skinny_w8a8_blkq_m##MT##TAG##c##CL##_bf16( \
         const bf16* X, const e4m3* W, const float* WS, const bf16* bias, bf16* out, int M, int N, int K) {        \
         skinny_w8a8_impl<MT / 8, false, true, CL, true, RT>(X, nullptr, W, WS, bias, out, M, N, K); }            \
-    extern "C" __global__ void __launch_bounds__(256, 1) __cluster_dims__(1, CL, 1) skinny_w8a8_blkq_m##MT##TAG##c##CL##_f32( \
+    extern "C" __global__ void __launch_bounds__(256, 1) __cluster_dims__(1, CL, 1)                              \
+    skinny_w8a8_blkq_m##MT##TAG##c##CL##_f32( \
         const bf16* X, const e4m3* W, const float* WS, const bf16* bias, float* out, int M, int N, int K) {       \
         skinny_w8a8_impl<MT / 8, true, true, CL, true, RT>(X, nullptr, W, WS, bias, out, M, N, K); }
 

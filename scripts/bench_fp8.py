@@ -269,7 +269,8 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
     for scheme in schemes:
         for M in rows_list:
             old = total.get((scheme, M, "old"))
-            news = [(k, total[(scheme, M, k)]) for k in ("new", "fused", "new-r1", "fused-r1") if (scheme, M, k) in total]
+            news = [(k, total[(scheme, M, k)]) for k in ("new", "fused", "new-r1", "fused-r1")
+                    if (scheme, M, k) in total]
             if old is not None and news:
                 print(f"Qwen3-8B FP8 layer linears ({scheme}, rows {M}, 36 layers, quantize included): old "
                       f"{old:.3f} ms/step; " + ", ".join(f"{k} {t:.3f} ({old / t:.2f}x)" for k, t in news))

@@ -17,6 +17,7 @@ class ConfigError(XservError, ValueError):
 SUPPORTED_ARCHS = ("qwen3", "qwen2", "llama")
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 QUANTIZATIONS = ("none", "fp8")
+FP8_W8A16_MAX_ROWS = 64      # default of fp8_w8a16_max_rows (the W8A16 skinny kernels end at 64 rows)
 FP8_SCHEME_CHOICES = ("channel", "block128", "auto")
 HF_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 
@@ -178,8 +179,8 @@ class BuildConfig:
     quantization: str = "none"            # none | fp8: linear weights stored as e4m3 with scales (plan/quantize.py)
     fp8_scheme: str = "auto"              # fp8: channel | block128 | auto (block128 where N and K divide by 128)
     quantize_lm_head: bool = False        # fp8: the lm_head too (embedding and norms always stay in dtype)
-    fp8_w8a16_max_rows: int = 64          # fp8: linears of at most this many rows read bf16 activations (W8A16),
-                                          # larger ones quantize them per token (W8A8), plan/ops.linear_ops
+    fp8_w8a16_max_rows: int = FP8_W8A16_MAX_ROWS  # fp8: linears of at most this many rows read bf16 activations
+                                          # (W8A16), larger ones quantize them per token (W8A8), ops.linear_ops
     fp8_quantize_in_producer: bool = False  # fp8, CUDA: rmsnorm / add_rmsnorm / silu_mul also write the next
                                           # quantize_fp8's output (plan/fp8_build.producer_fuses_quantize)
 
@@ -235,7 +236,7 @@ class BuildConfig:
             raise ConfigError(f"quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
         if self.fp8_scheme not in FP8_SCHEME_CHOICES:
             raise ConfigError(f"fp8_scheme {self.fp8_scheme!r} is not one of {', '.join(FP8_SCHEME_CHOICES)}")
-        if not (isinstance(self.fp8_w8a16_max_rows, int) and 2 <= self.fp8_w8a16_max_rows <= 64) \
+        if not (isinstance(self.fp8_w8a16_max_rows, int) and 2 <= self.fp8_w8a16_max_rows <= FP8_W8A16_MAX_ROWS) \
                 or isinstance(self.fp8_w8a16_max_rows, bool):
             raise ConfigError(f"fp8_w8a16_max_rows {self.fp8_w8a16_max_rows!r} must be an integer in 2..64 (rows 1-2 "
                               f"are always W8A16 GEMVs; the W8A16 skinny kernels end at 64 rows)")

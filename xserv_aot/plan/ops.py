@@ -4,14 +4,13 @@ from __future__ import annotations
 import functools
 
 from xserv_aot import fp8
-from xserv_aot.config import BuildConfig, ModelConfig
+from xserv_aot.config import FP8_W8A16_MAX_ROWS, BuildConfig, ModelConfig  # noqa: F401  (tests import it here)
 from xserv_aot.dtypes import FP8
 from xserv_aot.plan.op_records import (AddRmsNorm, AllGather, AllReduce, ApplyTokenBitmask, Attention, Embedding,
                                        GatherRows, Linear, Op, QkNormRopeCache, QuantizeFp8, ResolveInputIds, RmsNorm,
                                        Sample, SiluMul)
 from xserv_aot.plan.tensor_parallel import local_model
 
-FP8_W8A16_MAX_ROWS = 64      # default of BuildConfig.fp8_w8a16_max_rows: W8A16 up to this many rows, W8A8 above
 
 
 def arena_buffers(m: ModelConfig, b: BuildConfig, quantized: bool = False) -> dict[str, tuple[list[int], str]]:

@@ -162,6 +162,7 @@ def bench_w8a8(args, kern, time_graph, stream, rel_err) -> None:
 
 
 BATCHED_SHAPES = ("qkv", "o_proj", "gate_up", "down")
+CLUSTER_SWEEP_ROWS = (16, 64, 128)     # rows at which the GEMM alone is timed at every cluster size
 
 
 def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
@@ -169,7 +170,7 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
     old: W8A16 skinny (rows <= 64, what fp8_w8a16_max_rows 64 plans run), quantize_fp8 + CUTLASS W8A8 (more rows,
     with --lib); new: quantize_fp8 + the W8A8 skinny kernel (above 64 rows bench only, not routed; above 128 in
     128-row slices), the
-    planned cluster, then the GEMM alone at every built cluster size; fused: for block128 at <= 64 rows the kernel
+    planned cluster, then (CLUSTER_SWEEP_ROWS) the GEMM alone at every built cluster size; fused: for block128 at <= 64 rows the kernel
     quantizing its bf16 input itself (blkq, what the plan routes); -r1: the same with 128-row blocks at 33-64 rows
     (fp8_build.W8A8_SKINNY_HALF). ms per call (graph replay, weights rotated over
     copies beyond L2), GB/s of weight bytes; the last lines sum 36 layers per row count."""
@@ -224,7 +225,7 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
                     bodies.append(("old: quantize + CUTLASS W8A8", ("old",), lambda j, g=gemm: (ql(stream()), g(j))))
                     bodies.append(("  gemm alone CUTLASS W8A8", (), gemm))
                 planned = plan_w8a8_skinny(op8, "bfloat16").launch[0]
-                for c in (None,) + W8A8_SKINNY_CLUSTERS:
+                for c in (None,) + (W8A8_SKINNY_CLUSTERS if M in CLUSTER_SWEEP_ROWS else ()):
                     rec = plan_w8a8_skinny(op8, "bfloat16", c).launch[0]
                     if c is not None and rec.fn == planned.fn:
                         continue

@@ -134,15 +134,20 @@ __device__ __forceinline__ void skinny_w8a8_impl(const void* __restrict__ XIN, c
         const u32 xt = QX ? qtile : st + W_BYTES, xst = QX ? qtile + X_BYTES : st + W_BYTES + X_BYTES;
         if (QX) {                                  // TPR threads a row: amax over the 128-k group, then e4m3(x / s)
             constexpr int TPR = 256 / MT, CPT = 16 / TPR;
+            constexpr bool KEEP = CPT <= 4;        // more chunks a thread (m128): read them twice, not kept
             const int qm = tid / TPR, qu = tid % TPR;
-            float f[CPT][8], amax = 0.f;
-#pragma unroll
-            for (int i = 0; i < CPT; i++) {
+            auto chunk = [&](int i, float* v8) {
                 const int ch = qu + TPR * i;
                 const uint4 v = sw8_lds16(st + (u32)(W_BYTES + qm * 256 + ((ch ^ ((qm & 1) << 2)) << 4)));
-                unpack8(*reinterpret_cast<const vec16*>(&v), f[i]);
+                unpack8(*reinterpret_cast<const vec16*>(&v), v8);
+            };
+            float f[KEEP ? CPT : 1][8], amax = 0.f;
 #pragma unroll
-                for (int e = 0; e < 8; e++) amax = fmaxf(amax, fabsf(f[i][e]));
+            for (int i = 0; i < CPT; i++) {
+                float* v8 = f[KEEP ? i : 0];
+                chunk(i, v8);
+#pragma unroll
+                for (int e = 0; e < 8; e++) amax = fmaxf(amax, fabsf(v8[e]));
             }
 #pragma unroll
             for (int o = TPR / 2; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -151,7 +156,9 @@ __device__ __forceinline__ void skinny_w8a8_impl(const void* __restrict__ XIN, c
 #pragma unroll
             for (int i = 0; i < CPT; i++) {
                 const int ch = qu + TPR * i;
-                const uint2 q = e4m3x8_div(f[i], sx);
+                float* v8 = f[KEEP ? i : 0];
+                if (!KEEP) chunk(i, v8);
+                const uint2 q = e4m3x8_div(v8, sx);
                 asm volatile("st.shared.v2.u32 [%0], {%1,%2};"
                              :: "r"(xt + (u32)(qm * 128 + (((ch >> 1) ^ ((qm & 1) << 2)) << 4) + (ch & 1) * 8)),
                                 "r"(q.x), "r"(q.y) : "memory");
@@ -339,3 +346,8 @@ SKINNY_W8A8_QX_KERNELS(64, 2, 1, r1)
 SKINNY_W8A8_QX_KERNELS(64, 4, 1, r1)
 SKINNY_W8A8_QX_KERNELS(64, 5, 1, r1)
 SKINNY_W8A8_QX_KERNELS(64, 8, 1, r1)
+SKINNY_W8A8_QX_KERNELS(128, 1, 1, )
+SKINNY_W8A8_QX_KERNELS(128, 2, 1, )
+SKINNY_W8A8_QX_KERNELS(128, 4, 1, )
+SKINNY_W8A8_QX_KERNELS(128, 5, 1, )
+SKINNY_W8A8_QX_KERNELS(128, 8, 1, )

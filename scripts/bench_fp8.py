@@ -170,8 +170,8 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
     old: W8A16 skinny (rows <= 64, what fp8_w8a16_max_rows 64 plans run), quantize_fp8 + CUTLASS W8A8 (more rows,
     with --lib); new: quantize_fp8 + the W8A8 skinny kernel (above 64 rows bench only, not routed; above 128 in
     128-row slices), the
-    planned cluster, then (CLUSTER_SWEEP_ROWS) the GEMM alone at every built cluster size; fused: for block128 at <= 64 rows the kernel
-    quantizing its bf16 input itself (blkq, what the plan routes); -r1: the same with 128-row blocks at 33-64 rows
+    planned cluster, then (CLUSTER_SWEEP_ROWS) the GEMM alone at every built cluster size; fused: for block128 the kernel
+    quantizing its bf16 input itself (blkq, what the plan routes up to 64 rows); -r1: the same with 128-row blocks at 33-64 rows
     (fp8_build.W8A8_SKINNY_HALF). ms per call (graph replay, weights rotated over
     copies beyond L2), GB/s of weight bytes; the last lines sum 36 layers per row count."""
     from xserv_aot.plan.fp8_build import W8A8_SKINNY_CLUSTERS, W8A8_SKINNY_MAX_ROWS, plan_w8a8_skinny
@@ -233,7 +233,7 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
                                                ("ptr", s.data_ptr()), ("ptr", 0), ("ptr", y.data_ptr()),
                                                ("i32", M), ("i32", N), ("i32", K)] for w, s in ws])
                     if c is None:
-                        kinds = ("new",) if scheme == fp8.BLOCK128 and M <= W8A8_SKINNY_MAX_ROWS else ("new", "fused")
+                        kinds = ("new",) if scheme == fp8.BLOCK128 else ("new", "fused")
                         bodies.append((f"new quantize + {rec.fn}", kinds,
                                        lambda j, ls=ls: (ql(stream()), ls[j](stream()))))
                     bodies.append((f"  gemm alone {rec.fn}", (), lambda j, ls=ls: ls[j](stream())))
@@ -245,7 +245,7 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
                                                for w, s in ws])
                     bodies.append((f"new-r1 quantize + {half.fn}", ("new-r1",),
                                    lambda j, ls=ls: (ql(stream()), ls[j](stream()))))
-                for h in (False, True) if scheme == fp8.BLOCK128 and M <= W8A8_SKINNY_MAX_ROWS else ():
+                for h in (False, True) if scheme == fp8.BLOCK128 else ():
                     rec = plan_w8a8_skinny(op8, "bfloat16", quantized_from="x", half=h).launch[0]
                     if h and rec.fn.replace("r1", "") == rec.fn:
                         continue

@@ -109,7 +109,7 @@ def run_blkq(lib, rng, M, N, K, out_dtype, bias, cluster=None, half=False):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,N,K,out_dtype,bias", [c for c in CASES if c[0] <= fp8_build.W8A8_SKINNY_MAX_ROWS])
+@pytest.mark.parametrize("M,N,K,out_dtype,bias", CASES)
 def test_w8a8_skinny_quantizing_in_kernel(lib, rng, M, N, K, out_dtype, bias):
     """blkq == quantize_fp8 (NumPy, the op the plan keeps) + linear_w8a8; the in-kernel e4m3 bytes and scales are
     those of the quantize op, so the only difference is the fp32 summation order."""

@@ -24,7 +24,6 @@ W8A8_SKINNY_TILES = (16, 32, 64, 128)     # batch-row tiles it is built for (128
                                           # more rows run as 128-row slices on grid z)
 W8A8_SKINNY_CLUSTERS = (1, 2, 4, 5, 8)    # blocks a cluster (splitting K) that the kernel file instantiates
 W8A8_QUANTIZE_IN_KERNEL = True            # block128 W8A8 skinny linears quantize their bf16 input themselves
-W8A8_QX_MAX_ROWS = 64                     # ... built for tiles up to m64 (blkq)
 W8A8_SKINNY_HALF = False                  # 33-64 rows: 128-row blocks (r1, no spills) instead of 256-row ones
 
 
@@ -97,8 +96,7 @@ def quantize_fuses_into(qop: QuantizeFp8, nxt) -> bool:
     """Whether the W8A8 linear after quantize_fp8 quantizes its input itself (then quantize_fp8 launches nothing):
     block128 skinny rows, whose 128-k steps are the activation groups."""
     return (W8A8_QUANTIZE_IN_KERNEL and isinstance(nxt, Linear) and nxt.inp == qop.out and nxt.inp_scale == qop.scale
-            and nxt.quant == fp8.BLOCK128 and nxt.rows <= min(W8A8_SKINNY_MAX_ROWS, W8A8_QX_MAX_ROWS)
-            and qop.group == fp8.BLOCK
+            and nxt.quant == fp8.BLOCK128 and nxt.rows <= W8A8_SKINNY_MAX_ROWS and qop.group == fp8.BLOCK
             and qop.rows == nxt.rows and qop.k == nxt.k)
 
 
@@ -128,8 +126,6 @@ def plan_w8a8_skinny(op: Linear, out_dtype: str, cluster: int | None = None, qua
     suffix, tile = "f32" if out_dtype == "float32" else "bf16", f"m{mt}{'r1' if half else ''}c{c}"
     tail = [ptr(op.bias), ptr(op.out), i32(op.rows), i32(op.n), i32(op.k)]
     if quantized_from:
-        if mt > W8A8_QX_MAX_ROWS:
-            raise KernelBuildError(f"W8A8 skinny {op.weight}: no in-kernel quantize variant at {op.rows} rows")
         fn, args = f"skinny_w8a8_blkq_{tile}_{suffix}", [ptr(quantized_from), ptr(op.weight), ptr(op.weight_scale)]
     else:
         fn = f"skinny_w8a8_{SCHEME_TAG[op.quant]}_{tile}_{suffix}"

@@ -166,15 +166,15 @@ CLUSTER_SWEEP_ROWS = (16, 64, 128)     # rows at which the GEMM alone is timed a
 
 
 def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
-    """`bench_kernels.py fp8-batched`: old vs new FP8 decode linears at 16-256 rows on the Qwen3-8B layer shapes.
-    old: W8A16 skinny (rows <= 64, what fp8_w8a16_max_rows 64 plans run), quantize_fp8 + CUTLASS W8A8 (more rows,
-    with --lib); new: quantize_fp8 + the W8A8 skinny kernel (above 64 rows bench only, not routed; above 128 in
-    128-row slices), the
-    planned cluster, then (CLUSTER_SWEEP_ROWS) the GEMM alone at every built cluster size; fused: for block128 the kernel
-    quantizing its bf16 input itself (blkq, what the plan routes up to 64 rows); -r1: the same with 128-row blocks at 33-64 rows
-    (fp8_build.W8A8_SKINNY_HALF). ms per call (graph replay, weights rotated over
-    copies beyond L2), GB/s of weight bytes; the last lines sum 36 layers per row count."""
-    from xserv_aot.plan.fp8_build import W8A8_SKINNY_CLUSTERS, W8A8_SKINNY_MAX_ROWS, plan_w8a8_skinny
+    """`bench_kernels.py fp8-batched`: old vs new FP8 decode linears on the Qwen3-8B layer shapes, per row count:
+    old = what fp8_w8a16_max_rows 64 plans run (W8A16 skinny up to 64 rows, quantize_fp8 + CUTLASS W8A8 above);
+    new = the W8A8 routing (quantize_fp8 + the W8A8 skinny kernel up to W8A8_SKINNY_MAX_ROWS, CUTLASS above, --lib);
+    skinny = quantize_fp8 + the W8A8 skinny kernel at any rows (above 128 in 128-row slices), then at
+    CLUSTER_SWEEP_ROWS the GEMM alone at every built cluster size; blkq = the block128 kernel quantizing its bf16
+    input itself; -r1 = 128-row blocks at 33-64 rows. ms per call (graph replay, weights rotated over copies beyond
+    L2), GB/s of weight bytes; the last lines sum 36 layers per row count."""
+    from xserv_aot.plan.fp8_build import (W8A8_SKINNY_CLUSTERS, W8A8_SKINNY_FALLBACK_ROWS, W8A8_SKINNY_MAX_ROWS,
+                                          plan_w8a8_skinny)
     torch.zeros(1, device="cuda")
     kern = Kernels("gemv_fp8.cu", "gemm_skinny_fp8.cu", "gemm_skinny_w8a8.cu")
     so = None
@@ -205,15 +205,15 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
                 bodies = []                                        # (variant, kinds, body(j))
                 op8 = Linear(inp="xq", inp_scale="xs", weight="w", bias=None, out="y", rows=M, n=N, k=K,
                              weight_scale="w.scale", quant=scheme)
-                if M <= W8A8_SKINNY_MAX_ROWS:
+                if M <= W8A8_SKINNY_FALLBACK_ROWS:
                     op = Linear(inp="x", weight="w", bias=None, out="y", rows=M, n=N, k=K, weight_scale="w.scale",
                                 quant=scheme)
                     rec = plan_fp8_linear(op, "bfloat16", None, None).launch[0]
                     ls = launches(kern, rec, [[("ptr", x.data_ptr()), ("ptr", w.data_ptr()), ("ptr", s.data_ptr()),
                                                ("ptr", 0), ("ptr", y.data_ptr()), ("i32", M), ("i32", N), ("i32", K)]
                                               for w, s in ws])
-                    bodies.append((f"old W8A16 {rec.fn}", ("old",), lambda j, ls=ls: ls[j](stream())))
-                elif so is not None:
+                    bodies.append((f"W8A16 {rec.fn}", ("old",), lambda j, ls=ls: ls[j](stream())))
+                if so is not None and M > W8A8_SKINNY_MAX_ROWS:
                     cfg = FP8_CONFIG[(scheme, "bfloat16")]
 
                     def gemm(j, cfg=cfg, ws=ws):
@@ -222,7 +222,8 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
                                                y.data_ptr(), None, M, N, K, stream())
                         if st:
                             raise RuntimeError(f"xserv_gemm_fp8 config {cfg} M={M} N={N} K={K}: status {st}")
-                    bodies.append(("old: quantize + CUTLASS W8A8", ("old",), lambda j, g=gemm: (ql(stream()), g(j))))
+                    kinds = ("old", "new") if M > W8A8_SKINNY_FALLBACK_ROWS else ("new",)
+                    bodies.append(("quantize + CUTLASS W8A8", kinds, lambda j, g=gemm: (ql(stream()), g(j))))
                     bodies.append(("  gemm alone CUTLASS W8A8", (), gemm))
                 planned = plan_w8a8_skinny(op8, "bfloat16").launch[0]
                 for c in (None,) + (W8A8_SKINNY_CLUSTERS if M in CLUSTER_SWEEP_ROWS else ()):
@@ -233,8 +234,8 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
                                                ("ptr", s.data_ptr()), ("ptr", 0), ("ptr", y.data_ptr()),
                                                ("i32", M), ("i32", N), ("i32", K)] for w, s in ws])
                     if c is None:
-                        kinds = ("new",) if scheme == fp8.BLOCK128 else ("new", "fused")
-                        bodies.append((f"new quantize + {rec.fn}", kinds,
+                        kinds = ("new", "skinny") if M <= W8A8_SKINNY_MAX_ROWS else ("skinny",)
+                        bodies.append((f"quantize + {rec.fn}", kinds,
                                        lambda j, ls=ls: (ql(stream()), ls[j](stream()))))
                     bodies.append((f"  gemm alone {rec.fn}", (), lambda j, ls=ls: ls[j](stream())))
                 half = plan_w8a8_skinny(op8, "bfloat16", half=True).launch[0]
@@ -243,16 +244,16 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
                                                 ("ptr", w.data_ptr()), ("ptr", s.data_ptr()), ("ptr", 0),
                                                 ("ptr", y.data_ptr()), ("i32", M), ("i32", N), ("i32", K)]
                                                for w, s in ws])
-                    bodies.append((f"new-r1 quantize + {half.fn}", ("new-r1",),
+                    bodies.append((f"quantize + {half.fn}", ("skinny-r1",),
                                    lambda j, ls=ls: (ql(stream()), ls[j](stream()))))
-                for h in (False, True) if scheme == fp8.BLOCK128 else ():
+                for h in (False, True) if scheme == fp8.BLOCK128 and M <= W8A8_SKINNY_FALLBACK_ROWS else ():
                     rec = plan_w8a8_skinny(op8, "bfloat16", quantized_from="x", half=h).launch[0]
                     if h and rec.fn.replace("r1", "") == rec.fn:
                         continue
                     ls = launches(kern, rec, [[("ptr", x.data_ptr()), ("ptr", w.data_ptr()), ("ptr", s.data_ptr()),
                                                ("ptr", 0), ("ptr", y.data_ptr()), ("i32", M), ("i32", N),
                                                ("i32", K)] for w, s in ws])
-                    bodies.append((f"new fused {rec.fn}", ("fused-r1" if h else "fused",),
+                    bodies.append((f"{rec.fn} (quantize in it)", ("blkq-r1" if h else "blkq",),
                                    lambda j, ls=ls: ls[j](stream())))
                 for variant, kinds, body in bodies:
                     y.fill_(float("nan"))
@@ -270,7 +271,7 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
     for scheme in schemes:
         for M in rows_list:
             old = total.get((scheme, M, "old"))
-            news = [(k, total[(scheme, M, k)]) for k in ("new", "fused", "new-r1", "fused-r1")
+            news = [(k, total[(scheme, M, k)]) for k in ("new", "skinny", "blkq", "skinny-r1", "blkq-r1")
                     if (scheme, M, k) in total]
             if old is not None and news:
                 print(f"Qwen3-8B FP8 layer linears ({scheme}, rows {M}, 36 layers, quantize included): old "

@@ -6,7 +6,6 @@ kernels/cutlass/gemm_sm90_fp8*.{h,cuh,cu}). Called by plan.kernel_build."""
 from __future__ import annotations
 
 from xserv_aot import fp8
-from xserv_aot.plan.cutlass_build import NUM_SMS_H200
 from xserv_aot.plan.kernel_constants import skinny_smem, skinny_w8a8_rows, skinny_w8a8_smem
 from xserv_aot.plan.launch_records import i32, kernel, launch, library_call, ptr
 from xserv_aot.plan.linear_plan import GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS
@@ -19,11 +18,16 @@ FP8_SOURCE = KERNEL_DIR / "cutlass" / "gemm_sm90_fp8.cu"
 FP8_SKINNY_FUSE_GATE = False              # as linear_plan.SKINNY_FUSE_GATE: gate_up and silu_mul stay two kernels
 QUANTIZE_WARPS = 8                        # (row, group) pairs per quantize_fp8 block
 SCHEME_TAG = {fp8.CHANNEL: "ch", fp8.BLOCK128: "blk"}
-W8A8_SKINNY_MAX_ROWS = 64                 # W8A8 linears of at most this many rows: kernels/gemm_skinny_w8a8.cu
+W8A8_SKINNY_MAX_ROWS = 32                 # W8A8 linears of at most this many rows: kernels/gemm_skinny_w8a8.cu; more
+                                          # rows: CUTLASS (faster from 48 rows on the H200), else the skinny kernel
+W8A8_SKINNY_FALLBACK_ROWS = 64            # ... up to this many rows when the plan has no CUTLASS library
+W8A8_SKINNY_BLOCKS = 96                   # H200 sweep: K split as far as tiles x C stays <= 96 blocks (qkv 24 x 4,
+                                          # o / down 16 x 5, gate_up 96 x 1); more blocks in clusters run slower
 W8A8_SKINNY_TILES = (16, 32, 64, 128)     # batch-row tiles it is built for (128: bench only, CUTLASS routed there;
                                           # more rows run as 128-row slices on grid z)
 W8A8_SKINNY_CLUSTERS = (1, 2, 4, 5, 8)    # blocks a cluster (splitting K) that the kernel file instantiates
-W8A8_QUANTIZE_IN_KERNEL = True            # block128 W8A8 skinny linears quantize their bf16 input themselves
+W8A8_QUANTIZE_IN_KERNEL = False           # block128 W8A8 skinny linears quantize their bf16 input themselves (blkq:
+                                          # 0.65 - 0.91x of quantize_fp8 + GEMM on the H200, the IEEE divisions)
 W8A8_SKINNY_HALF = False                  # 33-64 rows: 128-row blocks (r1, no spills) instead of 256-row ones
 
 
@@ -65,7 +69,7 @@ def plan_w8a8(op: Linear, out_dtype: str, cutlass: dict | None) -> KernelChoice:
     """quantize_fp8's packed e4m3 rows and scales x the e4m3 weight, scales in the CUTLASS mainloop (block128) or
     epilogue (channel)."""
     from xserv_aot.plan.cutlass_build import FP8_CONFIG, FP8_CONFIGS
-    if op.rows <= W8A8_SKINNY_MAX_ROWS:
+    if op.rows <= (W8A8_SKINNY_MAX_ROWS if cutlass is not None else W8A8_SKINNY_FALLBACK_ROWS):
         return plan_w8a8_skinny(op, out_dtype)
     if cutlass is None:
         raise KernelBuildError(f"FP8 linear {op.weight} with {op.rows} rows is W8A8 and needs the CUTLASS GEMM "
@@ -82,14 +86,10 @@ def plan_w8a8(op: Linear, out_dtype: str, cutlass: dict | None) -> KernelChoice:
 
 
 def w8a8_cluster(n: int, k: int, block_rows: int = skinny_w8a8_rows(64)) -> int:
-    """Blocks splitting K per tile of block_rows weight rows: the cluster size whose grid fills the SMs best over
-    its waves (the smaller on ties), with at least one 128-k step a block."""
+    """Blocks splitting K per tile of block_rows weight rows: the largest built cluster size that keeps the grid
+    within W8A8_SKINNY_BLOCKS blocks, with at least one 128-k step a block."""
     tiles, steps = -(-n // block_rows), -(-k // 128)
-
-    def fill(c: int) -> float:
-        blocks = tiles * c
-        return blocks / (-(-blocks // NUM_SMS_H200) * NUM_SMS_H200)         # one block an SM (shared memory)
-    return max((c for c in W8A8_SKINNY_CLUSTERS if c <= steps), key=lambda c: (fill(c), -c))
+    return max([c for c in W8A8_SKINNY_CLUSTERS if c <= steps and tiles * c <= W8A8_SKINNY_BLOCKS] or [1])
 
 
 def quantize_fuses_into(qop: QuantizeFp8, nxt) -> bool:

@@ -1,5 +1,5 @@
 // Row-wise memory-bound ops on bf16 rows of H elements (H % 8 == 0): one block per row, 16-byte accesses.
-#include "common.cuh"
+#include "fp8.cuh"
 
 // Overlapped steps: ids[r] = sampled[prev_rows[r]] where prev_rows[r] >= 0 (the previous step's token, never
 // copied to the host), else unchanged. One thread per token row.
@@ -28,9 +28,61 @@ extern "C" __global__ void embedding(const int* __restrict__ ids, const bf16* __
 // Row norms keep the row in registers: thread t holds chunks t, t + blockDim, ... (at most NORM_NC of them),
 // so H <= blockDim * 8 * NORM_NC; blockDim is a multiple of 32. NORM_NC: plan/kernel_constants.py (-D).
 
+// The row norms' output: o = f * inv * w rounded to bf16, stored; Q: also quantize_fp8 of it, fused (the op that
+// follows in the plan): per group of 128 (16 chunks = the 16 lanes of a half-warp, as blockDim % 32 == 0) or of
+// the whole row (group == H): xq[r] = e4m3(o / s), xs[r, g] = s = fp8_act_scale(amax).
+template <bool Q>
+__device__ __forceinline__ void norm_store(float (&f)[NORM_NC][8], const vec16 (&wv)[NORM_NC], float inv,
+                                           bf16* __restrict__ out, int H, e4m3* __restrict__ xq,
+                                           float* __restrict__ xs, int group, float* scratch) {
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < NORM_NC; j++) {
+        int c = (threadIdx.x + j * blockDim.x) * 8;
+        if (c < H) {
+            float g[8]; unpack8(wv[j], g);
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                f[j][i] = round_bf(f[j][i] * inv * g[i]);
+                amax = fmaxf(amax, fabsf(f[j][i]));
+            }
+            st16(out + c, pack8(f[j]));
+        }
+    }
+    if (!Q) return;
+    if (group == H) {
+        const float sx = fp8_act_scale(block_max(amax, scratch));
+        if (threadIdx.x == 0) xs[0] = sx;
+#pragma unroll
+        for (int j = 0; j < NORM_NC; j++) {
+            int c = (threadIdx.x + j * blockDim.x) * 8;
+            if (c < H) *reinterpret_cast<uint2*>(xq + c) = e4m3x8_div(f[j], sx);
+        }
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < NORM_NC; j++) {
+        int c = (threadIdx.x + j * blockDim.x) * 8;
+        float a = 0.f;
+        if (c < H) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) a = fmaxf(a, fabsf(f[j][i]));
+        }
+#pragma unroll
+        for (int o = 8; o; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+        const float sx = fp8_act_scale(a);
+        if (c < H) {
+            *reinterpret_cast<uint2*>(xq + c) = e4m3x8_div(f[j], sx);
+            if ((c & 127) == 0) xs[c >> 7] = sx;
+        }
+    }
+}
+
 // out = x * rsqrt(mean(x^2) + eps) * w, x = inp[r] (float32 math).
-extern "C" __global__ void rmsnorm(const bf16* __restrict__ inp, const bf16* __restrict__ w,
-                                   bf16* __restrict__ out, int H, float eps) {
+template <bool Q>
+__device__ __forceinline__ void rmsnorm_impl(const bf16* __restrict__ inp, const bf16* __restrict__ w,
+                                             bf16* __restrict__ out, e4m3* __restrict__ xq, float* __restrict__ xs,
+                                             int H, float eps, int group) {
     pdl_entry();
     __shared__ float scratch[32];
     const int r = blockIdx.x;
@@ -49,21 +101,16 @@ extern "C" __global__ void rmsnorm(const bf16* __restrict__ inp, const bf16* __r
         }
     }
     const float inv = rsqrtf(block_sum(ss, scratch) / (float)H + eps);
-#pragma unroll
-    for (int j = 0; j < NORM_NC; j++) {
-        int c = (threadIdx.x + j * blockDim.x) * 8;
-        if (c < H) {
-            float g[8]; unpack8(wv[j], g);
-#pragma unroll
-            for (int i = 0; i < 8; i++) g[i] = f[j][i] * inv * g[i];
-            st16(out + (size_t)r * H + c, pack8(g));
-        }
-    }
+    norm_store<Q>(f, wv, inv, out + (size_t)r * H, H, xq + (size_t)r * H, xs + (size_t)r * ((H + group - 1) / group),
+                  group, scratch);
 }
 
 // residual += delta (rounded to bf16), then out = rmsnorm(residual) * w.
-extern "C" __global__ void add_rmsnorm(bf16* __restrict__ residual, const bf16* __restrict__ delta,
-                                       const bf16* __restrict__ w, bf16* __restrict__ out, int H, float eps) {
+template <bool Q>
+__device__ __forceinline__ void add_rmsnorm_impl(bf16* __restrict__ residual, const bf16* __restrict__ delta,
+                                                 const bf16* __restrict__ w, bf16* __restrict__ out,
+                                                 e4m3* __restrict__ xq, float* __restrict__ xs, int H, float eps,
+                                                 int group) {
     pdl_entry();
     __shared__ float scratch[32];
     const int r = blockIdx.x;
@@ -84,20 +131,35 @@ extern "C" __global__ void add_rmsnorm(bf16* __restrict__ residual, const bf16* 
         }
     }
     const float inv = rsqrtf(block_sum(ss, scratch) / (float)H + eps);
-#pragma unroll
-    for (int j = 0; j < NORM_NC; j++) {
-        int c = (threadIdx.x + j * blockDim.x) * 8;
-        if (c < H) {
-            float g[8]; unpack8(wv[j], g);
-#pragma unroll
-            for (int i = 0; i < 8; i++) g[i] = f[j][i] * inv * g[i];
-            st16(out + (size_t)r * H + c, pack8(g));
-        }
-    }
+    norm_store<Q>(f, wv, inv, out + (size_t)r * H, H, xq + (size_t)r * H, xs + (size_t)r * ((H + group - 1) / group),
+                  group, scratch);
 }
 
-// out[r, j] = silu(inp[r, j]) * inp[r, I + j]; grid covers rows * I / 8 chunks.
-extern "C" __global__ void silu_mul(const bf16* __restrict__ inp, bf16* __restrict__ out, int rows, int I) {
+extern "C" __global__ void rmsnorm(const bf16* __restrict__ inp, const bf16* __restrict__ w,
+                                   bf16* __restrict__ out, int H, float eps) {
+    rmsnorm_impl<false>(inp, w, out, nullptr, nullptr, H, eps, H);
+}
+extern "C" __global__ void add_rmsnorm(bf16* __restrict__ residual, const bf16* __restrict__ delta,
+                                       const bf16* __restrict__ w, bf16* __restrict__ out, int H, float eps) {
+    add_rmsnorm_impl<false>(residual, delta, w, out, nullptr, nullptr, H, eps, H);
+}
+// The same with the next op, quantize_fp8 of out (group 128 or H), fused: xq [rows, H] e4m3, xs [rows, groups].
+extern "C" __global__ void rmsnorm_q(const bf16* __restrict__ inp, const bf16* __restrict__ w,
+                                     bf16* __restrict__ out, e4m3* __restrict__ xq, float* __restrict__ xs, int H,
+                                     float eps, int group) {
+    rmsnorm_impl<true>(inp, w, out, xq, xs, H, eps, group);
+}
+extern "C" __global__ void add_rmsnorm_q(bf16* __restrict__ residual, const bf16* __restrict__ delta,
+                                         const bf16* __restrict__ w, bf16* __restrict__ out, e4m3* __restrict__ xq,
+                                         float* __restrict__ xs, int H, float eps, int group) {
+    add_rmsnorm_impl<true>(residual, delta, w, out, xq, xs, H, eps, group);
+}
+
+// out[r, j] = silu(inp[r, j]) * inp[r, I + j]; grid covers rows * I / 8 chunks. Q: also quantize_fp8 of out in
+// groups of 128 (I % 128 == 0: a group is 16 consecutive chunks = the 16 lanes of a half-warp, blockDim % 32 == 0).
+template <bool Q>
+__device__ __forceinline__ void silu_mul_impl(const bf16* __restrict__ inp, bf16* __restrict__ out,
+                                              e4m3* __restrict__ xq, float* __restrict__ xs, int rows, int I) {
     pdl_entry();
     int chunks = I / 8;
     for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < rows * chunks; t += gridDim.x * blockDim.x) {
@@ -108,7 +170,25 @@ extern "C" __global__ void silu_mul(const bf16* __restrict__ inp, bf16* __restri
 #pragma unroll
         for (int i = 0; i < 8; i++) g[i] = silu(g[i]) * u[i];
         st16(out + (size_t)r * I + c, pack8(g));
+        if (Q) {                                   // rows * chunks % 16 == 0: a half-warp is all in or all out
+            float a = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; i++) { g[i] = round_bf(g[i]); a = fmaxf(a, fabsf(g[i])); }
+            const unsigned half = 0xffffu << (threadIdx.x & 16);
+#pragma unroll
+            for (int o = 8; o; o >>= 1) a = fmaxf(a, __shfl_xor_sync(half, a, o));
+            const float sx = fp8_act_scale(a);
+            *reinterpret_cast<uint2*>(xq + (size_t)r * I + c) = e4m3x8_div(g, sx);
+            if ((c & 127) == 0) xs[(size_t)r * (I >> 7) + (c >> 7)] = sx;
+        }
     }
+}
+extern "C" __global__ void silu_mul(const bf16* __restrict__ inp, bf16* __restrict__ out, int rows, int I) {
+    silu_mul_impl<false>(inp, out, nullptr, nullptr, rows, I);
+}
+extern "C" __global__ void silu_mul_q(const bf16* __restrict__ inp, bf16* __restrict__ out, e4m3* __restrict__ xq,
+                                      float* __restrict__ xs, int rows, int I) {
+    silu_mul_impl<true>(inp, out, xq, xs, rows, I);
 }
 
 // out[r] = inp[idx[r]]; idx clamped into [0, src_rows).

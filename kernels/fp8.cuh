@@ -52,3 +52,13 @@ __device__ __forceinline__ u32 f32x2_e4m3x2(float lo, float hi) {
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
     return (u32)d;
 }
+
+// The per-token activation scale of quantize_fp8 (fp8.scale_of): s = max(amax, 1e-12) / 448, IEEE division.
+__device__ __forceinline__ float fp8_act_scale(float amax) { return fmaxf(amax, FP8_MIN_AMAX) / FP8_MAX; }
+// Eight floats -> eight e4m3 (k order, low byte first) of f / s: IEEE division, RNE, saturating.
+__device__ __forceinline__ uint2 e4m3x8_div(const float* f, float s) {
+    uint2 q;
+    q.x = f32x2_e4m3x2(f[0] / s, f[1] / s) | (f32x2_e4m3x2(f[2] / s, f[3] / s) << 16);
+    q.y = f32x2_e4m3x2(f[4] / s, f[5] / s) | (f32x2_e4m3x2(f[6] / s, f[7] / s) << 16);
+    return q;
+}

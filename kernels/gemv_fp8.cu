@@ -188,15 +188,12 @@ extern "C" __global__ void __launch_bounds__(256) quantize_fp8(const bf16* X, e4
         for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(f[i]));
     }
     amax = warp_max(amax);
-    const float s = fmaxf(amax, FP8_MIN_AMAX) / FP8_MAX;
+    const float s = fp8_act_scale(amax);
     if (lane == 0) scale[(size_t)m * n_groups + g] = s;
     for (int k = k0 + lane * 8; k < k1; k += 256) {
         float f[8];
         unpack8(ld_cached(x + k), f);
-        uint2 q;
-        q.x = f32x2_e4m3x2(f[0] / s, f[1] / s) | (f32x2_e4m3x2(f[2] / s, f[3] / s) << 16);
-        q.y = f32x2_e4m3x2(f[4] / s, f[5] / s) | (f32x2_e4m3x2(f[6] / s, f[7] / s) << 16);
-        *reinterpret_cast<uint2*>(out + (size_t)m * K + k) = q;
+        *reinterpret_cast<uint2*>(out + (size_t)m * K + k) = e4m3x8_div(f, s);
     }
 }
 
@@ -214,7 +211,7 @@ extern "C" __global__ void __launch_bounds__(256) quantize_weight_fp8(const floa
     for (int i = threadIdx.x; i < nr * nc; i += blockDim.x)
         amax = fmaxf(amax, fabsf(W[(size_t)(r0 + i / nc) * K + c0 + i % nc]));
     amax = block_max(amax, scratch);
-    const float s = fmaxf(amax, FP8_MIN_AMAX) / FP8_MAX;
+    const float s = fp8_act_scale(amax);
     if (threadIdx.x == 0) scale[(size_t)blockIdx.x * gridDim.y + blockIdx.y] = s;
     for (int i = threadIdx.x; i < nr * nc; i += blockDim.x) {
         const size_t at = (size_t)(r0 + i / nc) * K + c0 + i % nc;

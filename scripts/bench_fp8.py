@@ -43,7 +43,8 @@ def weights(N: int, K: int, scheme: str, copies: int):
 
 
 def launches(kern, rec, arg_sets):
-    src = "gemm_skinny_fp8.cu" if rec.fn.startswith("skinny") else "gemv_fp8.cu"
+    src = ("gemm_skinny_w8a8.cu" if rec.fn.startswith("skinny_w8a8") else
+           "gemm_skinny_fp8.cu" if rec.fn.startswith("skinny") else "gemv_fp8.cu")
     fn = kern.fn(src, rec.fn, rec.smem)
     return [Launch(rec.fn, fn, rec.grid, rec.block, rec.smem, a, pdl=False) for a in arg_sets]
 
@@ -158,3 +159,121 @@ def bench_w8a8(args, kern, time_graph, stream, rel_err) -> None:
                     tf = 2 * M * N * K / ms / 1e9
                     print(f"{scheme:12} {name:8} {M:5} {part:22} {ms:8.4f} {tf:8.1f} {tf / FP8_TFLOPS:6.0%} "
                           f"{err:8.1e}", flush=True)
+
+
+BATCHED_SHAPES = ("qkv", "o_proj", "gate_up", "down")
+CLUSTER_SWEEP_ROWS = (16, 64, 128)     # rows at which the GEMM alone is timed at every cluster size
+
+
+def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
+    """`bench_kernels.py fp8-batched`: old vs new FP8 decode linears on the Qwen3-8B layer shapes, per row count:
+    old = what fp8_w8a16_max_rows 64 plans run (W8A16 skinny up to 64 rows, quantize_fp8 + CUTLASS W8A8 above);
+    new = the W8A8 routing (quantize_fp8 + the W8A8 skinny kernel up to W8A8_SKINNY_MAX_ROWS, CUTLASS above, --lib);
+    skinny = quantize_fp8 + the W8A8 skinny kernel at any rows (above 128 in 128-row slices), then at
+    CLUSTER_SWEEP_ROWS the GEMM alone at every built cluster size; blkq = the block128 kernel quantizing its bf16
+    input itself; -r1 = 128-row blocks at 33-64 rows. ms per call (graph replay, weights rotated over copies beyond
+    L2), GB/s of weight bytes; the last lines sum 36 layers per row count."""
+    from xserv_aot.plan.fp8_build import (W8A8_SKINNY_CLUSTERS, W8A8_SKINNY_FALLBACK_ROWS, W8A8_SKINNY_MAX_ROWS,
+                                          plan_w8a8_skinny)
+    torch.zeros(1, device="cuda")
+    kern = Kernels("gemv_fp8.cu", "gemm_skinny_fp8.cu", "gemm_skinny_w8a8.cu")
+    so = None
+    if args.lib:
+        so = ctypes.CDLL(str(Path(args.lib)))
+        so.xserv_gemm_fp8.restype = ctypes.c_int
+        so.xserv_gemm_fp8.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
+    rows_list = [int(r) for r in args.rows.split(",")]
+    schemes = [fp8.BLOCK128] + ([fp8.CHANNEL] if args.both_schemes else [])
+    torch.manual_seed(0)
+    print(f"{'scheme':12} {'shape':8} {'rows':>4} {'variant':40} {'ms':>8} {'W GB/s':>7} {'%4.6T':>6} {'err':>8}")
+    total = {}
+    for scheme in schemes:
+        for name in BATCHED_SHAPES:
+            N, K = FP8_SHAPES[name]
+            copies = max(2, -(-3 * l2_bytes // (N * K)))
+            ws, wref = weights(N, K, scheme, copies)
+            group = fp8.act_group(scheme, K)
+            for M in rows_list:
+                x = torch.randn(M, K, device="cuda").bfloat16()
+                ref = x.float() @ wref.t()
+                y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+                xq = torch.empty(M, K, device="cuda", dtype=torch.uint8)
+                xs = torch.empty(M, fp8.groups(K, group), device="cuda", dtype=torch.float32)
+                qrec = plan_quantize(QuantizeFp8(rows=M, inp="x", out="xq", scale="xs", k=K, group=group)).launch[0]
+                (ql,) = launches(kern, qrec, [[("ptr", x.data_ptr()), ("ptr", xq.data_ptr()), ("ptr", xs.data_ptr()),
+                                               ("i32", M), ("i32", K), ("i32", group)]])
+                bodies = []                                        # (variant, kinds, body(j))
+                op8 = Linear(inp="xq", inp_scale="xs", weight="w", bias=None, out="y", rows=M, n=N, k=K,
+                             weight_scale="w.scale", quant=scheme)
+                if M <= W8A8_SKINNY_FALLBACK_ROWS:
+                    op = Linear(inp="x", weight="w", bias=None, out="y", rows=M, n=N, k=K, weight_scale="w.scale",
+                                quant=scheme)
+                    rec = plan_fp8_linear(op, "bfloat16", None, None).launch[0]
+                    ls = launches(kern, rec, [[("ptr", x.data_ptr()), ("ptr", w.data_ptr()), ("ptr", s.data_ptr()),
+                                               ("ptr", 0), ("ptr", y.data_ptr()), ("i32", M), ("i32", N), ("i32", K)]
+                                              for w, s in ws])
+                    bodies.append((f"W8A16 {rec.fn}", ("old",), lambda j, ls=ls: ls[j](stream())))
+                if so is not None and M > W8A8_SKINNY_MAX_ROWS:
+                    cfg = FP8_CONFIG[(scheme, "bfloat16")]
+
+                    def gemm(j, cfg=cfg, ws=ws):
+                        w, s = ws[j]
+                        st = so.xserv_gemm_fp8(cfg, xq.data_ptr(), xs.data_ptr(), w.data_ptr(), s.data_ptr(),
+                                               y.data_ptr(), None, M, N, K, stream())
+                        if st:
+                            raise RuntimeError(f"xserv_gemm_fp8 config {cfg} M={M} N={N} K={K}: status {st}")
+                    kinds = ("old", "new") if M > W8A8_SKINNY_FALLBACK_ROWS else ("new",)
+                    bodies.append(("quantize + CUTLASS W8A8", kinds, lambda j, g=gemm: (ql(stream()), g(j))))
+                    bodies.append(("  gemm alone CUTLASS W8A8", (), gemm))
+                planned = plan_w8a8_skinny(op8, "bfloat16").launch[0]
+                for c in (None,) + (W8A8_SKINNY_CLUSTERS if M in CLUSTER_SWEEP_ROWS else ()):
+                    rec = plan_w8a8_skinny(op8, "bfloat16", c).launch[0]
+                    if c is not None and rec.fn == planned.fn:
+                        continue
+                    ls = launches(kern, rec, [[("ptr", xq.data_ptr()), ("ptr", xs.data_ptr()), ("ptr", w.data_ptr()),
+                                               ("ptr", s.data_ptr()), ("ptr", 0), ("ptr", y.data_ptr()),
+                                               ("i32", M), ("i32", N), ("i32", K)] for w, s in ws])
+                    if c is None:
+                        kinds = ("new", "skinny") if M <= W8A8_SKINNY_MAX_ROWS else ("skinny",)
+                        bodies.append((f"quantize + {rec.fn}", kinds,
+                                       lambda j, ls=ls: (ql(stream()), ls[j](stream()))))
+                    bodies.append((f"  gemm alone {rec.fn}", (), lambda j, ls=ls: ls[j](stream())))
+                half = plan_w8a8_skinny(op8, "bfloat16", half=True).launch[0]
+                if half.fn != planned.fn:                  # 33-64 rows: the 128-row blocks (r1) too
+                    ls = launches(kern, half, [[("ptr", xq.data_ptr()), ("ptr", xs.data_ptr()),
+                                                ("ptr", w.data_ptr()), ("ptr", s.data_ptr()), ("ptr", 0),
+                                                ("ptr", y.data_ptr()), ("i32", M), ("i32", N), ("i32", K)]
+                                               for w, s in ws])
+                    bodies.append((f"quantize + {half.fn}", ("skinny-r1",),
+                                   lambda j, ls=ls: (ql(stream()), ls[j](stream()))))
+                for h in (False, True) if scheme == fp8.BLOCK128 and M <= W8A8_SKINNY_FALLBACK_ROWS else ():
+                    rec = plan_w8a8_skinny(op8, "bfloat16", quantized_from="x", half=h).launch[0]
+                    if h and rec.fn.replace("r1", "") == rec.fn:
+                        continue
+                    ls = launches(kern, rec, [[("ptr", x.data_ptr()), ("ptr", w.data_ptr()), ("ptr", s.data_ptr()),
+                                               ("ptr", 0), ("ptr", y.data_ptr()), ("i32", M), ("i32", N),
+                                               ("i32", K)] for w, s in ws])
+                    bodies.append((f"{rec.fn} (quantize in it)", ("blkq-r1" if h else "blkq",),
+                                   lambda j, ls=ls: ls[j](stream())))
+                for variant, kinds, body in bodies:
+                    y.fill_(float("nan"))
+                    body(0)
+                    torch.cuda.synchronize()
+                    err = rel_err(y, ref)
+                    ms = time_graph(body, copies)
+                    gbs = N * K / ms / 1e6
+                    print(f"{scheme:12} {name:8} {M:4} {variant:40} {ms:8.4f} {gbs:7.0f} {gbs / HBM_GBS:6.0%} "
+                          f"{err:8.1e}", flush=True)
+                    for k in kinds:
+                        total[(scheme, M, k)] = total.get((scheme, M, k), 0.0) + 36 * ms
+            del ws
+            torch.cuda.empty_cache()
+    for scheme in schemes:
+        for M in rows_list:
+            old = total.get((scheme, M, "old"))
+            news = [(k, total[(scheme, M, k)]) for k in ("new", "skinny", "blkq", "skinny-r1", "blkq-r1")
+                    if (scheme, M, k) in total]
+            if old is not None and news:
+                print(f"Qwen3-8B FP8 layer linears ({scheme}, rows {M}, 36 layers, quantize included): old "
+                      f"{old:.3f} ms/step; " + ", ".join(f"{k} {t:.3f} ({old / t:.2f}x)" for k, t in news))
+

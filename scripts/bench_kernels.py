@@ -5,6 +5,8 @@
   python3 scripts/bench_kernels.py attn [--batches 16,64,256 --contexts 256,1024,4096]
   python3 scripts/bench_kernels.py prefill [--prompts 2048,4096,8192,4x1024 --variants v1,w8s2]
   python3 scripts/bench_kernels.py fp8 [--lib PATH/libxserv_gemm.so] [--rows 1,2,16,64]   (scripts/bench_fp8.py)
+  python3 scripts/bench_kernels.py fp8-batched [--lib PATH/libxserv_gemm.so] [--rows 16,32,64,128,256]
+      [--both-schemes]   (old vs new FP8 decode linears, scripts/bench_fp8.py)
   python3 scripts/bench_kernels.py attn-few --batches 1,2 --contexts 128,512,4096
   python3 scripts/bench_kernels.py prefill-gemm --lib PATH/libxserv_gemm.so [--rows 2048,4096,8192]
   python3 scripts/bench_kernels.py prefill-elementwise [--rows 2048,4096,8192]
@@ -343,11 +345,12 @@ def bench_prefill(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["gemm", "attn", "attn-few", "prefill", "fp8", "prefill-gemm",
+    ap.add_argument("what", choices=["gemm", "attn", "attn-few", "prefill", "fp8", "fp8-batched", "prefill-gemm",
                                      "prefill-elementwise"])
     ap.add_argument("--lib")
     ap.add_argument("--rows", default=None, help="gemm: 16,32,64,128,256; fp8: 1,2,16,64; "
                     "prefill-gemm, prefill-elementwise: 2048,4096,8192")
+    ap.add_argument("--both-schemes", action="store_true", help="fp8-batched: fp8_channel too (default block128)")
     ap.add_argument("--batches", default="1,16,64,128,256")
     ap.add_argument("--contexts", default="256,1024,4096,8192")
     ap.add_argument("--prompts", default="2048,4096,8192,4x1024", help="prefill: N x L or L (one seq)")
@@ -365,11 +368,17 @@ def main() -> None:
     if args.what == "attn-few":
         from bench_attn_few import bench_attn_few
         return bench_attn_few(args)
-    {"gemm": bench_gemm, "attn": bench_attn, "prefill": bench_prefill, "fp8": bench_fp8}[args.what](args)
+    {"gemm": bench_gemm, "attn": bench_attn, "prefill": bench_prefill, "fp8": bench_fp8,
+     "fp8-batched": bench_fp8_batched}[args.what](args)
 
 
 def bench_fp8(args) -> None:
     from scripts.bench_fp8 import bench_fp8 as run
+    run(args, Kernels, time_graph, stream, rel_err, L2_BYTES)
+
+
+def bench_fp8_batched(args) -> None:
+    from scripts.bench_fp8 import bench_fp8_batched as run
     run(args, Kernels, time_graph, stream, rel_err, L2_BYTES)
 
 

@@ -256,3 +256,29 @@ def test_plan_load_checks_fp8_weights_against_the_ops(tmp_path, seed):
         path.write_text(json.dumps(bad))
         with pytest.raises(PlanError, match=match):
             Plan.load(tmp_path / "plan", verify="none")
+
+
+def test_w8a16_max_rows_moves_decode_rows_to_w8a8(tmp_path, seed):
+    """fp8_w8a16_max_rows 2: the 4-row decode bucket quantizes its activations (quantize_fp8 + W8A8 linears),
+    decode_1/2 stay W8A16; on the NumPy backend its logits stay within the W8A8 error of the W8A16 plan's."""
+    for bad in (1, 65, True, 8.0):
+        with pytest.raises(ConfigError, match="fp8_w8a16_max_rows"):
+            BuildConfig(**{**BUILD, "fp8_w8a16_max_rows": bad}).validate()
+    rng = np.random.default_rng(seed)
+    model_dir = make_tiny_model(tmp_path / "hf", "qwen3", seed=int(rng.integers(1 << 30)), dtype="bfloat16", **TILED)
+    plans = {r: compile_plan(model_dir, tmp_path / f"plan{r}", BuildConfig(**BUILD, fp8_w8a16_max_rows=r))
+             for r in (64, 2)}
+    for b in plans[2].decode_buckets:
+        assert any(op.op == "quantize_fp8" for op in b.ops) == (b.num_tokens > 2), b.name
+    assert not any(op.op == "quantize_fp8" for b in plans[64].decode_buckets for op in b.ops)
+    prompts = [rng.integers(3, 256, size=6).tolist() for _ in range(4)]
+    step = rng.integers(3, 256, size=4).tolist()
+
+    def decode_logits(plan):
+        s = Session(NumpyRunner(plan), num_seqs=4)
+        for k, p in enumerate(prompts):
+            s.prefill(k, p)
+        return np.asarray(s.step({k: [t] for k, t in enumerate(step)})[1], np.float64)
+
+    w8a16, w8a8 = decode_logits(plans[64]), decode_logits(plans[2])
+    assert np.isfinite(w8a8).all() and 0 < rel_err(w8a8, w8a16) <= 0.2     # the W8A8 bound of the test above

@@ -17,6 +17,7 @@ class ConfigError(XservError, ValueError):
 SUPPORTED_ARCHS = ("qwen3", "qwen2", "llama")
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 QUANTIZATIONS = ("none", "fp8")
+FP8_W8A16_MAX_ROWS = 64      # default of fp8_w8a16_max_rows (the W8A16 skinny kernels end at 64 rows)
 FP8_SCHEME_CHOICES = ("channel", "block128", "auto")
 HF_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 
@@ -184,6 +185,10 @@ class BuildConfig:
     fp8_scheme: str = "auto"              # fp8: channel | block128 | auto (block128 where N and K divide by 128)
     quantize_lm_head: bool = False        # fp8: the lm_head too (embedding and norms always stay in dtype)
     prefill_attention: str = "auto"       # CUDA: a prefill attention variant (plan/attention_plan.py), auto: the default
+    fp8_w8a16_max_rows: int = FP8_W8A16_MAX_ROWS  # fp8: linears of at most this many rows read bf16 activations
+                                          # (W8A16), larger ones quantize them per token (W8A8), ops.linear_ops
+    fp8_quantize_in_producer: bool = False  # fp8, CUDA: rmsnorm / add_rmsnorm / silu_mul also write the next
+                                          # quantize_fp8's output (plan/fp8_build.producer_fuses_quantize)
 
     @property
     def prefill_chunk(self) -> int:
@@ -250,7 +255,11 @@ class BuildConfig:
         if self.prefill_attention != "auto" and self.prefill_attention not in PREFILL_ATTN_VARIANTS:
             raise ConfigError(f"prefill_attention {self.prefill_attention!r} is not auto or one of "
                               f"{', '.join(PREFILL_ATTN_VARIANTS)}")
-        for name in ("gemm_library", "pdl", "quantize_lm_head", "gemm_residual"):
+        if not (isinstance(self.fp8_w8a16_max_rows, int) and 2 <= self.fp8_w8a16_max_rows <= FP8_W8A16_MAX_ROWS) \
+                or isinstance(self.fp8_w8a16_max_rows, bool):
+            raise ConfigError(f"fp8_w8a16_max_rows {self.fp8_w8a16_max_rows!r} must be an integer in 2..64 (rows 1-2 "
+                              f"are always W8A16 GEMVs; the W8A16 skinny kernels end at 64 rows)")
+        for name in ("gemm_library", "pdl", "quantize_lm_head", "gemm_residual", "fp8_quantize_in_producer"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.decode_buckets = sorted(set(int(b) for b in self.decode_buckets))

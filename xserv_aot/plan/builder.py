@@ -201,7 +201,8 @@ def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress, schem
     kv_shape = [model.num_layers, 2, build.num_blocks, build.block_size, kv_heads, model.head_dim]
     kv_bytes = math.prod(kv_shape) * ITEMSIZE[build.dtype]
     buckets = [{"name": n, "kind": k, "num_tokens": t, "num_seqs": s,
-                "ops": [op.to_dict() for op in bucket_ops(model, t, s, tp, quant=schemes)]}
+                "ops": [op.to_dict() for op in bucket_ops(model, t, s, tp, quant=schemes,
+                                                                 w8a16_max_rows=build.fp8_w8a16_max_rows)]}
                for n, k, t, s in bucket_shapes(build)]
     manifest = {
         "schema_version": SCHEMA_VERSION,

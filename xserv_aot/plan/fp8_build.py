@@ -1,14 +1,16 @@
 """CUDA kernels of the FP8 linears (docs/plan-format.md "FP8"): W8A16 GEMV (rows 1..2, kernels/gemv_fp8.cu) and
-skinny tensor-core GEMM (rows 3..64, kernels/gemm_skinny_fp8.cu), quantize_fp8, and W8A8 CUTLASS FP8 GEMMs with
-scale epilogues (more rows, kernels/cutlass/gemm_sm90_fp8*.{h,cuh,cu}). Called by plan.kernel_build."""
+skinny tensor-core GEMM (rows 3..64, kernels/gemm_skinny_fp8.cu), quantize_fp8, and W8A8 (which rows are W8A8 is
+BuildConfig.fp8_w8a16_max_rows, plan/ops.linear_ops): the W8A8 skinny kernel (rows <= 64,
+kernels/gemm_skinny_w8a8.cu) or CUTLASS FP8 GEMMs with scale epilogues (more rows,
+kernels/cutlass/gemm_sm90_fp8*.{h,cuh,cu}). Called by plan.kernel_build."""
 from __future__ import annotations
 
 from xserv_aot import fp8
-from xserv_aot.plan.kernel_constants import skinny_smem
+from xserv_aot.plan.kernel_constants import skinny_smem, skinny_w8a8_rows, skinny_w8a8_smem
 from xserv_aot.plan.launch_records import i32, kernel, launch, library_call, ptr
 from xserv_aot.plan.linear_plan import GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS
 from xserv_aot.plan.nvrtc_build import KERNEL_DIR, KernelBuildError
-from xserv_aot.plan.op_records import KernelChoice, Linear, QuantizeFp8
+from xserv_aot.plan.op_records import AddRmsNorm, KernelChoice, Linear, QuantizeFp8, RmsNorm, SiluMul
 from xserv_aot.plan.signatures import host_signature
 
 FP8_ENTRY = "xserv_gemm_fp8"              # the CUTLASS library's W8A8 entry point
@@ -16,6 +18,17 @@ FP8_SOURCE = KERNEL_DIR / "cutlass" / "gemm_sm90_fp8.cu"
 FP8_SKINNY_FUSE_GATE = False              # as linear_plan.SKINNY_FUSE_GATE: gate_up and silu_mul stay two kernels
 QUANTIZE_WARPS = 8                        # (row, group) pairs per quantize_fp8 block
 SCHEME_TAG = {fp8.CHANNEL: "ch", fp8.BLOCK128: "blk"}
+W8A8_SKINNY_MAX_ROWS = 32                 # W8A8 linears of at most this many rows: kernels/gemm_skinny_w8a8.cu; more
+                                          # rows: CUTLASS (faster from 48 rows on the H200), else the skinny kernel
+W8A8_SKINNY_FALLBACK_ROWS = 64            # ... up to this many rows when the plan has no CUTLASS library
+W8A8_SKINNY_BLOCKS = 96                   # H200 sweep: K split as far as tiles x C stays <= 96 blocks (qkv 24 x 4,
+                                          # o / down 16 x 5, gate_up 96 x 1); more blocks in clusters run slower
+W8A8_SKINNY_TILES = (16, 32, 64, 128)     # batch-row tiles it is built for (128: bench only, CUTLASS routed there;
+                                          # more rows run as 128-row slices on grid z)
+W8A8_SKINNY_CLUSTERS = (1, 2, 4, 5, 8)    # blocks a cluster (splitting K) that the kernel file instantiates
+W8A8_QUANTIZE_IN_KERNEL = False           # block128 W8A8 skinny linears quantize their bf16 input themselves (blkq:
+                                          # 0.65 - 0.91x of quantize_fp8 + GEMM on the H200, the IEEE divisions)
+W8A8_SKINNY_HALF = False                  # 33-64 rows: 128-row blocks (r1, no spills) instead of 256-row ones
 
 
 def host_signatures() -> dict[str, list[dict]]:
@@ -56,6 +69,8 @@ def plan_w8a8(op: Linear, out_dtype: str, cutlass: dict | None) -> KernelChoice:
     """quantize_fp8's packed e4m3 rows and scales x the e4m3 weight, scales in the CUTLASS mainloop (block128) or
     epilogue (channel)."""
     from xserv_aot.plan.cutlass_build import FP8_CONFIG, FP8_CONFIGS
+    if op.rows <= (W8A8_SKINNY_MAX_ROWS if cutlass is not None else W8A8_SKINNY_FALLBACK_ROWS):
+        return plan_w8a8_skinny(op, out_dtype)
     if cutlass is None:
         raise KernelBuildError(f"FP8 linear {op.weight} with {op.rows} rows is W8A8 and needs the CUTLASS GEMM "
                                f"library, which this build has not (enable gemm_library, or compile a plan whose "
@@ -68,6 +83,55 @@ def plan_w8a8(op: Linear, out_dtype: str, cutlass: dict | None) -> KernelChoice:
                         [i32(cfg), ptr(op.inp), ptr(op.inp_scale), ptr(op.weight), ptr(op.weight_scale), ptr(op.out),
                          ptr(op.bias), i32(op.rows), i32(op.n), i32(op.k)])
     return KernelChoice("cutlass_fp8", (call,), gemm_config=cfg)
+
+
+def w8a8_cluster(n: int, k: int, block_rows: int = skinny_w8a8_rows(64)) -> int:
+    """Blocks splitting K per tile of block_rows weight rows: the largest built cluster size that keeps the grid
+    within W8A8_SKINNY_BLOCKS blocks, with at least one 128-k step a block."""
+    tiles, steps = -(-n // block_rows), -(-k // 128)
+    return max([c for c in W8A8_SKINNY_CLUSTERS if c <= steps and tiles * c <= W8A8_SKINNY_BLOCKS] or [1])
+
+
+def quantize_fuses_into(qop: QuantizeFp8, nxt) -> bool:
+    """Whether the W8A8 linear after quantize_fp8 quantizes its input itself (then quantize_fp8 launches nothing):
+    block128 skinny rows, whose 128-k steps are the activation groups."""
+    return (W8A8_QUANTIZE_IN_KERNEL and isinstance(nxt, Linear) and nxt.inp == qop.out and nxt.inp_scale == qop.scale
+            and nxt.quant == fp8.BLOCK128 and nxt.rows <= W8A8_SKINNY_MAX_ROWS and qop.group == fp8.BLOCK
+            and qop.rows == nxt.rows and qop.k == nxt.k)
+
+
+def producer_fuses_quantize(prod, qop, after, enabled: bool) -> bool:
+    """Whether rmsnorm / add_rmsnorm / silu_mul `prod` also writes the next op's quantize_fp8 output (build setting
+    fp8_quantize_in_producer): groups of 128 (norms: or the whole row), unless the linear after quantizes itself."""
+    if not (enabled and isinstance(qop, QuantizeFp8) and qop.inp == prod.out and qop.rows == prod.rows) \
+            or quantize_fuses_into(qop, after):
+        return False
+    if isinstance(prod, SiluMul):
+        return qop.group == fp8.BLOCK and qop.k == prod.inter and prod.inter % fp8.BLOCK == 0
+    return isinstance(prod, (RmsNorm, AddRmsNorm)) and qop.group in (fp8.BLOCK, qop.k)
+
+
+def plan_w8a8_skinny(op: Linear, out_dtype: str, cluster: int | None = None, quantized_from: str | None = None,
+                     half: bool = W8A8_SKINNY_HALF) -> KernelChoice:
+    """quantize_fp8's rows and scales x the e4m3 weight on mma.sync e4m3 (kernels/gemm_skinny_w8a8.cu); cluster:
+    force the K split (tests, bench), by default w8a8_cluster; quantized_from: the bf16 buffer the fused
+    quantize_fp8 reads (quantize_fuses_into): the kernel quantizes it itself (`blkq`); half: the 128-row blocks
+    (`r1`, one m16 weight tile a warp) at 33-64 rows."""
+    mt = next((m for m in W8A8_SKINNY_TILES if m >= op.rows), W8A8_SKINNY_TILES[-1])  # more rows: grid z slices
+    half = half and mt == 64
+    rows = skinny_w8a8_rows(mt, half)
+    c = cluster or w8a8_cluster(op.n, op.k, rows)
+    if c not in W8A8_SKINNY_CLUSTERS:
+        raise KernelBuildError(f"W8A8 skinny cluster {c} is not built (built: {W8A8_SKINNY_CLUSTERS})")
+    suffix, tile = "f32" if out_dtype == "float32" else "bf16", f"m{mt}{'r1' if half else ''}c{c}"
+    tail = [ptr(op.bias), ptr(op.out), i32(op.rows), i32(op.n), i32(op.k)]
+    if quantized_from:
+        fn, args = f"skinny_w8a8_blkq_{tile}_{suffix}", [ptr(quantized_from), ptr(op.weight), ptr(op.weight_scale)]
+    else:
+        fn = f"skinny_w8a8_{SCHEME_TAG[op.quant]}_{tile}_{suffix}"
+        args = [ptr(op.inp), ptr(op.inp_scale), ptr(op.weight), ptr(op.weight_scale)]
+    return kernel(launch(fn, [-(-op.n // rows), c, -(-op.rows // mt)], [256],
+                         skinny_w8a8_smem(mt, bool(quantized_from), half), args + tail))
 
 
 def plan_quantize(op: QuantizeFp8) -> KernelChoice:

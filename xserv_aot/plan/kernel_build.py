@@ -13,6 +13,7 @@ from typing import Callable
 
 from xserv_aot.plan.kernel_constants import G_MAX, MK_TRACE, NORM_NC, P_KEYS
 from xserv_aot.plan.attention_plan import fuses_rope, plan_attention
+from xserv_aot.plan.fp8_build import producer_fuses_quantize
 from xserv_aot.plan.launch_records import check_launches, f32, i32, kernel, kv, launch, ptr
 from xserv_aot.plan.linear_plan import (CUTLASS_MIN_ROWS, GEMM_ENTRY, GEMM_ENTRY_EX, GEMM_SOURCE,  # noqa: F401
                                         GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS, SWAP_MIN_ROWS, plan_linear,
@@ -44,6 +45,9 @@ def add_arena_buffer(manifest: dict, name: str, shape: list[int], dtype: str) ->
         arena["buffers"][name] = info.to_dict()
 
 
+QUANTIZING_PRODUCERS = ("rmsnorm_q", "add_rmsnorm_q", "silu_mul_q")   # they write the next quantize_fp8's output
+
+
 def norm_threads(hidden: int, rows: int = 1, few_from: int | None = None) -> int:
     """Threads of a row-norm block: one 16-byte chunk a thread; from `few_from` rows on (default NORM_FEW_FROM_ROWS,
     0 = never) the fewest whole warps that hold the row in NORM_NC chunks each (more blocks resident)."""
@@ -61,23 +65,23 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
     nh, nkv = m["num_heads"], m["num_kv_heads"]
     num_slots, block_size = kv_slots(kvc), kvc["shape"][3]
     arena = manifest["arena"]["buffers"]
+    fuse_quantize = bool(manifest["build"].get("fp8_quantize_in_producer"))
     row_threads = [min(ELEMWISE_THREADS, hidden // 8)]
     out: list[KernelChoice] = []
     for idx, op in enumerate(ops):
         rows, nxt = op.rows, ops[idx + 1] if idx + 1 < len(ops) else None
+        after = ops[idx + 2] if idx + 2 < len(ops) else None
         if isinstance(op, ResolveInputIds):
             c = kernel(launch("resolve_input_ids", [-(-rows // ELEMWISE_THREADS)], [ELEMWISE_THREADS], 0,
                               [ptr(op.ids), ptr(op.prev_rows), ptr(op.sampled), i32(rows)]))
         elif isinstance(op, Embedding):
             c = kernel(launch("embedding", [rows], row_threads, 0,
                               [ptr(op.ids), ptr(op.table), ptr(op.out), i32(hidden), i32(vocab)]))
-        elif isinstance(op, RmsNorm):
-            c = norm_launch(op, hidden)
-        elif isinstance(op, AddRmsNorm) and idx and out[-1].fused_residual == op.residual \
-                and getattr(ops[idx - 1], "out", None) == op.delta:
-            c = norm_launch(op, hidden, residual_summed=True)
-        elif isinstance(op, AddRmsNorm):
-            c = norm_launch(op, hidden)
+        elif isinstance(op, (RmsNorm, AddRmsNorm)):
+            quant = nxt if producer_fuses_quantize(op, nxt, after, fuse_quantize) else None
+            summed = (isinstance(op, AddRmsNorm) and idx > 0 and out[-1].fused_residual == op.residual
+                      and getattr(ops[idx - 1], "out", None) == op.delta)
+            c = norm_launch(op, hidden, residual_summed=summed, quant=quant)
         elif isinstance(op, GatherRows):
             c = kernel(launch("gather_rows", [rows], row_threads, 0,
                               [ptr(op.inp), ptr(op.indices), ptr(op.out), i32(hidden), i32(arena[op.inp]["shape"][0])]))
@@ -86,15 +90,22 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             if prev_choice and prev_choice.fused_silu_out == op.out and getattr(prev, "out", None) == op.inp:
                 c = KernelChoice("fused_into_previous")
             else:
-                c = silu_mul_launch(op)
+                c = silu_mul_launch(op, quant=nxt if producer_fuses_quantize(op, nxt, after, fuse_quantize) else None)
+        elif isinstance(op, Linear) and idx and out[-1].kernel == "fused_into_next" and isinstance(ops[idx - 1],
+                                                                                                 QuantizeFp8):
+            from xserv_aot.plan.fp8_build import plan_w8a8_skinny
+            c = plan_w8a8_skinny(op, arena[op.out]["dtype"], quantized_from=ops[idx - 1].inp)
         elif isinstance(op, Linear):
             fuse = nxt.out if isinstance(nxt, SiluMul) and nxt.inp == op.out else None
             res = (nxt.residual if isinstance(nxt, AddRmsNorm) and nxt.delta == op.out and nxt.rows == rows
                    and not read_later(ops, idx + 2, op.out) else None)
             c = plan_linear(op, arena[op.out]["dtype"], fuse, cutlass, kind == "decode", res)
         elif isinstance(op, QuantizeFp8):
-            from xserv_aot.plan.fp8_build import plan_quantize
-            c = plan_quantize(op)
+            from xserv_aot.plan.fp8_build import plan_quantize, quantize_fuses_into
+            if out[-1].kernel in QUANTIZING_PRODUCERS:
+                c = KernelChoice("fused_into_previous")
+            else:
+                c = KernelChoice("fused_into_next") if quantize_fuses_into(op, nxt) else plan_quantize(op)
         elif isinstance(op, QkNormRopeCache) and isinstance(nxt, Attention) and fuses_rope(kind, op, nxt):
             c = KernelChoice("fused_into_next")
         elif isinstance(op, QkNormRopeCache):
@@ -118,23 +129,28 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
 
 
 def norm_launch(op: RmsNorm | AddRmsNorm, hidden: int, residual_summed: bool = False,
-                few_from: int | None = None) -> KernelChoice:
+                few_from: int | None = None, quant: QuantizeFp8 | None = None) -> KernelChoice:
     """One block per row. residual_summed: the previous linear already added its output into op.residual
-    (fused_residual), so add_rmsnorm is an rmsnorm of that buffer."""
-    geometry = ([op.rows], [norm_threads(hidden, op.rows, few_from)], 0)
+    (fused_residual), so add_rmsnorm is an rmsnorm of that buffer. quant: the next op, a quantize_fp8 the norm
+    also writes (the `_q` kernels, one 16-byte chunk a thread)."""
+    geometry = ([op.rows], [norm_threads(hidden) if quant else norm_threads(hidden, op.rows, few_from)], 0)
+    fn, tail, group = ("_q", [ptr(quant.out), ptr(quant.scale)], [i32(quant.group)]) if quant else ("", [], [])
     if isinstance(op, RmsNorm) or residual_summed:
         inp = op.inp if isinstance(op, RmsNorm) else op.residual
-        return kernel(launch("rmsnorm", *geometry, [ptr(inp), ptr(op.weight), ptr(op.out), i32(hidden), f32(op.eps)]))
-    return kernel(launch("add_rmsnorm", *geometry, [ptr(op.residual), ptr(op.delta), ptr(op.weight), ptr(op.out),
-                                                    i32(hidden), f32(op.eps)]))
+        return kernel(launch(f"rmsnorm{fn}", *geometry, [ptr(inp), ptr(op.weight), ptr(op.out)] + tail
+                             + [i32(hidden), f32(op.eps)] + group))
+    return kernel(launch(f"add_rmsnorm{fn}", *geometry, [ptr(op.residual), ptr(op.delta), ptr(op.weight),
+                                                         ptr(op.out)] + tail + [i32(hidden), f32(op.eps)] + group))
 
 
-def silu_mul_launch(op: SiluMul, max_blocks: int | None = -1) -> KernelChoice:
-    """256 threads a block, one 8-element chunk a thread and iteration; max_blocks -1: SILU_MAX_BLOCKS."""
+def silu_mul_launch(op: SiluMul, max_blocks: int | None = -1, quant: QuantizeFp8 | None = None) -> KernelChoice:
+    """256 threads a block, one 8-element chunk a thread and iteration; max_blocks -1: SILU_MAX_BLOCKS. quant: the
+    next op, a quantize_fp8 silu_mul_q also writes."""
     cap = SILU_MAX_BLOCKS if max_blocks == -1 else max_blocks
     chunks = -(-(op.rows * op.inter // 8) // 256)
-    return kernel(launch("silu_mul", [min(chunks, cap) if cap else chunks], [256], 0,
-                         [ptr(op.inp), ptr(op.out), i32(op.rows), i32(op.inter)]))
+    q = [ptr(quant.out), ptr(quant.scale)] if quant else []
+    return kernel(launch("silu_mul_q" if quant else "silu_mul", [min(chunks, cap) if cap else chunks], [256], 0,
+                         [ptr(op.inp), ptr(op.out)] + q + [i32(op.rows), i32(op.inter)]))
 
 
 def qk_rope_launch(op: QkNormRopeCache, hd: int, nh: int, nkv: int, num_slots: int, fn: str | None = None,

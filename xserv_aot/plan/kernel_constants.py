@@ -19,13 +19,14 @@ MK_PART_FLOATS = 2048   # ... per-row, per-warp partial sums of a block's rows
 MK_CONSUMERS = 8        # ... consumer warps (a slot's rows split them evenly); one more warp streams the weights
 MK_TILE = 128           # ... keys an attention tile (two consumer threads a key)
 MK_TRACE = 18           # ... trace stamps a block and layer (14 phase edges, 4 ring-wait sums; mk_trace buffer)
+SW8_STAGES = 4          # ring of 128-k steps per W8A8 skinny block (256 weight lines + the X tile each)
 
 KERNEL_DEFINES = {"P_KEYS": P_KEYS, "G_MAX": G_MAX, "NORM_NC": NORM_NC, "GEMM_BK": GEMM_BK, "GEMM_LDS": GEMM_LDS,
                   "GEMM_STAGES_128": GEMM_STAGES_128, "GEMM_STAGES_64": GEMM_STAGES_64, "SK_WARPS": SK_WARPS,
                   "SK_RT": SK_RT, "SK_STAGES": SK_STAGES, "MK_STAGE_BYTES": MK_STAGE_BYTES,
                   "MK_H_SEQ_BYTES": MK_H_SEQ_BYTES, "MK_PART_FLOATS": MK_PART_FLOATS,
                   "MK_CONSUMERS": MK_CONSUMERS, "MK_TILE": MK_TILE,
-                  "MK_TRACE": MK_TRACE}
+                  "MK_TRACE": MK_TRACE, "SW8_STAGES": SW8_STAGES}
 
 
 def gemm_smem(tile: str) -> int:
@@ -39,6 +40,21 @@ def skinny_smem(mt: int) -> int:
     """Dynamic shared memory (bytes) of a skinny kernel for mt batch rows: the weight rings, reused afterwards for
     the partial sums (SK_WARPS * SK_RT * mt/8 tiles of 4 x 32 floats)."""
     return max(SK_WARPS * SK_STAGES * SK_RT * 16 * 128, SK_WARPS * SK_RT * (mt // 8) * 4 * 32 * 4)
+
+
+def skinny_w8a8_rows(mt: int, half: bool = False) -> int:
+    """Weight rows a kernels/gemm_skinny_w8a8.cu block: SK_WARPS warps x 2 m16 tiles, 1 tile at 128 batch rows or
+    in the half-width (`r1`) variants."""
+    return SK_WARPS * 16 * (1 if mt > 64 or half else 2)
+
+
+def skinny_w8a8_smem(mt: int, qx: bool = False, half: bool = False) -> int:
+    """Dynamic shared memory (bytes) of a kernels/gemm_skinny_w8a8.cu block for mt batch rows: SW8_STAGES steps of
+    skinny_w8a8_rows weight lines of 128 B and the X tile: mt e4m3 lines + mt float scales, or (qx) mt bf16 lines
+    of 256 B, then one e4m3 tile + scales; the partial sums [mt, rows + 4] floats reuse it."""
+    rows = skinny_w8a8_rows(mt, half)
+    stage = rows * 128 + (mt * 256 if qx else mt * 128 + mt * 4)
+    return max(SW8_STAGES * stage + (mt * 128 + mt * 4 if qx else 0), mt * (rows + 4) * 4)
 
 
 def nvrtc_defines() -> list[tuple[str, str]]:

@@ -1,15 +1,16 @@
 """The ordered op list of one bucket, and the arena buffers those ops read and write (docs/plan-format.md)."""
 from __future__ import annotations
 
+import functools
+
 from xserv_aot import fp8
-from xserv_aot.config import BuildConfig, ModelConfig
+from xserv_aot.config import FP8_W8A16_MAX_ROWS, BuildConfig, ModelConfig  # noqa: F401  (tests import it here)
 from xserv_aot.dtypes import FP8
 from xserv_aot.plan.op_records import (AddRmsNorm, AllGather, AllReduce, ApplyTokenBitmask, Attention, Embedding,
                                        GatherRows, Linear, Op, QkNormRopeCache, QuantizeFp8, ResolveInputIds, RmsNorm,
                                        Sample, SiluMul)
 from xserv_aot.plan.tensor_parallel import local_model
 
-FP8_W8A16_MAX_ROWS = 64      # FP8 linears of at most this many rows read bf16 activations (W8A16), larger ones W8A8
 
 
 def arena_buffers(m: ModelConfig, b: BuildConfig, quantized: bool = False) -> dict[str, tuple[list[int], str]]:
@@ -46,31 +47,31 @@ def arena_buffers(m: ModelConfig, b: BuildConfig, quantized: bool = False) -> di
         "act": ([t, m.intermediate_size], act),
         "hl": ([s, m.hidden_size], act),
         **shard,
-        **(fp8_buffers(m, t) if quantized else {}),
+        **(fp8_buffers(m, t, b.fp8_w8a16_max_rows) if quantized else {}),
         "logits": ([s, full_vocab], "float32"),
         "sampled_ids": ([s], "int32"),
         "token_bitmask": ([s, bitmask_words(m.vocab_size)], "int32"),   # staged only when a row has a grammar
     }
 
 
-def fp8_buffers(m: ModelConfig, t: int) -> dict[str, tuple[list[int], str]]:
+def fp8_buffers(m: ModelConfig, t: int, w8a16_max_rows: int) -> dict[str, tuple[list[int], str]]:
     """W8A8 activations: a linear's input quantized per row and K-group (packed: [rows, k] and
     [rows, groups] row-major from the buffers' start, docs/plan-format.md "FP8")."""
-    if t <= FP8_W8A16_MAX_ROWS:
+    if t <= w8a16_max_rows:
         return {}
     width = max(m.hidden_size, m.intermediate_size)
     return {"xq": ([t, width], FP8), "xq_scale": ([t, fp8.groups(width, fp8.BLOCK)], "float32")}
 
 
 def linear_ops(quant: dict[str, str] | None, rows: int, inp: str, weight: str, out: str, n: int, k: int,
-               bias: str | None = None) -> list[Op]:
-    """A linear as the plan runs it: bf16; FP8 W8A16 (<= FP8_W8A16_MAX_ROWS rows); or quantize_fp8 + FP8 W8A8.
+               bias: str | None = None, w8a16_max_rows: int = FP8_W8A16_MAX_ROWS) -> list[Op]:
+    """A linear as the plan runs it: bf16; FP8 W8A16 (<= w8a16_max_rows rows); or quantize_fp8 + FP8 W8A8.
     quant: plan weight name -> FP8 scheme, for the weights stored as FP8 (with their scales at NAME.scale)."""
     scheme = (quant or {}).get(weight)
     if scheme is None:
         return [Linear(inp=inp, weight=weight, bias=bias, out=out, rows=rows, n=n, k=k)]
     fields = dict(weight=weight, bias=bias, out=out, rows=rows, n=n, k=k, weight_scale=weight + ".scale", quant=scheme)
-    if rows <= FP8_W8A16_MAX_ROWS:
+    if rows <= w8a16_max_rows:
         return [Linear(inp=inp, **fields)]
     return [QuantizeFp8(inp=inp, out="xq", scale="xq_scale", rows=rows, k=k, group=fp8.act_group(scheme, k)),
             Linear(inp="xq", inp_scale="xq_scale", **fields)]
@@ -85,11 +86,14 @@ INPUT_BUFFERS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "s
                  "bitmask_rows")
 
 
-def bucket_ops(m: ModelConfig, t: int, s: int, tp: int = 1, quant: dict[str, str] | None = None) -> list[Op]:
+def bucket_ops(m: ModelConfig, t: int, s: int, tp: int = 1, quant: dict[str, str] | None = None,
+               w8a16_max_rows: int = FP8_W8A16_MAX_ROWS) -> list[Op]:
     """Ops for a bucket of t token rows and s sequences, as each of tp ranks runs them: with tp > 1 the shapes are
     a rank's, o_proj and down are followed by an all_reduce, and the vocab-parallel lm_head by an all_gather.
-    quant: the FP8 weights' schemes (linear_ops); a tied model with an FP8 head has its own "lm_head" tensor."""
+    quant: the FP8 weights' schemes (linear_ops); a tied model with an FP8 head has its own "lm_head" tensor.
+    w8a16_max_rows: BuildConfig.fp8_w8a16_max_rows."""
     vocab, tied = m.vocab_size, m.tie_word_embeddings and "lm_head" not in (quant or {})
+    lin = functools.partial(linear_ops, quant, w8a16_max_rows=w8a16_max_rows)
     m = local_model(m, tp)
     eps, hd = m.rms_norm_eps, m.head_dim
     h, inter, nqkv = m.hidden_size, m.intermediate_size, m.q_size + 2 * m.kv_size
@@ -102,7 +106,7 @@ def bucket_ops(m: ModelConfig, t: int, s: int, tp: int = 1, quant: dict[str, str
             ops.append(RmsNorm(inp="x", weight=p + "input_norm", out="h", rows=t, eps=eps))
         else:
             ops.append(AddRmsNorm(residual="x", delta="o", weight=p + "input_norm", out="h", rows=t, eps=eps))
-        ops += linear_ops(quant, t, "h", p + "qkv", "qkv", nqkv, h, bias=p + "qkv_bias" if m.qkv_bias else None)
+        ops += lin(t, "h", p + "qkv", "qkv", nqkv, h, bias=p + "qkv_bias" if m.qkv_bias else None)
         ops.append(QkNormRopeCache(qkv="qkv", positions="positions", slot_mapping="slot_mapping",
                                    q_norm=p + "q_norm" if m.qk_norm else None,
                                    k_norm=p + "k_norm" if m.qk_norm else None, cos="rope_cos", sin="rope_sin",
@@ -110,20 +114,20 @@ def bucket_ops(m: ModelConfig, t: int, s: int, tp: int = 1, quant: dict[str, str
         ops.append(Attention(q="q", kv_cache="kv_cache", layer=li, query_start_loc="query_start_loc",
                              seq_lens="seq_lens", block_tables="block_tables", out="attn", rows=t, num_seqs=s,
                              scale=hd ** -0.5, **heads))
-        ops += linear_ops(quant, t, "attn", p + "o_proj", "o", h, m.q_size)
+        ops += lin(t, "attn", p + "o_proj", "o", h, m.q_size)
         ops += [AllReduce(buf="o", rows=t, ranks=tp)] if tp > 1 else []
         ops.append(AddRmsNorm(residual="x", delta="o", weight=p + "post_attn_norm", out="h", rows=t, eps=eps))
-        ops += linear_ops(quant, t, "h", p + "gate_up", "gate_up", 2 * inter, h)
+        ops += lin(t, "h", p + "gate_up", "gate_up", 2 * inter, h)
         ops.append(SiluMul(inp="gate_up", out="act", rows=t, inter=inter))
-        ops += linear_ops(quant, t, "act", p + "down", "o", h, inter)
+        ops += lin(t, "act", p + "down", "o", h, inter)
         ops += [AllReduce(buf="o", rows=t, ranks=tp)] if tp > 1 else []
     ops.append(AddRmsNorm(residual="x", delta="o", weight="final_norm", out="h", rows=t, eps=eps))
     ops.append(GatherRows(inp="h", indices="logits_indices", out="hl", rows=s))
     if tp > 1:
-        ops += linear_ops(quant, s, "hl", "lm_head", "logits_shard", vocab // tp, h)
+        ops += lin(s, "hl", "lm_head", "logits_shard", vocab // tp, h)
         ops.append(AllGather(inp="logits_shard", out="logits", rows=s, n=vocab // tp, ranks=tp))
     else:
-        ops += linear_ops(quant, s, "hl", "embed_tokens" if tied else "lm_head", "logits", vocab, h)
+        ops += lin(s, "hl", "embed_tokens" if tied else "lm_head", "logits", vocab, h)
     ops.append(ApplyTokenBitmask(logits="logits", bitmask="token_bitmask", bitmask_rows="bitmask_rows", rows=s,
                                  n=vocab))
     ops.append(Sample(logits="logits", temperature="temperature", top_k="top_k", top_p="top_p", seeds="seeds",

@@ -16,7 +16,8 @@ TYPE_BYTES = {"ptr": 8, "i32": 4, "u32": 4, "f32": 4, "u64": 8, "i64": 8}
 _KPARAM_INFO, _SVAL = 0x17, 0x04       # .nv.info attribute: one kernel parameter (ordinal, offset, size)
 
 _DEFINE = re.compile(r"^#define[ \t]+(\w+)\(([^)]*)\)((?:[^\n]*\\\n)*[^\n]*)", re.M)
-_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)')
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?'
+                     r'(?:__cluster_dims__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)')
 
 
 def _expand_macros(text: str) -> str:

@@ -12,8 +12,6 @@ from xserv_aot.errors import XservError, one_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Ahead-of-time compiled LLM inference: compile a model into a static-shape plan, then serve it.")
-
-
 OPTIONS = {"debug": False}                           # set once per process by the top-level options below
 
 

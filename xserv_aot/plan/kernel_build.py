@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from xserv_aot.plan.kernel_constants import G_MAX, MK_TRACE, NORM_NC, P_KEYS
+from xserv_aot.plan.kernel_constants import G_MAX, NORM_NC, P_KEYS
 from xserv_aot.plan.attention_plan import fuses_rope, plan_attention
 from xserv_aot.plan.fp8_build import producer_fuses_quantize
 from xserv_aot.plan.launch_records import check_launches, f32, i32, kernel, kv, launch, ptr
@@ -19,7 +19,7 @@ from xserv_aot.plan.linear_plan import (CUTLASS_MIN_ROWS, GEMM_ENTRY, GEMM_ENTRY
                                         GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS, SWAP_MIN_ROWS, plan_linear,
                                         plan_skinny)
 from xserv_aot.plan.manifest import place
-from xserv_aot.plan.megakernel_plan import MK_MAX_SEQS, MK_PREFIX, NotEligible, plan_megakernel
+from xserv_aot.plan.megakernel_plan import add_megakernels
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
 from xserv_aot.plan import nccl_records
@@ -196,28 +196,6 @@ def check_model(manifest: dict) -> None:
         raise KernelBuildError(f"CUDA row norms support hidden_size <= {1024 * 8 * NORM_NC}, got {m['hidden_size']}")
 
 
-def add_megakernels(manifest: dict, records: dict, choices: dict) -> dict:
-    """The decode megakernel in every bucket it fits (plan/megakernel_plan.py); -> {bucket: why not} for the
-    buckets of <= MK_MAX_SEQS seqs that keep per-op kernels although build.megakernel_sms is set."""
-    if not manifest["build"].get("megakernel_sms"):
-        return {}
-    m, kvc, skipped = rank_model(manifest), manifest["kv_cache"], {}
-    max_blocks = manifest["arena"]["buffers"]["block_tables"]["shape"][1]
-    for bk in manifest["buckets"]:
-        name = bk["name"]
-        try:
-            choices[name] = plan_megakernel(bk["kind"], records[name], choices[name], manifest, m, kv_slots(kvc),
-                                            max_blocks)
-        except NotEligible as e:
-            if bk["kind"] == "decode" and bk["num_seqs"] <= MK_MAX_SEQS:
-                skipped[name] = str(e)
-    if any(c.kernel.startswith(MK_PREFIX) for cs in choices.values() for c in cs):
-        add_arena_buffer(manifest, "mk_grid_barrier", [1], "int64")   # zeroed at start, advanced in whole barriers
-        sms, layers = manifest["build"]["megakernel_sms"], rank_model(manifest)["num_layers"]
-        add_arena_buffer(manifest, "mk_trace", [sms * layers * MK_TRACE], "int64")  # scripts/megakernel_trace.py
-    return skipped
-
-
 def try_cutlass(manifest: dict, out_dir: Path, target: str, progress) -> tuple[dict | None, str]:
     """(the CUTLASS library build, or None, and why not)."""
     if not manifest["build"].get("gemm_library", True):
@@ -261,7 +239,7 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
                for bk in manifest["buckets"]}
     choices = {bk["name"]: plan_bucket(bk["name"], bk["kind"], records[bk["name"]], manifest, cutlass, attn)
                for bk in manifest["buckets"]}
-    mk_skipped = add_megakernels(manifest, records, choices)
+    mk_skipped = add_megakernels(manifest, records, choices, kv_slots(manifest["kv_cache"]), add_arena_buffer)
     signatures = {fn: p for src in KERNEL_SOURCES for fn, p in kernel_signatures(src).items()}
     for c in cubins.values():
         for fn, sizes in cubin_param_sizes((out_dir / c["file"]).read_bytes()).items():

@@ -6,11 +6,14 @@ layer weights sit at one stride and the shapes fit the kernel's shared-memory sl
 its per-op kernels and the manifest says why (kernels.megakernel_skipped)."""
 from __future__ import annotations
 
+from typing import Callable
+
 from xserv_aot.plan.kernel_constants import (MK_CONSUMERS, MK_H_SEQ_BYTES, MK_PART_FLOATS, MK_SMEM_MAX,
-                                              MK_STAGE_BYTES, MK_TILE)
+                                              MK_STAGE_BYTES, MK_TILE, MK_TRACE)
 from xserv_aot.plan.launch_records import f32, i32, kernel, kv, launch, ptr
 from xserv_aot.plan.op_records import (AddRmsNorm, Attention, KernelChoice, Linear, Op, QkNormRopeCache, RmsNorm,
                                        SiluMul)
+from xserv_aot.plan.tensor_parallel import rank_model
 
 MK_MAX_SEQS = 2
 MK_GQA = (4,)                    # query heads per kv head with an instantiated kernel
@@ -165,3 +168,26 @@ def plan_megakernel(kind: str, ops: list[Op], choices: list[KernelChoice], manif
     for i in range(start + 1, end + 1):
         out[i] = KernelChoice(FUSED, splits=smax if isinstance(ops[i], Attention) else None)
     return out
+
+
+def add_megakernels(manifest: dict, records: dict, choices: dict, num_slots: int,
+                    add_buffer: Callable[[dict, str, list, str], None]) -> dict:
+    """The megakernel in every bucket it fits (choices updated in place), with its arena buffers; -> {bucket: why
+    not} for the buckets of <= MK_MAX_SEQS seqs that keep per-op kernels although build.megakernel_sms is set."""
+    if not manifest["build"].get("megakernel_sms"):
+        return {}
+    m, skipped = rank_model(manifest), {}
+    max_blocks = manifest["arena"]["buffers"]["block_tables"]["shape"][1]
+    for bk in manifest["buckets"]:
+        name = bk["name"]
+        try:
+            choices[name] = plan_megakernel(bk["kind"], records[name], choices[name], manifest, m, num_slots,
+                                            max_blocks)
+        except NotEligible as e:
+            if bk["kind"] == "decode" and bk["num_seqs"] <= MK_MAX_SEQS:
+                skipped[name] = str(e)
+    if any(c.kernel.startswith(MK_PREFIX) for cs in choices.values() for c in cs):
+        add_buffer(manifest, "mk_grid_barrier", [1], "int64")        # zeroed at start, advanced in whole barriers
+        sms, layers = manifest["build"]["megakernel_sms"], m["num_layers"]
+        add_buffer(manifest, "mk_trace", [sms * layers * MK_TRACE], "int64")     # scripts/megakernel_trace.py
+    return skipped

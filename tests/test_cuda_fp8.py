@@ -287,6 +287,14 @@ W8A8_CASES = [  # rows, N, K, out dtype, bias
 @pytest.mark.parametrize("M,N,K,out_dtype,bias", W8A8_CASES)
 def test_w8a8_linear(lib, gemm, rng, scheme, M, N, K, out_dtype, bias):
     bufs, _, (x, q, s, b) = w8a8(lib, gemm, rng, scheme, M, N, K, out_dtype, bias)
+    check_w8a8(bufs, x, q, s, b, scheme, out_dtype)
+
+
+def check_w8a8(bufs, x, q, s, b, scheme, out_dtype):
+    """A W8A8 kernel's output (bufs: out, xq, xs) against NumPy linear_w8a8 and float64, and against the
+    unquantized activations at the e4m3 level."""
+    M, K = x.shape
+    N = q.shape[0]
     out, xq, xs = bufs["out"].numpy(), bufs["xq"].numpy(), bufs["xs"].numpy()
     want = numpy_ops.linear_w8a8(xq, xs, q, s, scheme, b)
     group = fp8.act_group(scheme, K)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from tests.cuda_fixtures import bf, lib, rng  # noqa: F401  (fixtures)
-from tests.test_cuda_fp8 import SCHEMES, W8A8_STEP_TOL, make_weight, ref_weight_real, rel_err, to_dev_fp8
+from tests.test_cuda_fp8 import (SCHEMES, W8A8_STEP_TOL, check_w8a8, make_weight, ref_weight_real, rel_err,
+                                 to_dev_fp8)
 from xserv_aot import fp8
 from xserv_aot.plan import fp8_build
 from xserv_aot.plan.kernel_build import plan_linear
@@ -42,23 +43,6 @@ def run_w8a8_skinny(lib, rng, scheme, M, N, K, out_dtype, bias, cluster=None, ha
     return bufs, recs, (x, q, s, b)
 
 
-def check(bufs, x, q, s, b, scheme, out_dtype):
-    M, K = x.shape
-    N = q.shape[0]
-    out, xq, xs = bufs["out"].numpy(), bufs["xq"].numpy(), bufs["xs"].numpy()
-    want = numpy_ops.linear_w8a8(xq, xs, q, s, scheme, b)
-    group = fp8.act_group(scheme, K)
-    ref = np.zeros((M, N))
-    wr = ref_weight_real(q, s, scheme)
-    for g in range(fp8.groups(K, group)):
-        cols = slice(g * group, min(K, (g + 1) * group))
-        ref += (xq[:, cols].astype(np.float64) * xs[:, g:g + 1]) @ wr[:, cols].T
-    ref += 0 if b is None else b.astype(np.float64)
-    tol = 1e-2 if out_dtype == "bfloat16" else 3e-4           # FP8 tensor-core sums carry fewer than 23 bits
-    assert rel_err(out, want) <= tol and rel_err(out, ref) <= tol
-    # against the unquantized activations: the W8A8 error stays at the e4m3 level
-    assert rel_err(out, x.astype(np.float64) @ wr.T + (0 if b is None else b)) <= 6e-2
-
 
 CASES = [  # rows, N, K, out dtype, bias
     (16, 4096, 4096, "bfloat16", False),
@@ -78,7 +62,7 @@ CASES = [  # rows, N, K, out dtype, bias
 @pytest.mark.parametrize("M,N,K,out_dtype,bias", CASES)
 def test_w8a8_skinny_linear(lib, rng, scheme, M, N, K, out_dtype, bias):
     bufs, _, (x, q, s, b) = run_w8a8_skinny(lib, rng, scheme, M, N, K, out_dtype, bias)
-    check(bufs, x, q, s, b, scheme, out_dtype)
+    check_w8a8(bufs, x, q, s, b, scheme, out_dtype)
 
 
 @pytest.mark.gpu
@@ -87,7 +71,7 @@ def test_w8a8_skinny_linear(lib, rng, scheme, M, N, K, out_dtype, bias):
 @pytest.mark.parametrize("M,K", [(64, 2176), (20, 576)])   # 17 steps; 5 (c8: blocks without a step)
 def test_w8a8_skinny_every_cluster(lib, rng, scheme, cluster, M, K):
     bufs, _, (x, q, s, b) = run_w8a8_skinny(lib, rng, scheme, M, 1000, K, "float32", True, cluster)
-    check(bufs, x, q, s, b, scheme, "float32")
+    check_w8a8(bufs, x, q, s, b, scheme, "float32")
 
 
 def run_blkq(lib, rng, M, N, K, out_dtype, bias, cluster=None, half=False):
@@ -136,7 +120,7 @@ def test_w8a8_skinny_half_width_blocks(lib, rng, M, N, K, cluster):
     for scheme in SCHEMES:
         bufs, recs, (x, q, s, b) = run_w8a8_skinny(lib, rng, scheme, M, N, K, "float32", True, cluster, half=True)
         assert "r1c" in recs[-1].fn
-        check(bufs, x, q, s, b, scheme, "float32")
+        check_w8a8(bufs, x, q, s, b, scheme, "float32")
     bufs, rec, (x, q, s, b) = run_blkq(lib, rng, M, N, K, "float32", True, cluster, half=True)
     assert "r1c" in rec.fn
     xq, xs = numpy_ops.quantize_fp8(x, fp8.BLOCK)

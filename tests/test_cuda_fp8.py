@@ -365,8 +365,6 @@ def test_tiny_fp8_plan_cuda_logits_match_numpy(tmp_path, seed, monkeypatch, pyte
     use_prebuilt_library(monkeypatch, pytestconfig)
     from xserv_aot.config import BuildConfig
     from xserv_aot.plan.builder import compile_plan
-    from xserv_aot.runtime.cuda.runner import CudaRunner
-    from xserv_aot.runtime.numpy_backend import NumpyRunner
     from xserv_aot.runtime.session import Session
 
     rng = np.random.default_rng(seed)
@@ -391,15 +389,23 @@ def test_tiny_fp8_plan_cuda_logits_match_numpy(tmp_path, seed, monkeypatch, pyte
             got.append(s.step({0: [tok]})[1][0])
         return np.array(got, np.float64)
 
+    errs = cuda_vs_numpy(plan, logits)
+    print(f"per-step logits relative error CUDA vs NumPy: prefill {errs[0]:.2e}, decode max {errs[1:].max():.2e}")
+    assert errs[0] <= W8A8_STEP_TOL and errs[1:].max() <= AFTER_W8A8_TOL
+
+
+def cuda_vs_numpy(plan, logits) -> np.ndarray:
+    """logits(runner) -> [rows, V] on a CudaRunner and on the NumPy backend of the same plan; per-row relative
+    error of the CUDA rows against the NumPy ones."""
+    from xserv_aot.runtime.cuda.runner import CudaRunner
+    from xserv_aot.runtime.numpy_backend import NumpyRunner
     runner = CudaRunner(plan, log=print)
     try:
         got = logits(runner)
     finally:
         runner.close()
     ref = logits(NumpyRunner(plan))
-    errs = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
-    print(f"per-step logits relative error CUDA vs NumPy: prefill {errs[0]:.2e}, decode max {errs[1:].max():.2e}")
-    assert errs[0] <= W8A8_STEP_TOL and errs[1:].max() <= AFTER_W8A8_TOL
+    return np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
 
 
 # ---- routing (no GPU) ----------------------------------------------------------------------------------------

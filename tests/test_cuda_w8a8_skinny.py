@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from tests.cuda_fixtures import bf, lib, rng  # noqa: F401  (fixtures)
-from tests.test_cuda_fp8 import (SCHEMES, W8A8_STEP_TOL, check_w8a8, make_weight, ref_weight_real, rel_err,
-                                 to_dev_fp8)
+from tests.test_cuda_fp8 import (SCHEMES, W8A8_STEP_TOL, check_w8a8, cuda_vs_numpy, make_weight, ref_weight_real,
+                                 rel_err, to_dev_fp8)
 from xserv_aot import fp8
 from xserv_aot.plan import fp8_build
 from xserv_aot.plan.kernel_build import plan_linear
@@ -152,8 +152,6 @@ def test_tiny_plan_with_w8a8_decode_cuda_matches_numpy(tmp_path, seed, scheme, p
     gpu_or_skip()
     from xserv_aot.config import BuildConfig
     from xserv_aot.plan.builder import compile_plan
-    from xserv_aot.runtime.cuda.runner import CudaRunner
-    from xserv_aot.runtime.numpy_backend import NumpyRunner
     from xserv_aot.runtime.session import Session
 
     r = np.random.default_rng(seed)
@@ -177,13 +175,7 @@ def test_tiny_plan_with_w8a8_decode_cuda_matches_numpy(tmp_path, seed, scheme, p
             got += [step[i] for i in range(4)]
         return np.array(got, np.float64)
 
-    runner = CudaRunner(plan, log=print)
-    try:
-        got = logits(runner)
-    finally:
-        runner.close()
-    ref = logits(NumpyRunner(plan))
-    errs = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
+    errs = cuda_vs_numpy(plan, logits)
     print(f"per-row logits relative error CUDA vs NumPy: max {errs.max():.2e}, mean {errs.mean():.2e}")
     assert errs.max() <= W8A8_STEP_TOL            # every step is W8A8 here (test_cuda_fp8.py: why this bound)
 

@@ -90,7 +90,7 @@ def layer_weights(ops: list[Op], start: int, layers: list[list[Op]]) -> list[lis
     """Per layer, the weights the kernel reads: input norm, qkv, q_norm, k_norm, o_proj, post norm, gate_up, down."""
     out = []
     for li, (qkv, rope, _, o_proj, post, gate_up, _, down) in enumerate(layers):
-        norm = ops[start] if li == 0 else ops[start + li * (len(LAYER_OPS) + 1)]
+        norm = ops[start + li * (len(LAYER_OPS) + 1)]               # layer 0: the rmsnorm, then add_rmsnorms
         out.append([norm.weight, qkv.weight, rope.q_norm, rope.k_norm, o_proj.weight, post.weight, gate_up.weight,
                     down.weight])
     return out
@@ -152,6 +152,7 @@ def plan_megakernel(kind: str, ops: list[Op], choices: list[KernelChoice], manif
     stride = layer_stride(manifest["weights"]["tensors"], layer_weights(ops, start, layers))
     rope, attn, final = layers[0][1], layers[0][2], ops[end]
     g = m["num_heads"] // m["num_kv_heads"]
+    stages, smem = smem_layout(seqs)
     args = [ptr(names["x"]), ptr(final.out), ptr(names["qkv"]), ptr(names["attn"]), ptr(names["act"]),
             ptr(ops[start].weight), ptr(layers[0][0].weight), ptr(rope.q_norm), ptr(rope.k_norm),
             ptr(layers[0][3].weight), ptr(layers[0][4].weight), ptr(layers[0][5].weight), ptr(layers[0][7].weight),
@@ -160,9 +161,8 @@ def plan_megakernel(kind: str, ops: list[Op], choices: list[KernelChoice], manif
             ptr("attn_part_ml"), ptr("attn_counters"), ptr("mk_grid_barrier"), ptr(None), i32(len(layers)),
             i32(m["hidden_size"]), i32(m["intermediate_size"]), i32(m["num_heads"]), i32(m["num_kv_heads"]),
             i32(manifest["kv_cache"]["shape"][3]), i32(max_blocks), i32(num_slots), i32(smax),
-            i32(smem_layout(seqs)[0]), i32(MK_L2_AHEAD),
-            f32(final.eps), f32(attn.scale)]
-    rec = launch(f"{MK_PREFIX}m{seqs}_g{g}_hd{MK_HEAD_DIM}", [sms], [MK_THREADS], smem_layout(seqs)[1], args)
+            i32(stages), i32(MK_L2_AHEAD), f32(final.eps), f32(attn.scale)]
+    rec = launch(f"{MK_PREFIX}m{seqs}_g{g}_hd{MK_HEAD_DIM}", [sms], [MK_THREADS], smem, args)
     out = list(choices)
     out[start] = kernel(rec)
     for i in range(start + 1, end + 1):

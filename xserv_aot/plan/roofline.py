@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xserv_aot.plan.megakernel_plan import FUSED as MK_FUSED
-
 from xserv_aot import fp8
 from xserv_aot.dtypes import ITEMSIZE
+from xserv_aot.plan.megakernel_plan import FUSED as MK_FUSED
 from xserv_aot.plan.op_records import Op
 from xserv_aot.plan.tensor_parallel import local_model
 

@@ -11,11 +11,17 @@
 // Rounding: every GEMV output to bf16, x + o to bf16, silu(g) * u of bf16 g, u: the unfused kernels' rules.
 #include "qk_rope.cuh"
 
-#define MK_THREADS ((MK_CONSUMERS + 1) * 32)
+// PW producer warps: 1, or 4 (a warpgroup that gives its registers to the consumers with setmaxnreg: 240 a
+// consumer thread instead of the 168 ptxas allots 9 warps)
+#define MK_THREADS_1 ((MK_CONSUMERS + 1) * 32)
+#define MK_THREADS_4 ((MK_CONSUMERS + 4) * 32)
+#define MK_REGS_CONSUMER 240
+#define MK_REGS_PRODUCER 24
 #define MK_CTHREADS (MK_CONSUMERS * 32)
 // MK_STAGE_BYTES (a ring slot), MK_H_SEQ_BYTES (GEMV input a sequence / attention scratch), MK_PART_FLOATS
 // (partial sums), MK_CONSUMERS (consumer warps; warp MK_CONSUMERS is the producer), MK_TILE (keys an attention
-// tile, two consumer threads a key), MK_TRACE (stamps a layer: 14 phase edges, the 4 GEMVs' ring-wait sums):
+// tile, two consumer threads a key), MK_TRACE (stamps a layer: 14 phase edges, the 4 GEMVs' ring-wait sums, 4
+// barrier arrivals, the producer's L2 prefetches, 3 attention edges):
 // plan/kernel_constants.py, as -D options
 #define MK_HD 128
 // dynamic smem = stages slots + M * MK_H_SEQ_BYTES + part + 2 * stages mbarriers + 64 floats (plan/megakernel_plan.py)
@@ -219,7 +225,9 @@ struct Args {
     const float *cos_t, *sin_t; const int *positions, *seq_lens, *slot_mapping, *block_tables;
     bf16* kv; float* part_o; float* part_ml; int* counters; long long* bar;
     long long* trace;                          // null, or [NB][layers][MK_TRACE] globaltimer stamps (ns) of thread 0
-    int layers, H, I, nh, nkv, block_size, max_blocks, num_slots, smax, stages, l2_ahead; float eps, scale;
+    int layers, H, I, nh, nkv, block_size, max_blocks, num_slots, smax, stages, l2_ahead,
+        kv_prefetch;
+    float eps, scale;
 };
 
 // This block's rows and its slots a layer (qkv, o, gate_up, down), from blockIdx.
@@ -267,18 +275,50 @@ __device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
 }
 
-// Producer: every slot of the step in order; l2_ahead slots further on are prefetched into L2, so the stream
-// goes on while the ring is full (the consumers at a grid barrier).
+__device__ __forceinline__ bool mbar_test(u64* b, u32 parity) {
+    u32 ok;
+    asm volatile("{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}" : "=r"(ok) : "r"(smem_addr(b)), "r"(parity) : "memory");
+    return ok;
+}
+
+// try_wait that gives up after about hint_ns (the thread sleeps meanwhile instead of spinning)
+__device__ __forceinline__ bool mbar_try(u64* b, u32 parity, u32 hint_ns) {
+    u32 ok;
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n"
+                 " selp.u32 %0, 1, 0, p;\n}" : "=r"(ok) : "r"(smem_addr(b)), "r"(parity), "r"(hint_ns) : "memory");
+    return ok;
+}
+
+// Producer: every slot of the step in order. While every slot holds landed, unconsumed rows (the consumers at a
+// grid barrier or in attention: this SM's DRAM stream idle) it prefetches the next l2_ahead slots' rows into L2,
+// one slot a poll, so the stream goes on through the wait; while copies are in flight it prefetches nothing (a
+// look-ahead racing its own copies was slower). A prefetched slot's copy later hits L2.
 __device__ __forceinline__ void produce_all(Ring& r, const Args& a, const Rows& rows, u64 policy) {
-    const int total = a.layers * (rows.nq + rows.no + rows.ng + rows.nd);
+    const int per = rows.nq + rows.no + rows.ng + rows.nd, total = a.layers * per;
+    int pf = 0;                                   // slots [c, pf) are prefetched
+    int npf = 0, lpf = -1;                        // trace: prefetches of layer lpf so far
+    long long* tr = a.trace ? a.trace + (size_t)blockIdx.x * a.layers * MK_TRACE + 22 : nullptr;
+    if (tr) for (int l = 0; l < a.layers; l++) tr[(size_t)l * MK_TRACE] = 0;
     for (int c = 0; c < total; c++) {
-        if (a.l2_ahead && c + a.l2_ahead < total) {
-            const Chunk f = chunk_at(a, rows, c + a.l2_ahead);
-            prefetch_l2(f.src, f.bytes);
-            if (f.src2) prefetch_l2(f.src2, f.bytes);
-        }
         const Chunk ch = chunk_at(a, rows, c);
-        mbar_wait(&r.empty[r.stage], r.phase ^ 1u);
+        if (pf < c) pf = c;
+        // the newest slot issued (the one before r.stage) and the parity its copy completes
+        const int nw = r.stage ? r.stage - 1 : r.stages - 1;
+        const u32 np = r.stage ? r.phase : r.phase ^ 1u;
+        while (!mbar_try(&r.empty[r.stage], r.phase ^ 1u, 512)) {
+            if (pf < c + a.l2_ahead && pf < total && mbar_test(&r.full[nw], np)) {
+                const Chunk f = chunk_at(a, rows, pf++);
+                prefetch_l2(f.src, f.bytes);
+                if (f.src2) prefetch_l2(f.src2, f.bytes);
+                if (tr) {
+                    const int pl = (pf - 1) / per;
+                    npf = pl == lpf ? npf + 1 : 1;
+                    lpf = pl;
+                    tr[(size_t)pl * MK_TRACE] = npf;
+                }
+            }
+        }
         char* dst = r.slots + (size_t)r.stage * MK_STAGE_BYTES;
         mbar_expect_tx(&r.full[r.stage], ch.src2 ? 2 * ch.bytes : ch.bytes);
         bulk_load(dst, ch.src, ch.bytes, &r.full[r.stage], policy);
@@ -313,20 +353,55 @@ __device__ __forceinline__ void load_tile(const Args& a, const AttnItem& it, con
     }
 }
 
-// L2 prefetch of the split's keys past the first tile (K and V rows), issued before the phase's grid barrier.
-__device__ __forceinline__ void prefetch_rest(const Args& a, const AttnItem& it, const bf16* kvl) {
+// L2 prefetch of the split's keys from p0 on (K and V rows): a.kv_prefetch 0, prefetch.global.L2 of each 128-B
+// line; 1, one cp.async.bulk.prefetch.L2 (the copy engine) of each 256-B row.
+__device__ __forceinline__ void prefetch_keys(const Args& a, const AttnItem& it, const bf16* kvl, int p0) {
     const size_t stride = (size_t)a.nkv * MK_HD;
-    for (int p = it.k0 + MK_TILE + (threadIdx.x >> 1); p < it.k1; p += MK_CTHREADS / 2) {
-        const bf16* k = kvl + key_slot(a, it, p) * stride + (size_t)it.kvh * MK_HD + (threadIdx.x & 1) * (MK_HD / 2);
-        asm volatile("prefetch.global.L2 [%0];" :: "l"(k));
-        asm volatile("prefetch.global.L2 [%0];" :: "l"(k + (size_t)a.num_slots * stride));
+    for (int p = p0 + (threadIdx.x >> 1); p < it.k1; p += MK_CTHREADS / 2) {
+        const bf16* k = kvl + key_slot(a, it, p) * stride + (size_t)it.kvh * MK_HD;
+        const bf16* v = k + (size_t)a.num_slots * stride;
+        if (a.kv_prefetch) {
+            prefetch_l2(threadIdx.x & 1 ? v : k, MK_HD * 2);
+        } else {
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(k + (threadIdx.x & 1) * (MK_HD / 2)));
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(v + (threadIdx.x & 1) * (MK_HD / 2)));
+        }
+    }
+}
+
+// What a warp's attention task needs that no op of the step writes, loaded before the qkv barrier: the RoPE
+// tables at the item's position and the QK-norm weights of its head (task = warp: q heads 0..G-1, k, v).
+struct AttnConst { float cs[MK_HD / 64], sn[MK_HD / 64], nw[MK_HD / 32]; };
+
+template <int G>
+__device__ __forceinline__ void attn_const(const Args& a, const AttnItem& it, int layer, AttnConst& c) {
+    const int lane = threadIdx.x & 31, task = threadIdx.x >> 5;
+    rope_load<MK_HD>(a.cos_t, a.sin_t, it.pos, lane, c.cs, c.sn);
+    const bf16* w = a.q_norm ? (task < G ? a.q_norm : a.k_norm) + (size_t)layer * a.layer_stride : nullptr;
+#pragma unroll
+    for (int e = 0; e < MK_HD / 32; e++) c.nw[e] = w && task <= G ? bf2f(w[lane + 32 * e]) : 0.f;
+}
+
+// L2 prefetch of everything the item's attention reads that no op of the step writes (its keys, the RoPE rows,
+// the QK-norm weights), issued at the layer's start so that it has landed when the qkv barrier passes.
+__device__ __forceinline__ void prefetch_attention(const Args& a, const AttnItem& it, int layer) {
+    prefetch_keys(a, it, a.kv + (size_t)layer * 2 * a.num_slots * a.nkv * MK_HD, it.k0);
+    const int t = threadIdx.x;
+    if (t < 8) {                                   // 8 lines of 128 B: cos, sin rows (256 B), q / k norm weights
+        const char* p = t < 2 ? (const char*)(a.cos_t + (size_t)it.pos * (MK_HD / 2)) + 128 * t
+                      : t < 4 ? (const char*)(a.sin_t + (size_t)it.pos * (MK_HD / 2)) + 128 * (t - 2)
+                      : a.q_norm ? (const char*)((t < 6 ? a.q_norm : a.k_norm) + (size_t)layer * a.layer_stride)
+                                   + 128 * (t % 2) : nullptr;
+        if (p) asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
     }
 }
 
 // Phase 2 for one block (consumer threads): q / new k, v from the qkv row, online softmax over the split's tiles
-// (the first already in t), then the split's (o, m, l) or, for one split, the output; the last split combines.
-template <int M, int G>
-__device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& it, int layer, KVTile& t, float* sm) {
+// (with RT the first already in t), then the split's (o, m, l) or, for one split, the output; the last split
+// combines.
+template <int M, int G, bool RT>
+__device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& it, int layer, KVTile& t,
+                                                const AttnConst& c, float* sm, long long* tr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nh = a.nh;
     float* qs = sm;                             // [G][HD] rounded q
     float* kn = qs + G * MK_HD;                 // [HD] new k, then [HD] new v
@@ -341,16 +416,14 @@ __device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& i
     }
     const bool last = it.k1 == it.ctx;
     const bf16* row = a.qkv + (size_t)it.m * (nh + 2 * a.nkv) * MK_HD;
-    const size_t lw = (size_t)layer * a.layer_stride;
+    static_assert(G + 2 <= MK_CONSUMERS, "one attention task a warp (attn_const)");
     for (int task = warp; task < G + (last ? 2 : 0); task += MK_CONSUMERS) {
-        float cs[MK_HD / 64], sn[MK_HD / 64], x[MK_HD / 32], y[MK_HD / 32];
-        rope_load<MK_HD>(a.cos_t, a.sin_t, it.pos, lane, cs, sn);
+        float x[MK_HD / 32], y[MK_HD / 32];
         const int head = task < G ? it.kvh * G + task : task == G ? nh + it.kvh : nh + a.nkv + it.kvh;
 #pragma unroll
         for (int e = 0; e < MK_HD / 32; e++) x[e] = ld_l2_bf(row + (size_t)head * MK_HD + lane + 32 * e);
         if (task <= G) {
-            qk_norm_rope_head<MK_HD>(x, a.q_norm ? (task < G ? a.q_norm : a.k_norm) + lw : nullptr, cs, sn, a.eps,
-                                     lane, y);
+            qk_norm_rope_head_w<MK_HD>(x, a.q_norm ? c.nw : nullptr, c.cs, c.sn, a.eps, lane, y);
         } else {
 #pragma unroll
             for (int e = 0; e < MK_HD / 32; e++) y[e] = x[e];
@@ -368,6 +441,7 @@ __device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& i
         }
     }
     csync();
+    if (tr) tr[23] = (long long)now_ns();
     const float sl2 = a.scale * 1.4426950408889634f;
     float m_run[G], l_run[G], acc[G][4];
 #pragma unroll
@@ -377,7 +451,7 @@ __device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& i
     }
     const bf16* kvl = a.kv + (size_t)layer * 2 * a.num_slots * a.nkv * MK_HD;
     for (int t0 = it.k0; t0 < it.k1; t0 += MK_TILE) {
-        if (t0 != it.k0) load_tile(a, it, kvl, t0, t);
+        if (!RT || t0 != it.k0) load_tile(a, it, kvl, t0, t);
         const int p = t0 + (threadIdx.x >> 1), half = (threadIdx.x & 1) * (MK_HD / 2);
         float s[G];
 #pragma unroll
@@ -444,6 +518,7 @@ __device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& i
         }
         csync();
     }
+    if (tr) tr[24] = (long long)now_ns();
     // merge the warps: red[w][g][0..HD) = acc, red[w][g][HD] = l (each warp summed its own keys' p)
 #pragma unroll
     for (int g = 0; g < G; g++) {
@@ -468,6 +543,7 @@ __device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& i
             if (d == 0) { pml[g * 2] = m_run[g]; pml[g * 2 + 1] = l; }
         }
     }
+    if (tr) tr[25] = (long long)now_ns();
     if (it.S == 1) return;
     __threadfence();
     csync();
@@ -517,7 +593,7 @@ __device__ __forceinline__ AttnItem attn_item(const Args& a, int M) {
     return it;
 }
 
-template <int M, int G>
+template <int M, int G, bool RT, int PW>
 __device__ void megakernel(const Args& a) {
     extern __shared__ __align__(128) char smem[];
     char* slots = smem;
@@ -534,25 +610,29 @@ __device__ void megakernel(const Args& a) {
     const Rows rows = block_rows(a);
     const int NB = gridDim.x, b = blockIdx.x, H = a.H, I = a.I, nq = (a.nh + 2 * a.nkv) * MK_HD;
     const int q0 = rows.q0, q1 = rows.q1, h0 = rows.h0, h1 = rows.h1, i0 = rows.i0, i1 = rows.i1;
-    if (threadIdx.x >= MK_CTHREADS) {                      // producer warp
+    if (threadIdx.x >= MK_CTHREADS) {                      // producer warp(s)
+        if (PW == 4) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(MK_REGS_PRODUCER));
         if (threadIdx.x != MK_CTHREADS) return;
         u64 policy;
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
         produce_all(ring, a, rows, policy);
         return;
     }
+    if (PW == 4) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(MK_REGS_CONSUMER));
     u64 base;
     asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(base) : "l"(a.bar) : "memory");
     base = base / NB * NB;
     u64 nbar = 0;
     const AttnItem it = attn_item(a, M);
-    KVTile tile;
     for (int l = 0; l < a.layers; l++) {
+        KVTile tile;                                  // per layer: nothing carried to the next one
+        AttnConst ac;
         const size_t lw = (size_t)l * a.layer_stride;
         long long* tr = a.trace && threadIdx.x == 0 ? a.trace + ((size_t)b * a.layers + l) * MK_TRACE : nullptr;
         u64 waits[4] = {0, 0, 0, 0};
 #define STAMP(k) do { if (tr) tr[k] = (long long)now_ns(); } while (0)
         STAMP(0);
+        if (it.live && it.ctx > 0) prefetch_attention(a, it, l);
         // (1) qkv = rmsnorm(x) W_qkv^T
         norm_to_smem<M>(a.x, a.in_norm + lw, hs, H, a.eps, scratch);
         STAMP(1);
@@ -560,8 +640,8 @@ __device__ void megakernel(const Args& a) {
         STAMP(2);
         if (it.live && it.ctx > 0) {
             const bf16* kvl = a.kv + (size_t)l * 2 * a.num_slots * a.nkv * MK_HD;
-            load_tile(a, it, kvl, it.k0, tile);
-            prefetch_rest(a, it, kvl);
+            if (RT) load_tile(a, it, kvl, it.k0, tile);
+            attn_const<G>(a, it, l, ac);
         }
         csync();
         {
@@ -571,10 +651,11 @@ __device__ void megakernel(const Args& a) {
                 a.qkv[(size_t)m * nq + q0 + r] = f2bf(part_sum<M>(part, r, wpr, m));
             }
         }
+        STAMP(18);
         grid_sync(a.bar, base + (++nbar) * NB);
         // (2) attention
         STAMP(3);
-        if (it.live) attention_phase<M, G>(a, it, l, tile, (float*)hs);
+        if (it.live) attention_phase<M, G, RT>(a, it, l, tile, ac, (float*)hs, tr);
         STAMP(4);
         grid_sync(a.bar, base + (++nbar) * NB);
         STAMP(5);
@@ -592,6 +673,7 @@ __device__ void megakernel(const Args& a) {
                 *xp = f2bf(ld_l2_bf(xp) + round_bf(part_sum<M>(part, r, wpr, m)));
             }
         }
+        STAMP(19);
         grid_sync(a.bar, base + (++nbar) * NB);
         // (4) act = silu(g) * u, [g | u] = rmsnorm(x) W_gate_up^T
         STAMP(8);
@@ -609,6 +691,7 @@ __device__ void megakernel(const Args& a) {
                 a.act[(size_t)m * I + i0 + r] = f2bf(silu(g) * u);
             }
         }
+        STAMP(20);
         grid_sync(a.bar, base + (++nbar) * NB);
         // (5) x += act W_down^T
         STAMP(11);
@@ -617,7 +700,6 @@ __device__ void megakernel(const Args& a) {
         consume<M>(ring, hs, part, h0, h1, I, false, tr ? &waits[3] : nullptr);
         STAMP(13);
         if (tr) for (int k = 0; k < 4; k++) tr[14 + k] = (long long)waits[k];
-#undef STAMP
         csync();
         {
             const int wpr = MK_CONSUMERS / slot_rows(I);
@@ -627,6 +709,8 @@ __device__ void megakernel(const Args& a) {
                 *xp = f2bf(ld_l2_bf(xp) + round_bf(part_sum<M>(part, r, wpr, m)));
             }
         }
+        STAMP(21);
+#undef STAMP
         grid_sync(a.bar, base + (++nbar) * NB);
     }
     if (b == 0) {
@@ -638,21 +722,29 @@ __device__ void megakernel(const Args& a) {
 // Grid: the plan's SM count, block MK_THREADS, dynamic smem MK_SMEM_BYTES. x [M, H] (in: embeddings; out: the
 // residual stream), h_out [M, H] = final rmsnorm; qkv [M, (nh + 2 nkv) HD], attn [M, nh HD], act [M, I] scratch;
 // layer weights: layer 0's pointers, layer l at + l * layer_stride elements; kv: the cache's layer 0.
-#define MK_KERNEL(M, G)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) decode_mk_m##M##_g##G##_hd128(                \
+#define MK_KERNEL(M, G, RT, PW, SUF)                                                                           \
+    extern "C" __global__ void __launch_bounds__(MK_THREADS_##PW, 1) decode_mk_m##M##_g##G##_hd128##SUF(        \
         bf16* x, bf16* h_out, bf16* qkv, bf16* attn, bf16* act, const bf16* in_norm, const bf16* w_qkv,          \
         const bf16* q_norm, const bf16* k_norm, const bf16* w_o, const bf16* post_norm, const bf16* w_gu,        \
         const bf16* w_down, const bf16* final_norm, u64 layer_stride, const float* cos_t, const float* sin_t,    \
         const int* positions, const int* seq_lens, const int* slot_mapping, const int* block_tables, bf16* kv,   \
         float* part_o, float* part_ml, int* counters, long long* bar, long long* trace, int layers, int H,      \
         int I, int nh, int nkv, int block_size, int max_blocks, int num_slots, int smax, int stages, int l2_ahead,\
-        float eps, \
-        float scale) {                                                                                          \
+        int kv_prefetch, float eps, float scale) {                                                              \
         const Args a{x, h_out, qkv, attn, act, in_norm, w_qkv, q_norm, k_norm, w_o, post_norm, w_gu, w_down,     \
                      final_norm, layer_stride, cos_t, sin_t, positions, seq_lens, slot_mapping, block_tables,    \
                      kv, part_o, part_ml, counters, bar, trace, layers, H, I, nh, nkv, block_size, max_blocks,  \
-                     num_slots, smax, stages, l2_ahead, eps, scale};                                                   \
-        megakernel<M, G>(a); }
+                     num_slots, smax, stages, l2_ahead, kv_prefetch, eps, scale};                               \
+        megakernel<M, G, RT, PW>(a); }
 
-MK_KERNEL(1, 4)
-MK_KERNEL(2, 4)
+// RT: the first KV tile of a split is loaded into registers before the qkv barrier (_tl2: after it), from L2
+// where the layer's start prefetched it;
+// PW: producer warps (_p4: a producer warpgroup, setmaxnreg)
+MK_KERNEL(1, 4, true, 1, )
+MK_KERNEL(2, 4, true, 1, )
+MK_KERNEL(1, 4, false, 1, _tl2)
+MK_KERNEL(2, 4, false, 1, _tl2)
+MK_KERNEL(1, 4, true, 4, _p4)
+MK_KERNEL(2, 4, true, 4, _p4)
+MK_KERNEL(1, 4, false, 4, _tl2_p4)
+MK_KERNEL(2, 4, false, 4, _tl2_p4)

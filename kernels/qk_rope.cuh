@@ -15,10 +15,11 @@ __device__ __forceinline__ void rope_load(const float* __restrict__ cos_t, const
     }
 }
 
-// x (this lane's HD / 32 elements of one head) -> y = rope(rmsnorm(x) * nw) (no norm when nw is null).
+// x (this lane's HD / 32 elements of one head) -> y = rope(rmsnorm(x) * nw) (no norm when nw is null); nw: this
+// lane's HD / 32 norm weights, in registers.
 template <int HD>
-__device__ __forceinline__ void qk_norm_rope_head(float* x, const bf16* __restrict__ nw, const float* cs,
-                                                  const float* sn, float eps, int lane, float* y) {
+__device__ __forceinline__ void qk_norm_rope_head_w(float* x, const float* nw, const float* cs, const float* sn,
+                                                    float eps, int lane, float* y) {
     constexpr int E = HD / 32;
     if (nw) {
         float ss = 0.f;
@@ -26,7 +27,7 @@ __device__ __forceinline__ void qk_norm_rope_head(float* x, const bf16* __restri
         for (int e = 0; e < E; e++) ss += x[e] * x[e];
         float inv = rsqrtf(warp_sum(ss) / (float)HD + eps);
 #pragma unroll
-        for (int e = 0; e < E; e++) x[e] = x[e] * inv * bf2f(nw[lane + 32 * e]);
+        for (int e = 0; e < E; e++) x[e] = x[e] * inv * nw[e];
     }
 #pragma unroll
     for (int e = 0; e < E / 2; e++) {
@@ -35,4 +36,16 @@ __device__ __forceinline__ void qk_norm_rope_head(float* x, const bf16* __restri
         y[e] = x1 * c - x2 * s;
         y[e + E / 2] = x2 * c + x1 * s;
     }
+}
+
+// The same with the norm weights read from nw [HD] (bf16).
+template <int HD>
+__device__ __forceinline__ void qk_norm_rope_head(float* x, const bf16* __restrict__ nw, const float* cs,
+                                                  const float* sn, float eps, int lane, float* y) {
+    float w[HD / 32];
+    if (nw) {
+#pragma unroll
+        for (int e = 0; e < HD / 32; e++) w[e] = bf2f(nw[lane + 32 * e]);
+    }
+    qk_norm_rope_head_w<HD>(x, nw ? w : nullptr, cs, sn, eps, lane, y);
 }

@@ -4,7 +4,7 @@ its globaltimer stamps into the arena's mk_trace buffer (kernels/decode_megakern
 layer), one eager step at the given context, then per phase the median over blocks and layers of: prologue
 (barrier passed -> first slot consumed), consume, waits on the ring inside consume, finalize + grid barrier.
 
-  python3 scripts/megakernel_trace.py PLAN [--bucket decode_1] [--context 128] [--json out.json]
+  python3 scripts/megakernel_trace.py PLAN [--bucket decode_1] [--context 128] [--json out.json] [--raw out.npy]
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ SPANS = [("qkv prologue", 0, 1), ("qkv consume", 1, 2), ("qkv finalize + barrier
          ("gate_up prologue", 8, 9), ("gate_up consume", 9, 10), ("gate_up finalize + barrier", 10, 11),
          ("down prologue", 11, 12), ("down consume", 12, 13)]
 WAITS = ["qkv ring wait", "o ring wait", "gate_up ring wait", "down ring wait"]
+# (name, consume-end stamp, arrival stamp, barrier-passed stamp; -1: the next layer's 0)
+ARRIVALS = [("qkv", 2, 18, 3), ("o", 7, 19, 8), ("gate_up", 10, 20, 11), ("down", 13, 21, -1)]
 
 
 def traced_copy(plan_dir: Path, bucket: str, out: Path) -> None:
@@ -52,6 +54,7 @@ def main() -> None:
     ap.add_argument("--bucket", default="decode_1")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--json")
+    ap.add_argument("--raw", help="save the stamps [blocks, layers, MK_TRACE] (ns) as .npy")
     args = ap.parse_args()
     from xserv_aot.plan.manifest import Plan
     from xserv_aot.runtime.cuda.profile import decode_batch
@@ -70,6 +73,8 @@ def main() -> None:
             tr = runner.dev.dtoh(runner.buf("mk_trace"), (sms, layers, MK_TRACE), np.int64).astype(np.float64)
         finally:
             runner.close()
+    if args.raw:
+        np.save(args.raw, tr)
     t0 = tr[:, 0, 0].min()
     res = {"context": args.context, "bucket": args.bucket,
            "kernel_us": float((tr[:, -1, 13].max() - t0) / 1e3),
@@ -80,6 +85,21 @@ def main() -> None:
     for k, name in enumerate(WAITS):
         d = tr[:, :, 14 + k] / 1e3
         res[name] = {"median_us": float(np.median(d)), "max_us": float(d.max())}
+    for name, e, arr, ps in ARRIVALS:
+        fin = (tr[:, :, arr] - tr[:, :, e]) / 1e3
+        res[f"{name} finalize"] = {"median_us": float(np.median(fin)), "max_us": float(fin.max())}
+        # the barrier's own latency: passed by the first block after the last block arrived
+        at, passed = (tr[:, :-1, arr], tr[:, 1:, 0]) if ps < 0 else (tr[:, :, arr], tr[:, :, ps])
+        lat = (passed.min(0) - at.max(0)) / 1e3
+        res[f"{name} barrier after last arrival"] = {"median_us": float(np.median(lat)), "max_us": float(lat.max())}
+    busy = tr[:, :, 4] > tr[:, :, 3] + 500          # blocks with an attention item (stamps 23-25 written)
+    for name, a, b in (("attention: q, k, v prepared", 3, 23), ("attention: key tiles", 23, 24),
+                       ("attention: merge + split written", 24, 25), ("attention: combine", 25, 4)):
+        d = ((tr[:, :, b] - tr[:, :, a]) / 1e3)[busy]
+        if d.size:
+            res[name] = {"median_us": float(np.median(d)), "max_us": float(d.max())}
+    pf = tr[:, :, 22]
+    res["producer L2 prefetches a layer"] = {"median_us": float(np.median(pf)), "max_us": float(pf.max())}  # slots
     print(f"{args.bucket} at context {args.context}: kernel {res['kernel_us']:.0f} us, "
           f"a layer {res['layer_us']:.1f} us")
     for k, v in res.items():

@@ -31,18 +31,30 @@ def sms():
     return Device(0).num_sms
 
 
-@pytest.fixture(scope="module")
-def plans(tmp_path_factory, seed_for, sms):
+# kernel variants (plan/megakernel_plan.py constants): first KV tile in registers before the qkv barrier or
+# loaded after it, producer warps, the producer's L2 prefetch window while the ring is full, the KV prefetch kind
+VARIANTS = {"default": {}, "rt-bulkpf": dict(MK_TILE_IN_REGS=True, MK_KV_PREFETCH=1),
+            "p1-rt": dict(MK_PRODUCER_WARPS=1, MK_TILE_IN_REGS=True),
+            "p1-l2pf8": dict(MK_PRODUCER_WARPS=1, MK_TILE_IN_REGS=False, MK_L2_AHEAD=8)}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def plans(request, tmp_path_factory, seed_for, sms):
     from tests.tiny_models import make_tiny_model
     from xserv_aot.config import BuildConfig
+    from xserv_aot.plan import megakernel_plan
     from xserv_aot.plan.builder import compile_plan
     tmp = tmp_path_factory.mktemp("cuda_mk")
     model_dir = make_tiny_model(tmp / "hf", "qwen3", seed=seed_for("test_cuda_megakernel.plans"), **SHAPE)
-    mk = compile_plan(model_dir, tmp / "mk", BuildConfig(**BUILD, megakernel_sms=sms))
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in VARIANTS[request.param].items():
+            mp.setattr(megakernel_plan, k, v)
+        mk = compile_plan(model_dir, tmp / "mk", BuildConfig(**BUILD, megakernel_sms=sms))
+        want = {"decode_1": megakernel_plan.kernel_name(1, 4), "decode_2": megakernel_plan.kernel_name(2, 4)}
     ref = compile_plan(model_dir, tmp / "ref", BuildConfig(**BUILD))
-    for name in ("decode_1", "decode_2"):
+    for name, fn in want.items():
         kernels = [op.cuda.kernel for op in next(b for b in mk.buckets if b.name == name).ops]
-        assert sum(k.startswith("decode_mk_") for k in kernels) == 1, kernels
+        assert [k for k in kernels if k.startswith("decode_mk_")] == [fn], kernels
     return mk, ref
 
 

@@ -18,7 +18,8 @@ MK_H_SEQ_BYTES = 24576  # ... GEMV input a sequence ([K] bf16; also holds the at
 MK_PART_FLOATS = 2048   # ... per-row, per-warp partial sums of a block's rows
 MK_CONSUMERS = 8        # ... consumer warps (a slot's rows split them evenly); one more warp streams the weights
 MK_TILE = 128           # ... keys an attention tile (two consumer threads a key)
-MK_TRACE = 18           # ... trace stamps a block and layer (14 phase edges, 4 ring-wait sums; mk_trace buffer)
+MK_TRACE = 26           # ... trace stamps a block and layer (14 phase edges, 4 ring-wait sums, 4 barrier
+                        #     arrivals, the producer's L2 prefetch count, 3 attention edges; mk_trace buffer)
 SW8_STAGES = 4          # ring of 128-k steps per W8A8 skinny block (256 weight lines + the X tile each)
 
 KERNEL_DEFINES = {"P_KEYS": P_KEYS, "G_MAX": G_MAX, "NORM_NC": NORM_NC, "GEMM_BK": GEMM_BK, "GEMM_LDS": GEMM_LDS,

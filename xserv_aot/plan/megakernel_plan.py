@@ -18,7 +18,18 @@ from xserv_aot.plan.tensor_parallel import rank_model
 MK_MAX_SEQS = 2
 MK_GQA = (4,)                    # query heads per kv head with an instantiated kernel
 MK_HEAD_DIM = 128
-MK_THREADS = (MK_CONSUMERS + 1) * 32   # the consumer warps and the weight-stream producer
+MK_TILE_IN_REGS = False          # a split's first KV tile loaded into registers before the qkv barrier, else
+                                 # after it (both from L2: prefetched at the layer's start); H200: after
+MK_PRODUCER_WARPS = 4            # the weight-stream producer: one warp, or a warpgroup (4) whose registers go to
+                                 # the consumers (setmaxnreg; H200 decode_1: 4.14 vs 4.52 ms at ctx 128)
+MK_KV_PREFETCH = 0               # the layer-start KV prefetch: 0 per 128-B line, 1 per 256-B row by the copy engine
+MK_THREADS = (MK_CONSUMERS + MK_PRODUCER_WARPS) * 32     # of the default variant
+
+
+def kernel_name(seqs: int, g: int) -> str:
+    """The kernel of the variant the constants above choose (kernels/decode_megakernel.cu MK_KERNEL)."""
+    return (f"{MK_PREFIX}m{seqs}_g{g}_hd{MK_HEAD_DIM}" + ("" if MK_TILE_IN_REGS else "_tl2")
+            + ("_p4" if MK_PRODUCER_WARPS == 4 else ""))
 MK_MAX_STAGES = 5                # H200, decode_1: 6 slots measured 0.1 ms slower than 5 (docs/cuda-notes.md)
 MK_L2_AHEAD = 0                  # ring slots the producer prefetches into L2 ahead of its copies (H200: 4, 8,
                                  # 16 each slower than 0, docs/cuda-notes.md)
@@ -161,8 +172,8 @@ def plan_megakernel(kind: str, ops: list[Op], choices: list[KernelChoice], manif
             ptr("attn_part_ml"), ptr("attn_counters"), ptr("mk_grid_barrier"), ptr(None), i32(len(layers)),
             i32(m["hidden_size"]), i32(m["intermediate_size"]), i32(m["num_heads"]), i32(m["num_kv_heads"]),
             i32(manifest["kv_cache"]["shape"][3]), i32(max_blocks), i32(num_slots), i32(smax),
-            i32(stages), i32(MK_L2_AHEAD), f32(final.eps), f32(attn.scale)]
-    rec = launch(f"{MK_PREFIX}m{seqs}_g{g}_hd{MK_HEAD_DIM}", [sms], [MK_THREADS], smem, args)
+            i32(stages), i32(MK_L2_AHEAD), i32(MK_KV_PREFETCH), f32(final.eps), f32(attn.scale)]
+    rec = launch(kernel_name(seqs, g), [sms], [(MK_CONSUMERS + MK_PRODUCER_WARPS) * 32], smem, args)
     out = list(choices)
     out[start] = kernel(rec)
     for i in range(start + 1, end + 1):

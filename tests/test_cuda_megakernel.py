@@ -131,6 +131,38 @@ def test_graph_replay_equals_eager_bitwise(runners, seed):
     np.testing.assert_array_equal(graph, eager)
 
 
+def test_context_limited_copy_hands_over_to_per_op_kernels(tmp_path, seed_for, seed, sms):
+    """megakernel_max_context 203: a 200-token prompt decodes at contexts 201-203 in decode_1_mk, then 204-205 in
+    the per-op decode_1 over the same KV cache; every step's logits against the NumPy backend."""
+    from tests.tiny_models import make_tiny_model
+    from xserv_aot.config import BuildConfig
+    from xserv_aot.plan.builder import compile_plan
+    from xserv_aot.runtime.cuda.runner import CudaRunner
+    from xserv_aot.runtime.numpy_backend import NumpyRunner
+    model_dir = make_tiny_model(tmp_path / "hf", "qwen3", seed=seed_for("mk_limit"), **SHAPE)
+    plan = compile_plan(model_dir, tmp_path / "plan", BuildConfig(**BUILD, megakernel_sms=sms,
+                                                                  megakernel_max_context=203))
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(3, SHAPE["vocab_size"], 200).tolist()
+    steps = [{0: int(t)} for t in rng.integers(3, SHAPE["vocab_size"], 5)]
+    runner = CudaRunner(plan, log=print)
+    chosen = []
+    run = runner.run
+
+    def spy(batch):
+        chosen.append(runner.bucket_for(batch).name)
+        return run(batch)
+    runner.run = spy
+    try:
+        got = forced(runner, {0: prompt}, steps)[0][1:]
+    finally:
+        runner.close()
+    assert chosen[-5:] == ["decode_1_mk"] * 3 + ["decode_1"] * 2, chosen
+    want = forced(NumpyRunner(plan), {0: prompt}, steps)[0][1:]
+    errs = [rel_err(g, w) for g, w in zip(got, want)]
+    assert max(errs) <= 2e-2, (errs, seed)
+
+
 def test_runner_refuses_more_blocks_than_sms(tmp_path, seed_for, sms):
     from tests.tiny_models import make_tiny_model
     from xserv_aot.config import BuildConfig

@@ -4,6 +4,7 @@ their kernels; models or plans the kernel does not fit keep per-op kernels with 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -11,7 +12,8 @@ pytest.importorskip("cuda.core")
 
 from xserv_aot.config import BuildConfig, ConfigError  # noqa: E402
 from xserv_aot.plan.kernel_constants import MK_H_SEQ_BYTES, MK_PART_FLOATS, MK_STAGE_BYTES, MK_TRACE  # noqa: E402
-from xserv_aot.plan.megakernel_plan import FUSED, MK_PREFIX, MK_THREADS  # noqa: E402
+from xserv_aot.plan.manifest import Plan  # noqa: E402
+from xserv_aot.plan.megakernel_plan import FUSED, MK_PREFIX, MK_THREADS, kernel_name  # noqa: E402
 
 CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 1000, "hidden_size": 512,
           "intermediate_size": 1024, "num_hidden_layers": 3, "num_attention_heads": 16, "num_key_value_heads": 4,
@@ -40,7 +42,7 @@ def test_decode_1_and_2_run_one_persistent_launch(tmp_path):
         ops = bucket(plan, name).ops
         kernels = [op.cuda.kernel for op in ops]
         first = next(i for i, k in enumerate(kernels) if k.startswith(MK_PREFIX))
-        assert ops[first].op == "rmsnorm" and kernels[first] == f"{MK_PREFIX}m{seqs}_g4_hd128"
+        assert ops[first].op == "rmsnorm" and kernels[first] == kernel_name(seqs, 4)
         # everything from layer 0's input norm to the final norm, nothing after it (gather, lm_head, sampling)
         assert ops[first + 1:].index(next(op for op in ops if op.op == "gather_rows")) == 3 * 9 + 1 - 1
         assert all(k == FUSED for k in kernels[first + 1:first + 1 + 3 * 9])
@@ -62,6 +64,31 @@ def test_decode_1_and_2_run_one_persistent_launch(tmp_path):
     buffers = plan.manifest["arena"]["buffers"]
     assert buffers["mk_grid_barrier"]["dtype"] == "int64" and buffers["mk_trace"]["shape"] == [132 * 3 * MK_TRACE]
     assert "megakernel_skipped" not in plan.kernels
+
+
+def test_max_context_adds_megakernel_copies_chosen_by_context(tmp_path):
+    plan = compile_tiny(tmp_path, megakernel_max_context=300)
+    names = [b.name for b in plan.buckets]
+    assert names.index("decode_1_mk") == names.index("decode_1") + 1 and "decode_4_mk" not in names
+    for name, seqs in (("decode_1", 1), ("decode_2", 2)):
+        per_op, mk = bucket(plan, name), bucket(plan, f"{name}_mk")
+        assert (per_op.max_context, mk.max_context) == (0, 300)
+        assert [replace(op, cuda=None) for op in per_op.ops] == [replace(op, cuda=None) for op in mk.ops]
+        assert not any(op.cuda.kernel.startswith(MK_PREFIX) or op.cuda.kernel == FUSED for op in per_op.ops)
+        assert sum(op.cuda.kernel == kernel_name(seqs, 4) for op in mk.ops) == 1
+    # the longest context of the step picks: <= 300 the megakernel copy, longer the per-op bucket
+    assert plan.bucket_for(1, 1, 1).name == "decode_1_mk" and plan.bucket_for(1, 1, 300).name == "decode_1_mk"
+    assert plan.bucket_for(1, 1, 301).name == "decode_1" and plan.bucket_for(2, 2, 512).name == "decode_2"
+    assert plan.bucket_for(2, 2, 299).name == "decode_2_mk" and plan.bucket_for(3, 3, 5).name == "decode_4"
+    assert plan.bucket_for(16, 1, 16).kind == "prefill"
+    reloaded = Plan.load(plan.dir, verify="none")
+    assert [(b.name, b.max_context) for b in reloaded.buckets] == [(b.name, b.max_context) for b in plan.buckets]
+
+
+def test_max_context_must_be_a_count():
+    for bad in (-1, True, 1.5, "4096"):
+        with pytest.raises(ConfigError, match="megakernel_max_context"):
+            BuildConfig(megakernel_max_context=bad).validate()
 
 
 def test_off_by_default(tmp_path):

@@ -177,6 +177,8 @@ class BuildConfig:
     pdl: bool = False                     # CUDA: programmatic dependent launch of every kernel (docs/cuda-notes.md)
     megakernel_sms: int = 0               # CUDA: decode buckets of 1-2 seqs as one persistent kernel of this many
                                           # blocks, the GPU's SM count (plan/megakernel_plan.py); 0: per-op kernels
+    megakernel_max_context: int = 0       # > 0: those buckets keep their per-op kernels and a copy `<name>_mk` runs
+                                          # the megakernel for steps whose contexts are all <= this; 0: every step
     gemm_configs: dict[str, str] = field(default_factory=dict)  # CUDA: CUTLASS config per prefill linear shape
     #   ("NxK" or "MxNxK" -> cutlass_build.TABLE_CONFIGS name); a shape not listed: the tile model
     gemm_residual: bool = False           # CUDA: o_proj / down add the residual in their GEMM epilogue
@@ -244,6 +246,9 @@ class BuildConfig:
             raise ConfigError(f"fp8_scheme {self.fp8_scheme!r} is not one of {', '.join(FP8_SCHEME_CHOICES)}")
         if isinstance(self.megakernel_sms, bool) or not isinstance(self.megakernel_sms, int) or self.megakernel_sms < 0:
             raise ConfigError(f"megakernel_sms must be a block count >= 0 (the GPU's SMs), got {self.megakernel_sms!r}")
+        if isinstance(self.megakernel_max_context, bool) or not isinstance(self.megakernel_max_context, int) \
+                or self.megakernel_max_context < 0:
+            raise ConfigError(f"megakernel_max_context must be a token count >= 0, got {self.megakernel_max_context!r}")
         if not isinstance(self.gemm_configs, dict):
             raise ConfigError(f"gemm_configs must be an object of shape -> config name, got {self.gemm_configs!r}")
         from xserv_aot.plan.cutlass_build import check_gemm_table

@@ -41,15 +41,17 @@ class Bucket:
     num_tokens: int
     num_seqs: int
     ops: tuple[Op, ...]
+    max_context: int = 0   # > 0: only for steps whose sequences' contexts are all <= this (a decode megakernel copy)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "num_tokens": self.num_tokens,
-                "num_seqs": self.num_seqs, "ops": [op.to_dict() for op in self.ops]}
+        return {"name": self.name, "kind": self.kind, "num_tokens": self.num_tokens, "num_seqs": self.num_seqs,
+                **({"max_context": self.max_context} if self.max_context else {}),
+                "ops": [op.to_dict() for op in self.ops]}
 
     @classmethod
     def from_dict(cls, d: dict, known_buffers) -> "Bucket":
         """Validated: every op a known op with exactly its fields, naming buffers the plan has (OpRecordError)."""
-        unknown = set(d) - {"name", "kind", "num_tokens", "num_seqs", "ops"}
+        unknown = set(d) - {"name", "kind", "num_tokens", "num_seqs", "max_context", "ops"}
         if unknown:
             raise OpRecordError(f"bucket {d.get('name')!r}: unknown field {sorted(unknown)[0]!r}")
         ops = tuple(op_from_dict(op, f"bucket {d['name']} op {i}") for i, op in enumerate(d["ops"]))
@@ -58,7 +60,7 @@ class Bucket:
             if missing:
                 raise OpRecordError(f"bucket {d['name']} op {i} ({op.op}): names {missing[0]!r}, which the plan "
                                     f"has neither as an arena buffer nor as a weight")
-        return cls(d["name"], d["kind"], int(d["num_tokens"]), int(d["num_seqs"]), ops)
+        return cls(d["name"], d["kind"], int(d["num_tokens"]), int(d["num_seqs"]), ops, int(d.get("max_context", 0)))
 
 
 def place(end: int, shape: list[int], dtype: str, align: int = ALIGN) -> tuple[TensorInfo, int]:
@@ -195,12 +197,14 @@ class Plan:
     def decode_buckets(self) -> list[Bucket]:
         return [b for b in self.buckets if b.kind == "decode"]
 
-    def bucket_for(self, num_tokens: int, num_seqs: int) -> Bucket:
-        """Smallest bucket that holds the batch: decode buckets for 1-token-per-seq batches, else prefill."""
-        fits = [b for b in self.buckets if b.num_tokens >= num_tokens and b.num_seqs >= num_seqs]
+    def bucket_for(self, num_tokens: int, num_seqs: int, max_context: int = 0) -> Bucket:
+        """Smallest bucket that holds the batch: decode buckets for 1-token-per-seq batches, else prefill; of two
+        the same size, the one limited to contexts <= max_context (the batch's longest) if there is one."""
+        fits = [b for b in self.buckets if b.num_tokens >= num_tokens and b.num_seqs >= num_seqs
+                and (not b.max_context or b.max_context >= max_context)]
         if num_tokens != num_seqs:
             fits = [b for b in fits if b.kind == "prefill"] or fits
         if not fits:
             raise ValueError(f"no bucket holds {num_tokens} tokens / {num_seqs} sequences "
                              f"(max {self.build.prefill_chunk} tokens, {self.build.max_num_seqs} sequences)")
-        return min(fits, key=lambda b: (b.num_tokens, b.num_seqs))
+        return min(fits, key=lambda b: (b.num_tokens, b.num_seqs, not b.max_context, b.max_context))

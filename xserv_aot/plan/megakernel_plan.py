@@ -183,20 +183,31 @@ def plan_megakernel(kind: str, ops: list[Op], choices: list[KernelChoice], manif
 
 def add_megakernels(manifest: dict, records: dict, choices: dict, num_slots: int,
                     add_buffer: Callable[[dict, str, list, str], None]) -> dict:
-    """The megakernel in every bucket it fits (choices updated in place), with its arena buffers; -> {bucket: why
-    not} for the buckets of <= MK_MAX_SEQS seqs that keep per-op kernels although build.megakernel_sms is set."""
-    if not manifest["build"].get("megakernel_sms"):
+    """The megakernel in every bucket it fits, with its arena buffers: in place of the bucket's per-op kernels, or
+    with build.megakernel_max_context N in a copy `<name>_mk` (max_context N, after the original in
+    manifest["buckets"]; records / choices get its entry); -> {bucket: why not} for the buckets of <=
+    MK_MAX_SEQS seqs that keep per-op kernels only."""
+    b = manifest["build"]
+    if not b.get("megakernel_sms"):
         return {}
-    m, skipped = rank_model(manifest), {}
+    m, skipped, limit, buckets = rank_model(manifest), {}, int(b.get("megakernel_max_context", 0)), []
     max_blocks = manifest["arena"]["buffers"]["block_tables"]["shape"][1]
     for bk in manifest["buckets"]:
         name = bk["name"]
+        buckets.append(bk)
         try:
-            choices[name] = plan_megakernel(bk["kind"], records[name], choices[name], manifest, m, num_slots,
-                                            max_blocks)
+            mk = plan_megakernel(bk["kind"], records[name], choices[name], manifest, m, num_slots, max_blocks)
         except NotEligible as e:
             if bk["kind"] == "decode" and bk["num_seqs"] <= MK_MAX_SEQS:
                 skipped[name] = str(e)
+            continue
+        if not limit:
+            choices[name] = mk
+            continue
+        copy = f"{name}_mk"
+        buckets.append({**bk, "name": copy, "max_context": limit})
+        records[copy], choices[copy] = records[name], mk
+    manifest["buckets"] = buckets
     if any(c.kernel.startswith(MK_PREFIX) for cs in choices.values() for c in cs):
         add_buffer(manifest, "mk_grid_barrier", [1], "int64")        # zeroed at start, advanced in whole barriers
         sms, layers = manifest["build"]["megakernel_sms"], m["num_layers"]

@@ -65,6 +65,11 @@ class BatchDescription:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
+    @property
+    def max_context(self) -> int:
+        """The longest sequence's context after this step (what context-limited buckets are chosen by)."""
+        return max(self.seq_lens, default=0)
+
     def fill_sampling_defaults(self) -> "BatchDescription":
         n = self.num_seqs
         for name, default in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("seeds", 0),

@@ -72,7 +72,7 @@ class NumpyRunner:
     overlaps = False                     # launch runs the step at once: overlapping gains nothing on the CPU
 
     def run(self, batch: BatchDescription) -> StepResult:
-        bucket = self.plan.bucket_for(batch.num_tokens, batch.num_seqs)
+        bucket = self.plan.bucket_for(batch.num_tokens, batch.num_seqs, batch.max_context)
         for rank in self.ranks:
             stage_inputs(batch, rank.buf, bucket.num_tokens, bucket.num_seqs)
         self.execute(bucket)

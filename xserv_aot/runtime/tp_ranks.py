@@ -228,7 +228,7 @@ class TensorParallelRunner:
 
     def launch(self, batch: BatchDescription):
         """Send the step to every follower and launch it on rank 0; wait(handle) reads its result."""
-        self.plan.bucket_for(batch.num_tokens, batch.num_seqs)    # a batch no bucket holds fails here, not the group
+        self.plan.bucket_for(batch.num_tokens, batch.num_seqs, batch.max_context)  # a batch no bucket holds fails here
 
         def body():
             self._send_all(("run", batch))

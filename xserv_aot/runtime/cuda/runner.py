@@ -226,7 +226,7 @@ class CudaRunner:
 
     def bucket_for(self, batch: BatchDescription):
         try:
-            return self.plan.bucket_for(batch.num_tokens, batch.num_seqs)
+            return self.plan.bucket_for(batch.num_tokens, batch.num_seqs, batch.max_context)
         except ValueError as e:
             raise CudaRunnerError(str(e)) from None
 

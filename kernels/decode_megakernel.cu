@@ -9,6 +9,7 @@
 // [b N / NB, (b + 1) N / NB) of every matrix (gate_up: pairs j, gate row j and up row I + j).
 // Data written inside the launch by other blocks (x, qkv, attn, act, partials) is read with ld.global.cg (L2).
 // Rounding: every GEMV output to bf16, x + o to bf16, silu(g) * u of bf16 g, u: the unfused kernels' rules.
+#include "fp8.cuh"
 #include "qk_rope.cuh"
 
 // PW producer warps: 1, or 4 (a warpgroup that gives its registers to the consumers with setmaxnreg: 240 a
@@ -102,14 +103,19 @@ __device__ __forceinline__ void grid_sync(long long* ctr, u64 target) {
 struct Ring { u64* full; u64* empty; char* slots; int stages, stage; u32 phase; };
 __device__ __forceinline__ void ring_next(Ring& r) { if (++r.stage == r.stages) { r.stage = 0; r.phase ^= 1u; } }
 
+// Weights: Q 0 bf16; 1 e4m3 with a float32 scale a row (fp8_channel); 2 e4m3 with one a 128 x 128 block
+// (fp8_block128, scale[row / 128][k / 128]). WB: bytes a weight.
+template <int Q> struct Wt { static constexpr int WB = Q ? 1 : 2; };
+
 // Rows per ring slot of a K-wide matrix: a power of two <= 8 (a slot's rows split the 8 consumer warps evenly).
+template <int Q>
 __device__ __forceinline__ int slot_rows(int K) {
-    int r = MK_STAGE_BYTES / (2 * K);
+    int r = MK_STAGE_BYTES / (Wt<Q>::WB * K);
     return r >= 8 ? 8 : r >= 4 ? 4 : r >= 2 ? 2 : 1;
 }
 
 // One ring slot's copy: bytes from src (and from src2 to offset up: the up rows of a gate_up slot).
-struct Chunk { const bf16* src; const bf16* src2; u32 bytes, up; };
+struct Chunk { const char* src; const char* src2; u32 bytes, up; };
 
 // Consumers: the same slots in the same order; part[(local row * wpr + warp part) * M + m] = partial dot.
 // Local rows: plain, j - r0; gate, 2 (j - r0) (gate) and 2 (j - r0) + 1 (up).
@@ -119,10 +125,47 @@ __device__ __forceinline__ u64 now_ns() {
     return t;
 }
 
-template <int M>
+// Dot products of this lane's chunks of one slot row with the M inputs in hs: acc[m] (fp32). FP8 block scales
+// (srow: the row's scales, one a 128-k block) are applied to each 16-weight chunk's sum.
+template <int M, int Q>
+__device__ __forceinline__ void row_dots(const char* wrow, const bf16* hs, int K, int v0, int vstep,
+                                         const float* srow, float* acc) {
+    if (Q == 0) {
+        const bf16* w = (const bf16*)wrow;
+#pragma unroll 4
+        for (int v = v0; v < K / 8; v += vstep) {
+            float a[8]; unpack8(ld16(w + v * 8), a);
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                float x[8]; unpack8(ld16(hs + (size_t)m * K + v * 8), x);
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[m] += a[i] * x[i];
+            }
+        }
+    } else {
+#pragma unroll 2
+        for (int v = v0; v < K / 16; v += vstep) {
+            const vec16 wv = ld16(wrow + v * 16);
+            float a[16];
+            e4m3x4_f32(wv.x, a); e4m3x4_f32(wv.y, a + 4); e4m3x4_f32(wv.z, a + 8); e4m3x4_f32(wv.w, a + 12);
+            const float sb = Q == 2 ? srow[v >> 3] : 1.f;
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                float x[16], d = 0.f;
+                unpack8(ld16(hs + (size_t)m * K + v * 16), x); unpack8(ld16(hs + (size_t)m * K + v * 16 + 8), x + 8);
+#pragma unroll
+                for (int i = 0; i < 16; i++) d += a[i] * x[i];
+                acc[m] += Q == 2 ? d * sb : d;
+            }
+        }
+    }
+}
+
+// sc: the matrix's scales (Q > 0); rows j of the slot are global rows j (plain) or j and up_off + j (gate_up).
+template <int M, int Q>
 __device__ __forceinline__ void consume(Ring& r, const bf16* hs, float* part, int r0, int r1, int K, bool gate,
-                                        u64* wait_ns = nullptr) {
-    const int rc = slot_rows(K), step = gate ? rc / 2 : rc, wpr = MK_CONSUMERS / rc;
+                                        const float* sc, int up_off, u64* wait_ns = nullptr) {
+    const int rc = slot_rows<Q>(K), step = gate ? rc / 2 : rc, wpr = MK_CONSUMERS / rc;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, row = warp / wpr, wp = warp % wpr;
     for (int j = r0; j < r1; j += step) {
         const int n = min(step, r1 - j);
@@ -132,25 +175,19 @@ __device__ __forceinline__ void consume(Ring& r, const bf16* hs, float* part, in
         const bool up = gate && row >= step;
         const int pair = up ? row - step : row;
         if (pair < n) {
-            const bf16* w = (const bf16*)(r.slots + (size_t)r.stage * MK_STAGE_BYTES) + (size_t)row * K;
+            const char* w = r.slots + (size_t)r.stage * MK_STAGE_BYTES + (size_t)row * K * Wt<Q>::WB;
+            const int grow = (up ? up_off : 0) + j + pair;
+            const float* srow = Q == 2 ? sc + (size_t)(grow >> 7) * (K >> 7) : nullptr;
+            const float sch = Q == 1 ? sc[grow] : 1.f;
             float acc[M];
 #pragma unroll
             for (int m = 0; m < M; m++) acc[m] = 0.f;
-#pragma unroll 4
-            for (int v = wp * 32 + lane; v < K / 8; v += wpr * 32) {
-                float a[8]; unpack8(ld16(w + v * 8), a);
-#pragma unroll
-                for (int m = 0; m < M; m++) {
-                    float x[8]; unpack8(ld16(hs + (size_t)m * K + v * 8), x);
-#pragma unroll
-                    for (int i = 0; i < 8; i++) acc[m] += a[i] * x[i];
-                }
-            }
+            row_dots<M, Q>(w, hs, K, wp * 32 + lane, wpr * 32, srow, acc);
             const int lr = gate ? 2 * (j - r0 + pair) + (up ? 1 : 0) : j - r0 + pair;
 #pragma unroll
             for (int m = 0; m < M; m++) {
                 const float s = warp_sum(acc[m]);
-                if (lane == 0) part[(lr * wpr + wp) * M + m] = s;
+                if (lane == 0) part[(lr * wpr + wp) * M + m] = Q == 1 ? s * sch : s;
             }
         }
         __syncwarp();
@@ -220,8 +257,10 @@ struct AttnItem { int m, kvh, s, S, ctx, k0, k1, slot, pos; bool live; };
 
 struct Args {
     bf16* x; bf16* h_out; bf16* qkv; bf16* attn; bf16* act;
-    const bf16 *in_norm, *w_qkv, *q_norm, *k_norm, *w_o, *post_norm, *w_gu, *w_down, *final_norm;
-    u64 layer_stride;                          // elements between layer l and l + 1 of every layer weight
+    const bf16 *in_norm, *q_norm, *k_norm, *post_norm, *final_norm;
+    const char *w_qkv, *w_o, *w_gu, *w_down;   // bf16 or e4m3 (Q)
+    const float *s_qkv, *s_o, *s_gu, *s_down;  // their scales (Q > 0), else null
+    u64 layer_stride;                          // bf16 elements between layer l and l + 1 of every layer weight
     const float *cos_t, *sin_t; const int *positions, *seq_lens, *slot_mapping, *block_tables;
     bf16* kv; float* part_o; float* part_ml; int* counters; long long* bar;
     long long* trace;                          // null, or [NB][layers][MK_TRACE] globaltimer stamps (ns) of thread 0
@@ -233,42 +272,58 @@ struct Args {
 // This block's rows and its slots a layer (qkv, o, gate_up, down), from blockIdx.
 struct Rows { int q0, q1, h0, h1, i0, i1, nq, no, ng, nd; };
 
+template <int Q>
 __device__ __forceinline__ Rows block_rows(const Args& a) {
     Rows r;
-    const int NB = gridDim.x, b = blockIdx.x, nqkv = (a.nh + 2 * a.nkv) * MK_HD, rh = slot_rows(a.H);
+    const int NB = gridDim.x, b = blockIdx.x, nqkv = (a.nh + 2 * a.nkv) * MK_HD, rh = slot_rows<Q>(a.H);
+    const int ro = slot_rows<Q>(a.nh * MK_HD), rd = slot_rows<Q>(a.I);
     r.q0 = (int)((long long)b * nqkv / NB); r.q1 = (int)((long long)(b + 1) * nqkv / NB);
     r.h0 = (int)((long long)b * a.H / NB); r.h1 = (int)((long long)(b + 1) * a.H / NB);
     r.i0 = (int)((long long)b * a.I / NB); r.i1 = (int)((long long)(b + 1) * a.I / NB);
-    r.nq = (r.q1 - r.q0 + rh - 1) / rh; r.no = (r.h1 - r.h0 + slot_rows(a.nh * MK_HD) - 1) / slot_rows(a.nh * MK_HD);
+    r.nq = (r.q1 - r.q0 + rh - 1) / rh; r.no = (r.h1 - r.h0 + ro - 1) / ro;
     r.ng = (r.i1 - r.i0 + rh / 2 - 1) / (rh / 2);
-    r.nd = (r.h1 - r.h0 + slot_rows(a.I) - 1) / slot_rows(a.I);
+    r.nd = (r.h1 - r.h0 + rd - 1) / rd;
     return r;
 }
 
 // Slot c of the block's whole-step sequence: per layer its qkv, o_proj, gate_up, down rows in slot_rows steps.
+template <int Q>
 __device__ __forceinline__ Chunk chunk_at(const Args& a, const Rows& r, int c) {
-    const int per = r.nq + r.no + r.ng + r.nd, l = c / per, rh = slot_rows(a.H);
+    constexpr int WB = Wt<Q>::WB;
+    const int per = r.nq + r.no + r.ng + r.nd, l = c / per, rh = slot_rows<Q>(a.H);
     int i = c % per;
-    const size_t lw = (size_t)l * a.layer_stride;
+    const size_t lb = (size_t)l * a.layer_stride * 2;             // bytes
     if (i < r.nq) {
         const int j = r.q0 + i * rh;
-        return {a.w_qkv + lw + (size_t)j * a.H, nullptr, (u32)(min(rh, r.q1 - j) * a.H * 2), 0};
+        return {a.w_qkv + lb + (size_t)j * a.H * WB, nullptr, (u32)(min(rh, r.q1 - j) * a.H * WB), 0};
     }
     i -= r.nq;
     if (i < r.no) {
-        const int ko = a.nh * MK_HD, ro = slot_rows(ko), j = r.h0 + i * ro;
-        return {a.w_o + lw + (size_t)j * ko, nullptr, (u32)(min(ro, r.h1 - j) * ko * 2), 0};
+        const int ko = a.nh * MK_HD, ro = slot_rows<Q>(ko), j = r.h0 + i * ro;
+        return {a.w_o + lb + (size_t)j * ko * WB, nullptr, (u32)(min(ro, r.h1 - j) * ko * WB), 0};
     }
     i -= r.no;
     if (i < r.ng) {
         const int step = rh / 2, j = r.i0 + i * step;
-        return {a.w_gu + lw + (size_t)j * a.H, a.w_gu + lw + (size_t)(a.I + j) * a.H,
-                (u32)(min(step, r.i1 - j) * a.H * 2),
-                (u32)(step * a.H * 2)};
+        return {a.w_gu + lb + (size_t)j * a.H * WB, a.w_gu + lb + (size_t)(a.I + j) * a.H * WB,
+                (u32)(min(step, r.i1 - j) * a.H * WB), (u32)(step * a.H * WB)};
     }
     i -= r.ng;
-    const int rd = slot_rows(a.I), j = r.h0 + i * rd;
-    return {a.w_down + lw + (size_t)j * a.I, nullptr, (u32)(min(rd, r.h1 - j) * a.I * 2), 0};
+    const int rd = slot_rows<Q>(a.I), j = r.h0 + i * rd;
+    return {a.w_down + lb + (size_t)j * a.I * WB, nullptr, (u32)(min(rd, r.h1 - j) * a.I * WB), 0};
+}
+
+// The scales of a matrix's rows [r0, r1) (K wide) and, for gate_up, of rows up_off + [r0, r1): L2 prefetch, 128-B
+// lines by consumer threads from t0 on, at the layer's start (a consume reads them from its first slot on).
+template <int Q>
+__device__ __forceinline__ int prefetch_scales(const float* sc, int r0, int r1, int K, int t0) {
+    if (Q == 0) return t0;
+    const float* lo = Q == 2 ? sc + (size_t)(r0 >> 7) * (K >> 7) : sc + r0;
+    const float* hi = Q == 2 ? sc + (size_t)(((r1 - 1) >> 7) + 1) * (K >> 7) : sc + r1;
+    const int lines = (int)(((size_t)hi - ((size_t)lo & ~(size_t)127) + 127) / 128);
+    const int t = threadIdx.x - t0;
+    if (t >= 0 && t < lines) asm volatile("prefetch.global.L2 [%0];" :: "l"(((size_t)lo & ~(size_t)127) + 128 * t));
+    return t0 + lines;
 }
 
 __device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
@@ -294,6 +349,7 @@ __device__ __forceinline__ bool mbar_try(u64* b, u32 parity, u32 hint_ns) {
 // grid barrier or in attention: this SM's DRAM stream idle) it prefetches the next l2_ahead slots' rows into L2,
 // one slot a poll, so the stream goes on through the wait; while copies are in flight it prefetches nothing (a
 // look-ahead racing its own copies was slower). A prefetched slot's copy later hits L2.
+template <int Q>
 __device__ __forceinline__ void produce_all(Ring& r, const Args& a, const Rows& rows, u64 policy) {
     const int per = rows.nq + rows.no + rows.ng + rows.nd, total = a.layers * per;
     int pf = 0;                                   // slots [c, pf) are prefetched
@@ -301,14 +357,14 @@ __device__ __forceinline__ void produce_all(Ring& r, const Args& a, const Rows& 
     long long* tr = a.trace ? a.trace + (size_t)blockIdx.x * a.layers * MK_TRACE + 22 : nullptr;
     if (tr) for (int l = 0; l < a.layers; l++) tr[(size_t)l * MK_TRACE] = 0;
     for (int c = 0; c < total; c++) {
-        const Chunk ch = chunk_at(a, rows, c);
+        const Chunk ch = chunk_at<Q>(a, rows, c);
         if (pf < c) pf = c;
         // the newest slot issued (the one before r.stage) and the parity its copy completes
         const int nw = r.stage ? r.stage - 1 : r.stages - 1;
         const u32 np = r.stage ? r.phase : r.phase ^ 1u;
         while (!mbar_try(&r.empty[r.stage], r.phase ^ 1u, 512)) {
             if (pf < c + a.l2_ahead && pf < total && mbar_test(&r.full[nw], np)) {
-                const Chunk f = chunk_at(a, rows, pf++);
+                const Chunk f = chunk_at<Q>(a, rows, pf++);
                 prefetch_l2(f.src, f.bytes);
                 if (f.src2) prefetch_l2(f.src2, f.bytes);
                 if (tr) {
@@ -593,7 +649,7 @@ __device__ __forceinline__ AttnItem attn_item(const Args& a, int M) {
     return it;
 }
 
-template <int M, int G, bool RT, int PW>
+template <int M, int G, bool RT, int PW, int Q>
 __device__ void megakernel(const Args& a) {
     extern __shared__ __align__(128) char smem[];
     char* slots = smem;
@@ -607,7 +663,7 @@ __device__ void megakernel(const Args& a) {
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    const Rows rows = block_rows(a);
+    const Rows rows = block_rows<Q>(a);
     const int NB = gridDim.x, b = blockIdx.x, H = a.H, I = a.I, nq = (a.nh + 2 * a.nkv) * MK_HD;
     const int q0 = rows.q0, q1 = rows.q1, h0 = rows.h0, h1 = rows.h1, i0 = rows.i0, i1 = rows.i1;
     if (threadIdx.x >= MK_CTHREADS) {                      // producer warp(s)
@@ -615,7 +671,7 @@ __device__ void megakernel(const Args& a) {
         if (threadIdx.x != MK_CTHREADS) return;
         u64 policy;
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-        produce_all(ring, a, rows, policy);
+        produce_all<Q>(ring, a, rows, policy);
         return;
     }
     if (PW == 4) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(MK_REGS_CONSUMER));
@@ -627,16 +683,23 @@ __device__ void megakernel(const Args& a) {
     for (int l = 0; l < a.layers; l++) {
         KVTile tile;                                  // per layer: nothing carried to the next one
         AttnConst ac;
-        const size_t lw = (size_t)l * a.layer_stride;
+        const size_t lw = (size_t)l * a.layer_stride, ls = Q ? lw / 2 : 0;     // bf16 / float elements
         long long* tr = a.trace && threadIdx.x == 0 ? a.trace + ((size_t)b * a.layers + l) * MK_TRACE : nullptr;
         u64 waits[4] = {0, 0, 0, 0};
 #define STAMP(k) do { if (tr) tr[k] = (long long)now_ns(); } while (0)
         STAMP(0);
         if (it.live && it.ctx > 0) prefetch_attention(a, it, l);
+        if (Q) {                                       // threads 8.. (0-7 prefetch attention constants)
+            int t = prefetch_scales<Q>(a.s_qkv + ls, q0, q1, H, 8);
+            t = prefetch_scales<Q>(a.s_o + ls, h0, h1, a.nh * MK_HD, t);
+            t = prefetch_scales<Q>(a.s_gu + ls, i0, i1, H, t);
+            t = prefetch_scales<Q>(a.s_gu + ls, I + i0, I + i1, H, t);
+            prefetch_scales<Q>(a.s_down + ls, h0, h1, I, t);
+        }
         // (1) qkv = rmsnorm(x) W_qkv^T
         norm_to_smem<M>(a.x, a.in_norm + lw, hs, H, a.eps, scratch);
         STAMP(1);
-        consume<M>(ring, hs, part, q0, q1, H, false, tr ? &waits[0] : nullptr);
+        consume<M, Q>(ring, hs, part, q0, q1, H, false, a.s_qkv + ls, 0, tr ? &waits[0] : nullptr);
         STAMP(2);
         if (it.live && it.ctx > 0) {
             const bf16* kvl = a.kv + (size_t)l * 2 * a.num_slots * a.nkv * MK_HD;
@@ -645,7 +708,7 @@ __device__ void megakernel(const Args& a) {
         }
         csync();
         {
-            const int wpr = MK_CONSUMERS / slot_rows(H);
+            const int wpr = MK_CONSUMERS / slot_rows<Q>(H);
             for (int i = threadIdx.x; i < (q1 - q0) * M; i += MK_CTHREADS) {
                 const int r = i / M, m = i % M;
                 a.qkv[(size_t)m * nq + q0 + r] = f2bf(part_sum<M>(part, r, wpr, m));
@@ -662,11 +725,11 @@ __device__ void megakernel(const Args& a) {
         // (3) x += attn W_o^T
         copy_to_smem<M>(a.attn, hs, a.nh * MK_HD);
         STAMP(6);
-        consume<M>(ring, hs, part, h0, h1, a.nh * MK_HD, false, tr ? &waits[1] : nullptr);
+        consume<M, Q>(ring, hs, part, h0, h1, a.nh * MK_HD, false, a.s_o + ls, 0, tr ? &waits[1] : nullptr);
         STAMP(7);
         csync();
         {
-            const int wpr = MK_CONSUMERS / slot_rows(a.nh * MK_HD);
+            const int wpr = MK_CONSUMERS / slot_rows<Q>(a.nh * MK_HD);
             for (int i = threadIdx.x; i < (h1 - h0) * M; i += MK_CTHREADS) {
                 const int r = i / M, m = i % M;
                 bf16* xp = a.x + (size_t)m * H + h0 + r;
@@ -679,11 +742,11 @@ __device__ void megakernel(const Args& a) {
         STAMP(8);
         norm_to_smem<M>(a.x, a.post_norm + lw, hs, H, a.eps, scratch);
         STAMP(9);
-        consume<M>(ring, hs, part, i0, i1, H, true, tr ? &waits[2] : nullptr);
+        consume<M, Q>(ring, hs, part, i0, i1, H, true, a.s_gu + ls, I, tr ? &waits[2] : nullptr);
         STAMP(10);
         csync();
         {
-            const int wpr = MK_CONSUMERS / slot_rows(H);
+            const int wpr = MK_CONSUMERS / slot_rows<Q>(H);
             for (int i = threadIdx.x; i < (i1 - i0) * M; i += MK_CTHREADS) {
                 const int r = i / M, m = i % M;
                 const float g = round_bf(part_sum<M>(part, 2 * r, wpr, m));
@@ -697,12 +760,12 @@ __device__ void megakernel(const Args& a) {
         STAMP(11);
         copy_to_smem<M>(a.act, hs, I);
         STAMP(12);
-        consume<M>(ring, hs, part, h0, h1, I, false, tr ? &waits[3] : nullptr);
+        consume<M, Q>(ring, hs, part, h0, h1, I, false, a.s_down + ls, 0, tr ? &waits[3] : nullptr);
         STAMP(13);
         if (tr) for (int k = 0; k < 4; k++) tr[14 + k] = (long long)waits[k];
         csync();
         {
-            const int wpr = MK_CONSUMERS / slot_rows(I);
+            const int wpr = MK_CONSUMERS / slot_rows<Q>(I);
             for (int i = threadIdx.x; i < (h1 - h0) * M; i += MK_CTHREADS) {
                 const int r = i / M, m = i % M;
                 bf16* xp = a.x + (size_t)m * H + h0 + r;
@@ -722,29 +785,36 @@ __device__ void megakernel(const Args& a) {
 // Grid: the plan's SM count, block MK_THREADS, dynamic smem MK_SMEM_BYTES. x [M, H] (in: embeddings; out: the
 // residual stream), h_out [M, H] = final rmsnorm; qkv [M, (nh + 2 nkv) HD], attn [M, nh HD], act [M, I] scratch;
 // layer weights: layer 0's pointers, layer l at + l * layer_stride elements; kv: the cache's layer 0.
-#define MK_KERNEL(M, G, RT, PW, SUF)                                                                           \
+// WT: the weight matrices' pointee type (bf16 for Q 0, e4m3 else); their scales follow w_down (null for bf16)
+#define MK_KERNEL(M, G, RT, PW, Q, WT, SUF)                                                                    \
     extern "C" __global__ void __launch_bounds__(MK_THREADS_##PW, 1) decode_mk_m##M##_g##G##_hd128##SUF(        \
-        bf16* x, bf16* h_out, bf16* qkv, bf16* attn, bf16* act, const bf16* in_norm, const bf16* w_qkv,          \
-        const bf16* q_norm, const bf16* k_norm, const bf16* w_o, const bf16* post_norm, const bf16* w_gu,        \
-        const bf16* w_down, const bf16* final_norm, u64 layer_stride, const float* cos_t, const float* sin_t,    \
+        bf16* x, bf16* h_out, bf16* qkv, bf16* attn, bf16* act, const bf16* in_norm, const WT* w_qkv,            \
+        const bf16* q_norm, const bf16* k_norm, const WT* w_o, const bf16* post_norm, const WT* w_gu,            \
+        const WT* w_down, const float* s_qkv, const float* s_o, const float* s_gu, const float* s_down,          \
+        const bf16* final_norm, u64 layer_stride, const float* cos_t, const float* sin_t,                       \
         const int* positions, const int* seq_lens, const int* slot_mapping, const int* block_tables, bf16* kv,   \
         float* part_o, float* part_ml, int* counters, long long* bar, long long* trace, int layers, int H,      \
         int I, int nh, int nkv, int block_size, int max_blocks, int num_slots, int smax, int stages, int l2_ahead,\
         int kv_prefetch, float eps, float scale) {                                                              \
-        const Args a{x, h_out, qkv, attn, act, in_norm, w_qkv, q_norm, k_norm, w_o, post_norm, w_gu, w_down,     \
-                     final_norm, layer_stride, cos_t, sin_t, positions, seq_lens, slot_mapping, block_tables,    \
-                     kv, part_o, part_ml, counters, bar, trace, layers, H, I, nh, nkv, block_size, max_blocks,  \
-                     num_slots, smax, stages, l2_ahead, kv_prefetch, eps, scale};                               \
-        megakernel<M, G, RT, PW>(a); }
+        const Args a{x, h_out, qkv, attn, act, in_norm, q_norm, k_norm, post_norm, final_norm,                  \
+                     (const char*)w_qkv, (const char*)w_o, (const char*)w_gu, (const char*)w_down,              \
+                     s_qkv, s_o, s_gu, s_down, layer_stride, cos_t, sin_t, positions, seq_lens, slot_mapping,    \
+                     block_tables, kv, part_o, part_ml, counters, bar, trace, layers, H, I, nh, nkv, block_size, \
+                     max_blocks, num_slots, smax, stages, l2_ahead, kv_prefetch, eps, scale};                   \
+        megakernel<M, G, RT, PW, Q>(a); }
 
 // RT: the first KV tile of a split is loaded into registers before the qkv barrier (_tl2: after it), from L2
-// where the layer's start prefetched it;
-// PW: producer warps (_p4: a producer warpgroup, setmaxnreg)
-MK_KERNEL(1, 4, true, 1, )
-MK_KERNEL(2, 4, true, 1, )
-MK_KERNEL(1, 4, false, 1, _tl2)
-MK_KERNEL(2, 4, false, 1, _tl2)
-MK_KERNEL(1, 4, true, 4, _p4)
-MK_KERNEL(2, 4, true, 4, _p4)
-MK_KERNEL(1, 4, false, 4, _tl2_p4)
-MK_KERNEL(2, 4, false, 4, _tl2_p4)
+// where the layer's start prefetched it; PW: producer warps (_p4: a producer warpgroup, setmaxnreg);
+// Q: _f8c / _f8b FP8 weights (fp8_channel / fp8_block128), only the default variant
+MK_KERNEL(1, 4, true, 1, 0, bf16, )
+MK_KERNEL(2, 4, true, 1, 0, bf16, )
+MK_KERNEL(1, 4, false, 1, 0, bf16, _tl2)
+MK_KERNEL(2, 4, false, 1, 0, bf16, _tl2)
+MK_KERNEL(1, 4, true, 4, 0, bf16, _p4)
+MK_KERNEL(2, 4, true, 4, 0, bf16, _p4)
+MK_KERNEL(1, 4, false, 4, 0, bf16, _tl2_p4)
+MK_KERNEL(2, 4, false, 4, 0, bf16, _tl2_p4)
+MK_KERNEL(1, 4, false, 4, 1, e4m3, _tl2_p4_f8c)
+MK_KERNEL(2, 4, false, 4, 1, e4m3, _tl2_p4_f8c)
+MK_KERNEL(1, 4, false, 4, 2, e4m3, _tl2_p4_f8b)
+MK_KERNEL(2, 4, false, 4, 2, e4m3, _tl2_p4_f8b)

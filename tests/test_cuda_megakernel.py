@@ -131,6 +131,42 @@ def test_graph_replay_equals_eager_bitwise(runners, seed):
     np.testing.assert_array_equal(graph, eager)
 
 
+@pytest.fixture(scope="module", params=["block128", "channel"])
+def fp8_plans(request, tmp_path_factory, seed_for, sms):
+    """A tiny FP8 (W8A16 at decode) plan with the megakernel and the same model's per-op FP8 plan."""
+    from tests.tiny_models import make_tiny_model
+    from xserv_aot.config import BuildConfig
+    from xserv_aot.plan.builder import compile_plan
+    tmp = tmp_path_factory.mktemp("cuda_mk_fp8")
+    model_dir = make_tiny_model(tmp / "hf", "qwen3", seed=seed_for("test_cuda_megakernel.fp8"), **SHAPE)
+    fp8 = dict(BUILD, quantization="fp8", fp8_scheme=request.param, prefill_buckets=[64])
+    mk = compile_plan(model_dir, tmp / "mk", BuildConfig(**fp8, megakernel_sms=sms))
+    ref = compile_plan(model_dir, tmp / "ref", BuildConfig(**fp8))
+    suffix = {"block128": "_f8b", "channel": "_f8c"}[request.param]
+    assert any(op.cuda.kernel.endswith(suffix) for op in mk.buckets[0].ops + mk.buckets[1].ops)
+    return mk, ref
+
+
+@pytest.mark.parametrize("ctx, seqs", [(200, 1), (3000, 1), (700, 2)])
+def test_fp8_weights_match_numpy_and_per_op_kernels(fp8_plans, ctx, seqs, seed):
+    from xserv_aot.runtime.cuda.runner import CudaRunner
+    from xserv_aot.runtime.numpy_backend import NumpyRunner
+    rng = np.random.default_rng(seed)
+    prompts = {k: rng.integers(3, SHAPE["vocab_size"], ctx - 100 * k).tolist() for k in range(seqs)}
+    steps = [{k: int(t) for k, t in enumerate(row)} for row in rng.integers(3, SHAPE["vocab_size"], (4, seqs))]
+    mk, ref = (CudaRunner(p, log=print) for p in fp8_plans)
+    try:
+        got, per_op = forced(mk, prompts, steps), forced(ref, prompts, steps)
+    finally:
+        mk.close()
+        ref.close()
+    want = forced(NumpyRunner(fp8_plans[0]), prompts, steps)
+    for k in prompts:
+        errs = [rel_err(g, w) for g, w in zip(got[k][1:], want[k][1:])]
+        base = [rel_err(g, w) for g, w in zip(per_op[k][1:], want[k][1:])]
+        assert max(errs) <= max(2e-2, 1.5 * max(base)), (k, errs, base, seed)
+
+
 def test_context_limited_copy_hands_over_to_per_op_kernels(tmp_path, seed_for, seed, sms):
     """megakernel_max_context 203: a 200-token prompt decodes at contexts 201-203 in decode_1_mk, then 204-205 in
     the per-op decode_1 over the same KV cache; every step's logits against the NumPy backend."""

@@ -52,12 +52,13 @@ def test_decode_1_and_2_run_one_persistent_launch(tmp_path):
         assert rec.grid == (132, 1, 1) and rec.block == (MK_THREADS, 1, 1) and rec.smem <= 227 * 1024
         args = {i: a for i, a in enumerate(rec.args)}
         assert args[6] == ("ptr", "layers.0.qkv") and args[12] == ("ptr", "layers.0.down")
-        stride = args[14][1]
+        stride = args[18][1]
         for w in ("qkv", "down", "q_norm", "input_norm"):
             assert tensors[f"layers.2.{w}"]["offset"] - tensors[f"layers.0.{w}"]["offset"] == 2 * stride * 2
-        assert args[26] == ("ptr", None)                      # the trace buffer: only scripts/megakernel_trace.py
-        assert args[35] == ("i32", 132 // (seqs * 4))        # splits a seq: blocks / (seqs x kv heads)
-        stages = args[36][1]
+        assert rec.args[13:17] == (("ptr", None),) * 4          # no weight scales (bf16)
+        assert args[30] == ("ptr", None)                      # the trace buffer: only scripts/megakernel_trace.py
+        assert args[39] == ("i32", 132 // (seqs * 4))        # splits a seq: blocks / (seqs x kv heads)
+        stages = args[40][1]
         fixed = seqs * MK_H_SEQ_BYTES + 4 * MK_PART_FLOATS + 256
         assert 2 <= stages and rec.smem == stages * (MK_STAGE_BYTES + 16) + fixed
     assert not any(op.cuda.kernel.startswith(MK_PREFIX) for op in bucket(plan, "decode_4").ops)
@@ -85,6 +86,29 @@ def test_max_context_adds_megakernel_copies_chosen_by_context(tmp_path):
     assert [(b.name, b.max_context) for b in reloaded.buckets] == [(b.name, b.max_context) for b in plan.buckets]
 
 
+@pytest.mark.parametrize("scheme, suffix", [("block128", "_f8b"), ("channel", "_f8c")])
+def test_fp8_weights_run_the_fp8_kernel_with_their_scales(tmp_path, scheme, suffix):
+    plan = compile_tiny(tmp_path, quantization="fp8", fp8_scheme=scheme)
+    tensors = plan.manifest["weights"]["tensors"]
+    for name, seqs in (("decode_1", 1), ("decode_2", 2)):
+        rec = next(op.cuda.launch[0] for op in bucket(plan, name).ops if op.cuda.kernel.startswith(MK_PREFIX))
+        assert rec.fn == kernel_name(seqs, 4) + suffix == f"{MK_PREFIX}m{seqs}_g4_hd128_tl2_p4{suffix}"
+        assert rec.args[13:17] == tuple(("ptr", f"layers.0.{w}.scale") for w in ("qkv", "o_proj", "gate_up", "down"))
+        stride = rec.args[18][1]
+        for w in ("qkv", "qkv.scale", "down", "down.scale", "input_norm"):     # one byte stride: 2 x the bf16 one
+            assert tensors[f"layers.1.{w}"]["offset"] - tensors[f"layers.0.{w}"]["offset"] == 2 * stride
+        assert tensors["layers.0.qkv"]["dtype"] == "float8_e4m3fn"
+    assert "megakernel_skipped" not in plan.kernels
+
+
+def test_fp8_weights_need_the_default_variant(tmp_path, monkeypatch):
+    from xserv_aot.plan import megakernel_plan
+    monkeypatch.setattr(megakernel_plan, "MK_PRODUCER_WARPS", 1)
+    plan = compile_tiny(tmp_path, quantization="fp8")
+    assert "no kernel of variant" in plan.kernels["megakernel_skipped"]["decode_1"]
+    assert not any(op.cuda.kernel.startswith(MK_PREFIX) for op in bucket(plan, "decode_1").ops)
+
+
 def test_max_context_must_be_a_count():
     for bad in (-1, True, 1.5, "4096"):
         with pytest.raises(ConfigError, match="megakernel_max_context"):
@@ -108,11 +132,6 @@ def test_models_the_kernel_does_not_fit_keep_per_op_kernels(tmp_path, change, wh
     assert set(plan.kernels["megakernel_skipped"]) == {"decode_1", "decode_2"}
     assert all(why in reason for reason in plan.kernels["megakernel_skipped"].values())
     assert not any(op.cuda.kernel == FUSED for bk in plan.buckets for op in bk.ops)
-
-
-def test_fp8_plan_keeps_per_op_kernels(tmp_path):
-    plan = compile_tiny(tmp_path, quantization="fp8")
-    assert "quantized" in plan.kernels["megakernel_skipped"]["decode_1"]
 
 
 @pytest.mark.parametrize("bad", [-1, True, 1.5, "132"])

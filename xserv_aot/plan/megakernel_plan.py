@@ -25,17 +25,23 @@ MK_PRODUCER_WARPS = 4            # the weight-stream producer: one warp, or a wa
 MK_KV_PREFETCH = 0               # the layer-start KV prefetch: 0 per 128-B line, 1 per 256-B row by the copy engine
 MK_THREADS = (MK_CONSUMERS + MK_PRODUCER_WARPS) * 32     # of the default variant
 
-
-def kernel_name(seqs: int, g: int) -> str:
-    """The kernel of the variant the constants above choose (kernels/decode_megakernel.cu MK_KERNEL)."""
-    return (f"{MK_PREFIX}m{seqs}_g{g}_hd{MK_HEAD_DIM}" + ("" if MK_TILE_IN_REGS else "_tl2")
-            + ("_p4" if MK_PRODUCER_WARPS == 4 else ""))
 MK_MAX_STAGES = 5                # H200, decode_1: 6 slots measured 0.1 ms slower than 5 (docs/cuda-notes.md)
 MK_L2_AHEAD = 0                  # ring slots the producer prefetches into L2 ahead of its copies (H200: 4, 8,
                                  # 16 each slower than 0, docs/cuda-notes.md)
 FUSED = "fused_into_megakernel"
 MK_PREFIX = "decode_mk_"
 LAYER_OPS = (Linear, QkNormRopeCache, Attention, Linear, AddRmsNorm, Linear, SiluMul, Linear)
+QUANT_SUFFIX = {None: "", "fp8_channel": "_f8c", "fp8_block128": "_f8b"}    # instantiated weight formats
+WEIGHT_BYTES = {None: 2, "fp8_channel": 1, "fp8_block128": 1}
+
+
+def kernel_name(seqs: int, g: int, quant: str | None = None) -> str:
+    """The kernel of the variant the constants above choose (kernels/decode_megakernel.cu MK_KERNEL); FP8 weights
+    only with the default variant (NotEligible otherwise)."""
+    variant = ("" if MK_TILE_IN_REGS else "_tl2") + ("_p4" if MK_PRODUCER_WARPS == 4 else "")
+    if quant and variant != "_tl2_p4":
+        raise NotEligible(f"{quant} weights: no kernel of variant {variant or 'default'!r}")
+    return f"{MK_PREFIX}m{seqs}_g{g}_hd{MK_HEAD_DIM}{variant}{QUANT_SUFFIX[quant]}"
 
 
 class NotEligible(Exception):
@@ -50,9 +56,9 @@ def smem_layout(seqs: int) -> tuple[int, int]:
     return stages, stages * (MK_STAGE_BYTES + 2 * 8) + fixed
 
 
-def slot_rows(k: int) -> int:
-    """Rows of a K-wide bf16 matrix in one ring slot (the kernel's slot_rows)."""
-    r = MK_STAGE_BYTES // (2 * k)
+def slot_rows(k: int, wb: int = 2) -> int:
+    """Rows of a K-wide matrix of wb-byte weights in one ring slot (the kernel's slot_rows)."""
+    r = MK_STAGE_BYTES // (wb * k)
     return 8 if r >= 8 else 4 if r >= 4 else 2 if r >= 2 else 1
 
 
@@ -73,8 +79,9 @@ def layer_ops(ops: list[Op]) -> tuple[int, int, list[list[Op]]]:
     return start, i - 1, layers
 
 
-def check_layers(ops: list[Op], start: int, layers: list[list[Op]]) -> dict:
-    """The buffers every layer reads and writes (the same in each) and their consistency."""
+def check_layers(ops: list[Op], start: int, layers: list[list[Op]]) -> tuple[dict, str | None]:
+    """The buffers every layer reads and writes (the same in each), their consistency, and the one weight format
+    of every layer linear (None: bf16; an FP8 scheme with bf16 inputs, W8A16)."""
     norm0 = ops[start]
     qkv, rope, attn, o_proj, post, gate_up, silu, down = layers[0]
     names = {"x": norm0.inp, "h": norm0.out, "qkv": qkv.out, "q": rope.q_out, "attn": attn.out, "o": o_proj.out,
@@ -92,50 +99,64 @@ def check_layers(ops: list[Op], start: int, layers: list[list[Op]]) -> dict:
         if len({ops[start].eps, post.eps, nxt.eps, rope.eps}) > 1:
             raise NotEligible(f"layer {li}: norms with different eps")
         for lin in (qkv, o_proj, gate_up, down):
-            if lin.bias is not None or lin.quant is not None:
-                raise NotEligible(f"layer {li}: {lin.weight} has a bias or is quantized")
-    return names
+            if lin.bias is not None or lin.inp_scale is not None:
+                raise NotEligible(f"layer {li}: {lin.weight} has a bias or FP8 inputs")
+            if lin.quant not in QUANT_SUFFIX or lin.quant != layers[0][0].quant:
+                raise NotEligible(f"layer {li}: {lin.weight} is {lin.quant or 'bf16'}, layer 0's qkv "
+                                  f"{layers[0][0].quant or 'bf16'}: one weight format in every linear")
+            if lin.quant == "fp8_block128" and (lin.n % 128 or lin.k % 128):
+                raise NotEligible(f"layer {li}: {lin.weight} ({lin.n} x {lin.k}) does not tile by 128")
+    return names, layers[0][0].quant
+
+
+# the dtypes of the kernel's layer weights (layer_weights order) a weight format needs
+LAYER_DTYPES = {None: ["bfloat16"] * 8}
+LAYER_DTYPES.update({q: ["bfloat16", "float8_e4m3fn", "bfloat16", "bfloat16", "float8_e4m3fn", "bfloat16",
+                         "float8_e4m3fn", "float8_e4m3fn"] + ["float32"] * 4 for q in ("fp8_channel", "fp8_block128")})
 
 
 def layer_weights(ops: list[Op], start: int, layers: list[list[Op]]) -> list[list[str | None]]:
-    """Per layer, the weights the kernel reads: input norm, qkv, q_norm, k_norm, o_proj, post norm, gate_up, down."""
+    """Per layer, the weights the kernel reads: input norm, qkv, q_norm, k_norm, o_proj, post norm, gate_up, down,
+    then (FP8) the scales of qkv, o_proj, gate_up, down."""
     out = []
     for li, (qkv, rope, _, o_proj, post, gate_up, _, down) in enumerate(layers):
         norm = ops[start + li * (len(LAYER_OPS) + 1)]               # layer 0: the rmsnorm, then add_rmsnorms
-        out.append([norm.weight, qkv.weight, rope.q_norm, rope.k_norm, o_proj.weight, post.weight, gate_up.weight,
-                    down.weight])
+        w = [norm.weight, qkv.weight, rope.q_norm, rope.k_norm, o_proj.weight, post.weight, gate_up.weight,
+             down.weight]
+        out.append(w + ([lin.weight_scale for lin in (qkv, o_proj, gate_up, down)] if qkv.quant else []))
     return out
 
 
-def layer_stride(tensors: dict, per_layer: list[list[str | None]]) -> int:
-    """Elements between a layer weight and the same weight of the next layer: one stride for every weight."""
-    strides = set()
+def layer_stride(tensors: dict, per_layer: list[list[str | None]], quant: str | None) -> int:
+    """bf16 elements between a layer weight and the same weight of the next layer: one byte stride for every
+    weight (a multiple of 4 bytes with FP8: the kernel steps its float32 scales by half of it)."""
+    strides, dtypes = set(), LAYER_DTYPES[quant]
     for kind in range(len(per_layer[0])):
         names = [w[kind] for w in per_layer]
         if all(n is None for n in names) and kind in (2, 3):            # no QK norm
             continue
-        if any(n is None or tensors[n]["dtype"] != "bfloat16" for n in names):
-            raise NotEligible(f"layer weight {names[0]} missing or not bfloat16")
+        if any(n is None or tensors[n]["dtype"] != dtypes[kind] for n in names):
+            raise NotEligible(f"layer weight {names[0]} missing or not {dtypes[kind]}")
         offs = [tensors[n]["offset"] for n in names]
         strides |= {offs[i + 1] - offs[i] for i in range(len(offs) - 1)}
-    if len(strides) > 1 or (strides and min(strides) % 2):
+    if len(strides) > 1 or (strides and min(strides) % (4 if quant else 2)):
         raise NotEligible("layer weights are not at one stride")
     return (strides.pop() if strides else 0) // 2
 
 
-def check_shapes(m: dict, seqs: int, sms: int) -> int:
+def check_shapes(m: dict, seqs: int, sms: int, wb: int = 2) -> int:
     """smax (splits a sequence's attention may use) if the shapes fit the kernel."""
     hidden, inter, nh, nkv, hd = (m[k] for k in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
                                                  "head_dim"))
     if hd != MK_HEAD_DIM or nh % nkv or nh // nkv not in MK_GQA:
         raise NotEligible(f"head_dim {hd} / {nh // nkv} query heads a kv head: no instantiated kernel")
-    if (slot_rows(hidden) < 2 or 2 * max(inter, nh * hd) > MK_STAGE_BYTES
-            or 2 * max(hidden, inter, nh * hd) > MK_H_SEQ_BYTES):
+    if (slot_rows(hidden, wb) < 2 or wb * max(inter, nh * hd) > MK_STAGE_BYTES
+            or 2 * max(hidden, inter, nh * hd) > MK_H_SEQ_BYTES or any(k % (16 // wb) for k in (hidden, inter))):
         raise NotEligible(f"hidden {hidden} / intermediate {inter} do not fit the ring slots")
     for n, k, gate in (((nh + 2 * nkv) * hd, hidden, False), (hidden, nh * hd, False), (inter, hidden, True),
                        (hidden, inter, False)):
         rows = -(-n // sms) * (2 if gate else 1)
-        if rows * (MK_CONSUMERS // slot_rows(k)) * seqs > MK_PART_FLOATS:
+        if rows * (MK_CONSUMERS // slot_rows(k, wb)) * seqs > MK_PART_FLOATS:
             raise NotEligible(f"{n} x {k}: too many rows a block for the partial sums")
     g = nh // nkv
     if 4 * (g * (hd + MK_TILE + MK_CONSUMERS * (hd + 1)) + 2 * hd + 1) > MK_H_SEQ_BYTES:
@@ -155,25 +176,26 @@ def plan_megakernel(kind: str, ops: list[Op], choices: list[KernelChoice], manif
     seqs = attn0.num_seqs if attn0 is not None else 0
     if not sms or attn0 is None or attn0.rows != seqs or kind != "decode" or seqs > MK_MAX_SEQS:
         raise NotEligible("not a decode bucket of <= 2 seqs with megakernel_sms set")
-    if b.get("tensor_parallel", 1) != 1 or b.get("quantization", "none") != "none":
-        raise NotEligible("tensor parallel or quantized plan")
+    if b.get("tensor_parallel", 1) != 1:
+        raise NotEligible("tensor parallel plan")
     start, end, layers = layer_ops(ops)
-    names = check_layers(ops, start, layers)
-    smax = check_shapes(m, seqs, sms)
-    stride = layer_stride(manifest["weights"]["tensors"], layer_weights(ops, start, layers))
+    names, quant = check_layers(ops, start, layers)
+    fn = kernel_name(seqs, m["num_heads"] // m["num_kv_heads"], quant)
+    smax = check_shapes(m, seqs, sms, WEIGHT_BYTES[quant])
+    stride = layer_stride(manifest["weights"]["tensors"], layer_weights(ops, start, layers), quant)
     rope, attn, final = layers[0][1], layers[0][2], ops[end]
-    g = m["num_heads"] // m["num_kv_heads"]
     stages, smem = smem_layout(seqs)
+    scales = [ptr(lin.weight_scale) for lin in (layers[0][i] for i in (0, 3, 5, 7))]     # None for bf16
     args = [ptr(names["x"]), ptr(final.out), ptr(names["qkv"]), ptr(names["attn"]), ptr(names["act"]),
             ptr(ops[start].weight), ptr(layers[0][0].weight), ptr(rope.q_norm), ptr(rope.k_norm),
             ptr(layers[0][3].weight), ptr(layers[0][4].weight), ptr(layers[0][5].weight), ptr(layers[0][7].weight),
-            ptr(final.weight), ("u64", stride), ptr(rope.cos), ptr(rope.sin), ptr(rope.positions),
+            *scales, ptr(final.weight), ("u64", stride), ptr(rope.cos), ptr(rope.sin), ptr(rope.positions),
             ptr(attn.seq_lens), ptr(rope.slot_mapping), ptr(attn.block_tables), kv(0), ptr("attn_part_o"),
             ptr("attn_part_ml"), ptr("attn_counters"), ptr("mk_grid_barrier"), ptr(None), i32(len(layers)),
             i32(m["hidden_size"]), i32(m["intermediate_size"]), i32(m["num_heads"]), i32(m["num_kv_heads"]),
             i32(manifest["kv_cache"]["shape"][3]), i32(max_blocks), i32(num_slots), i32(smax),
             i32(stages), i32(MK_L2_AHEAD), i32(MK_KV_PREFETCH), f32(final.eps), f32(attn.scale)]
-    rec = launch(kernel_name(seqs, g), [sms], [(MK_CONSUMERS + MK_PRODUCER_WARPS) * 32], smem, args)
+    rec = launch(fn, [sms], [(MK_CONSUMERS + MK_PRODUCER_WARPS) * 32], smem, args)
     out = list(choices)
     out[start] = kernel(rec)
     for i in range(start + 1, end + 1):

@@ -136,14 +136,17 @@ def fp8_plans(request, tmp_path_factory, seed_for, sms):
     """A tiny FP8 (W8A16 at decode) plan with the megakernel and the same model's per-op FP8 plan."""
     from tests.tiny_models import make_tiny_model
     from xserv_aot.config import BuildConfig
+    from xserv_aot.plan import megakernel_plan
     from xserv_aot.plan.builder import compile_plan
     tmp = tmp_path_factory.mktemp("cuda_mk_fp8")
     model_dir = make_tiny_model(tmp / "hf", "qwen3", seed=seed_for("test_cuda_megakernel.fp8"), **SHAPE)
     fp8 = dict(BUILD, quantization="fp8", fp8_scheme=request.param, prefill_buckets=[64])
-    mk = compile_plan(model_dir, tmp / "mk", BuildConfig(**fp8, megakernel_sms=sms))
+    with pytest.MonkeyPatch.context() as mp:                # decode_1 too (selectable, not the default)
+        mp.setattr(megakernel_plan, "MK_FP8_SEQS", (1, 2))
+        mk = compile_plan(model_dir, tmp / "mk", BuildConfig(**fp8, megakernel_sms=sms))
     ref = compile_plan(model_dir, tmp / "ref", BuildConfig(**fp8))
     suffix = {"block128": "_f8b", "channel": "_f8c"}[request.param]
-    assert any(op.cuda.kernel.endswith(suffix) for op in mk.buckets[0].ops + mk.buckets[1].ops)
+    assert all(any(op.cuda.kernel.endswith(suffix) for op in bk.ops) for bk in mk.buckets[:2])
     return mk, ref
 
 

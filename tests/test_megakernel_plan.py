@@ -87,7 +87,9 @@ def test_max_context_adds_megakernel_copies_chosen_by_context(tmp_path):
 
 
 @pytest.mark.parametrize("scheme, suffix", [("block128", "_f8b"), ("channel", "_f8c")])
-def test_fp8_weights_run_the_fp8_kernel_with_their_scales(tmp_path, scheme, suffix):
+def test_fp8_weights_run_the_fp8_kernel_with_their_scales(tmp_path, scheme, suffix, monkeypatch):
+    from xserv_aot.plan import megakernel_plan
+    monkeypatch.setattr(megakernel_plan, "MK_FP8_SEQS", (1, 2))
     plan = compile_tiny(tmp_path, quantization="fp8", fp8_scheme=scheme)
     tensors = plan.manifest["weights"]["tensors"]
     for name, seqs in (("decode_1", 1), ("decode_2", 2)):
@@ -101,9 +103,19 @@ def test_fp8_weights_run_the_fp8_kernel_with_their_scales(tmp_path, scheme, suff
     assert "megakernel_skipped" not in plan.kernels
 
 
+def test_fp8_plans_take_the_megakernel_at_the_measured_sizes_only(tmp_path):
+    from xserv_aot.plan.megakernel_plan import MK_FP8_SEQS
+    plan = compile_tiny(tmp_path, quantization="fp8")
+    for name, seqs in (("decode_1", 1), ("decode_2", 2)):
+        runs = any(op.cuda.kernel.startswith(MK_PREFIX) for op in bucket(plan, name).ops)
+        assert runs == (seqs in MK_FP8_SEQS), name
+        assert runs or "measured faster" in plan.kernels["megakernel_skipped"][name]
+
+
 def test_fp8_weights_need_the_default_variant(tmp_path, monkeypatch):
     from xserv_aot.plan import megakernel_plan
     monkeypatch.setattr(megakernel_plan, "MK_PRODUCER_WARPS", 1)
+    monkeypatch.setattr(megakernel_plan, "MK_FP8_SEQS", (1, 2))
     plan = compile_tiny(tmp_path, quantization="fp8")
     assert "no kernel of variant" in plan.kernels["megakernel_skipped"]["decode_1"]
     assert not any(op.cuda.kernel.startswith(MK_PREFIX) for op in bucket(plan, "decode_1").ops)

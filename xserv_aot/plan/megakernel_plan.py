@@ -22,6 +22,8 @@ MK_TILE_IN_REGS = False          # a split's first KV tile loaded into registers
                                  # after it (both from L2: prefetched at the layer's start); H200: after
 MK_PRODUCER_WARPS = 4            # the weight-stream producer: one warp, or a warpgroup (4) whose registers go to
                                  # the consumers (setmaxnreg; H200 decode_1: 4.14 vs 4.52 ms at ctx 128)
+MK_FP8_SEQS = (2,)               # bucket sizes whose FP8 plans take the megakernel (H200: decode_2 4.13 vs 4.38 ms
+                                 # per-op; decode_1 3.37 vs 3.20: the e4m3 conversions bind the consumer warps)
 MK_KV_PREFETCH = 0               # the layer-start KV prefetch: 0 per 128-B line, 1 per 256-B row by the copy engine
 MK_THREADS = (MK_CONSUMERS + MK_PRODUCER_WARPS) * 32     # of the default variant
 
@@ -180,6 +182,8 @@ def plan_megakernel(kind: str, ops: list[Op], choices: list[KernelChoice], manif
         raise NotEligible("tensor parallel plan")
     start, end, layers = layer_ops(ops)
     names, quant = check_layers(ops, start, layers)
+    if quant and seqs not in MK_FP8_SEQS:
+        raise NotEligible(f"FP8 weights at {seqs} seqs: the per-op kernels measured faster (MK_FP8_SEQS)")
     fn = kernel_name(seqs, m["num_heads"] // m["num_kv_heads"], quant)
     smax = check_shapes(m, seqs, sms, WEIGHT_BYTES[quant])
     stride = layer_stride(manifest["weights"]["tensors"], layer_weights(ops, start, layers), quant)

@@ -114,8 +114,18 @@ __device__ __forceinline__ int slot_rows(int K) {
     return r >= 8 ? 8 : r >= 4 ? 4 : r >= 2 ? 2 : 1;
 }
 
-// One ring slot's copy: bytes from src (and from src2 to offset up: the up rows of a gate_up slot).
-struct Chunk { const char* src; const char* src2; u32 bytes, up; };
+// One ring slot's copies: `rows` pieces of `bytes` from src (step bytes apart) to the slot at `pitch` apart, and
+// from src2 (the up rows of a gate_up slot) from slot row `up` on. Unpadded slots: one piece of all the rows.
+struct Chunk { const char* src; const char* src2; u32 rows, bytes, pitch, up; };
+
+// FP8 through the tensor cores (TC): slot rows padded by MK_ROW_PAD bytes, so the 8 rows' u32 reads of one k offset
+// fall in 8 different bank groups (an unpadded row is a multiple of 128 B).
+#define MK_ROW_PAD 16
+template <int Q, bool TC>
+__device__ __forceinline__ int row_pitch(int K) { return K * Wt<Q>::WB + (TC ? MK_ROW_PAD : 0); }
+// Warps that share one row (each sums its part of K): TC every consumer warp takes K / MK_CONSUMERS of every row.
+template <int Q, bool TC>
+__device__ __forceinline__ int warps_per_row(int K) { return TC ? MK_CONSUMERS : MK_CONSUMERS / slot_rows<Q>(K); }
 
 // Consumers: the same slots in the same order; part[(local row * wpr + warp part) * M + m] = partial dot.
 // Local rows: plain, j - r0; gate, 2 (j - r0) (gate) and 2 (j - r0) + 1 (up).
@@ -188,6 +198,76 @@ __device__ __forceinline__ void consume(Ring& r, const bf16* hs, float* part, in
             for (int m = 0; m < M; m++) {
                 const float s = warp_sum(acc[m]);
                 if (lane == 0) part[(lr * wpr + wp) * M + m] = Q == 1 ? s * sch : s;
+            }
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&r.empty[r.stage]);
+        ring_next(r);
+    }
+}
+
+// FP8 rows through the tensor cores (M = 1 .. 2): a slot's rc rows (pitch row_pitch) are the n8 side of mma.sync
+// m16n8k16 (n = lane / 4; rows past the slot's zero), the inputs the m16 side (rows lane / 4 < M, the rest zero).
+// Every warp takes K / MK_CONSUMERS of every row, in 128-k blocks (one block scale each). Inside 16 k the
+// fragments' logical k (2t, 2t + 1) and (2t + 8, 2t + 9) (t = lane % 4) are physical k 4t .. 4t + 3 of both
+// operands (one u32 of e4m3, one uint2 of bf16). e4m3 -> bf16 carrying value * 2^-112 (exact), undone in fp32.
+template <int M, int Q>
+__device__ __forceinline__ void consume_tc(Ring& r, const bf16* hs, float* part, int r0, int r1, int K, bool gate,
+                                           const float* sc, int up_off, u64* wait_ns) {
+    const int rc = slot_rows<Q>(K), step = gate ? rc / 2 : rc, pitch = row_pitch<Q, true>(K);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int kw = K / MK_CONSUMERS, k0 = warp * kw;
+    // slot row sr -> its global row and local (part) row, for the lane's B row g and C columns 2t, 2t + 1
+    auto grow_of = [&](int j, int sr) { return gate && sr >= step ? up_off + j + sr - step : j + sr; };
+    auto live_of = [&](int n, int sr) { return sr < rc && (gate && sr >= step ? sr - step : sr) < n; };
+    for (int j = r0; j < r1; j += step) {
+        const int n = min(step, r1 - j);
+        const u64 t0 = wait_ns ? now_ns() : 0;
+        mbar_wait(&r.full[r.stage], r.phase);
+        if (wait_ns) *wait_ns += now_ns() - t0;
+        const char* slot = r.slots + (size_t)r.stage * MK_STAGE_BYTES;
+        const bool bl = live_of(n, g);
+        const char* wrow = slot + (size_t)g * pitch;
+        const bf16* xrow = hs + (size_t)(g < M ? g : 0) * K;
+        const bool c0 = live_of(n, 2 * t), c1 = live_of(n, 2 * t + 1);      // this lane's C columns are rows
+        const float* s0 = Q == 2 && c0 ? sc + (size_t)(grow_of(j, 2 * t) >> 7) * (K >> 7) : nullptr;
+        const float* s1 = Q == 2 && c1 ? sc + (size_t)(grow_of(j, 2 * t + 1) >> 7) * (K >> 7) : nullptr;
+        float acc0 = 0.f, acc1 = 0.f;
+        for (int kb = k0; kb < k0 + kw; kb += 128) {
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int kk = kb; kk < kb + 128; kk += 16) {
+                u32 b0 = 0, b1 = 0, a0 = 0, a2 = 0;
+                if (bl) {
+                    const u32 w4 = *(const u32*)(wrow + kk + 4 * t);
+                    b0 = f16x2_bf16x2_scaled(e4m3x2_f16x2(w4 & 0xffffu));
+                    b1 = f16x2_bf16x2_scaled(e4m3x2_f16x2(w4 >> 16));
+                }
+                if (g < M) {
+                    const uint2 xv = *(const uint2*)(xrow + kk + 4 * t);
+                    a0 = xv.x; a2 = xv.y;
+                }
+                mma_bf16(d, a0, 0u, a2, 0u, b0, b1);
+            }
+            const int blk = kb >> 7;
+            if (Q == 2) {
+                acc0 += c0 ? d[0] * s0[blk] : 0.f;
+                acc1 += c1 ? d[1] * s1[blk] : 0.f;
+            } else {
+                acc0 += d[0];
+                acc1 += d[1];
+            }
+        }
+        if (g < M) {                                  // C[g][2t], C[g][2t + 1]: slot rows 2t, 2t + 1, input g
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                const int sr = 2 * t + c;
+                if (c ? c1 : c0) {
+                    const int lr = gate ? 2 * (j - r0 + (sr >= step ? sr - step : sr)) + (sr >= step ? 1 : 0)
+                                        : j - r0 + sr;
+                    const float v = (c ? acc1 : acc0) * FP8_BF16_UNSCALE;
+                    part[(lr * MK_CONSUMERS + warp) * M + g] = Q == 1 ? v * sc[grow_of(j, sr)] : v;
+                }
             }
         }
         __syncwarp();
@@ -287,7 +367,14 @@ __device__ __forceinline__ Rows block_rows(const Args& a) {
 }
 
 // Slot c of the block's whole-step sequence: per layer its qkv, o_proj, gate_up, down rows in slot_rows steps.
-template <int Q>
+template <int Q, bool TC>
+__device__ __forceinline__ Chunk slot_copy(const char* src, const char* src2, int n, int K, int up) {
+    const u32 row = (u32)K * Wt<Q>::WB;
+    return TC ? Chunk{src, src2, (u32)n, row, (u32)row_pitch<Q, TC>(K), (u32)up}
+              : Chunk{src, src2, 1u, (u32)n * row, row, (u32)up};
+}
+
+template <int Q, bool TC>
 __device__ __forceinline__ Chunk chunk_at(const Args& a, const Rows& r, int c) {
     constexpr int WB = Wt<Q>::WB;
     const int per = r.nq + r.no + r.ng + r.nd, l = c / per, rh = slot_rows<Q>(a.H);
@@ -295,22 +382,22 @@ __device__ __forceinline__ Chunk chunk_at(const Args& a, const Rows& r, int c) {
     const size_t lb = (size_t)l * a.layer_stride * 2;             // bytes
     if (i < r.nq) {
         const int j = r.q0 + i * rh;
-        return {a.w_qkv + lb + (size_t)j * a.H * WB, nullptr, (u32)(min(rh, r.q1 - j) * a.H * WB), 0};
+        return slot_copy<Q, TC>(a.w_qkv + lb + (size_t)j * a.H * WB, nullptr, min(rh, r.q1 - j), a.H, 0);
     }
     i -= r.nq;
     if (i < r.no) {
         const int ko = a.nh * MK_HD, ro = slot_rows<Q>(ko), j = r.h0 + i * ro;
-        return {a.w_o + lb + (size_t)j * ko * WB, nullptr, (u32)(min(ro, r.h1 - j) * ko * WB), 0};
+        return slot_copy<Q, TC>(a.w_o + lb + (size_t)j * ko * WB, nullptr, min(ro, r.h1 - j), ko, 0);
     }
     i -= r.no;
     if (i < r.ng) {
         const int step = rh / 2, j = r.i0 + i * step;
-        return {a.w_gu + lb + (size_t)j * a.H * WB, a.w_gu + lb + (size_t)(a.I + j) * a.H * WB,
-                (u32)(min(step, r.i1 - j) * a.H * WB), (u32)(step * a.H * WB)};
+        return slot_copy<Q, TC>(a.w_gu + lb + (size_t)j * a.H * WB, a.w_gu + lb + (size_t)(a.I + j) * a.H * WB,
+                                min(step, r.i1 - j), a.H, step);
     }
     i -= r.ng;
     const int rd = slot_rows<Q>(a.I), j = r.h0 + i * rd;
-    return {a.w_down + lb + (size_t)j * a.I * WB, nullptr, (u32)(min(rd, r.h1 - j) * a.I * WB), 0};
+    return slot_copy<Q, TC>(a.w_down + lb + (size_t)j * a.I * WB, nullptr, min(rd, r.h1 - j), a.I, 0);
 }
 
 // The scales of a matrix's rows [r0, r1) (K wide) and, for gate_up, of rows up_off + [r0, r1): L2 prefetch, 128-B
@@ -349,7 +436,7 @@ __device__ __forceinline__ bool mbar_try(u64* b, u32 parity, u32 hint_ns) {
 // grid barrier or in attention: this SM's DRAM stream idle) it prefetches the next l2_ahead slots' rows into L2,
 // one slot a poll, so the stream goes on through the wait; while copies are in flight it prefetches nothing (a
 // look-ahead racing its own copies was slower). A prefetched slot's copy later hits L2.
-template <int Q>
+template <int Q, bool TC>
 __device__ __forceinline__ void produce_all(Ring& r, const Args& a, const Rows& rows, u64 policy) {
     const int per = rows.nq + rows.no + rows.ng + rows.nd, total = a.layers * per;
     int pf = 0;                                   // slots [c, pf) are prefetched
@@ -357,16 +444,16 @@ __device__ __forceinline__ void produce_all(Ring& r, const Args& a, const Rows& 
     long long* tr = a.trace ? a.trace + (size_t)blockIdx.x * a.layers * MK_TRACE + 22 : nullptr;
     if (tr) for (int l = 0; l < a.layers; l++) tr[(size_t)l * MK_TRACE] = 0;
     for (int c = 0; c < total; c++) {
-        const Chunk ch = chunk_at<Q>(a, rows, c);
+        const Chunk ch = chunk_at<Q, TC>(a, rows, c);
         if (pf < c) pf = c;
         // the newest slot issued (the one before r.stage) and the parity its copy completes
         const int nw = r.stage ? r.stage - 1 : r.stages - 1;
         const u32 np = r.stage ? r.phase : r.phase ^ 1u;
         while (!mbar_try(&r.empty[r.stage], r.phase ^ 1u, 512)) {
             if (pf < c + a.l2_ahead && pf < total && mbar_test(&r.full[nw], np)) {
-                const Chunk f = chunk_at<Q>(a, rows, pf++);
-                prefetch_l2(f.src, f.bytes);
-                if (f.src2) prefetch_l2(f.src2, f.bytes);
+                const Chunk f = chunk_at<Q, TC>(a, rows, pf++);
+                prefetch_l2(f.src, f.rows * f.bytes);
+                if (f.src2) prefetch_l2(f.src2, f.rows * f.bytes);
                 if (tr) {
                     const int pl = (pf - 1) / per;
                     npf = pl == lpf ? npf + 1 : 1;
@@ -376,9 +463,12 @@ __device__ __forceinline__ void produce_all(Ring& r, const Args& a, const Rows& 
             }
         }
         char* dst = r.slots + (size_t)r.stage * MK_STAGE_BYTES;
-        mbar_expect_tx(&r.full[r.stage], ch.src2 ? 2 * ch.bytes : ch.bytes);
-        bulk_load(dst, ch.src, ch.bytes, &r.full[r.stage], policy);
-        if (ch.src2) bulk_load(dst + ch.up, ch.src2, ch.bytes, &r.full[r.stage], policy);
+        mbar_expect_tx(&r.full[r.stage], ch.rows * ch.bytes * (ch.src2 ? 2 : 1));
+        for (u32 i = 0; i < ch.rows; i++) {
+            bulk_load(dst + i * ch.pitch, ch.src + i * ch.bytes, ch.bytes, &r.full[r.stage], policy);
+            if (ch.src2)
+                bulk_load(dst + (ch.up + i) * ch.pitch, ch.src2 + i * ch.bytes, ch.bytes, &r.full[r.stage], policy);
+        }
         ring_next(r);
     }
 }
@@ -649,7 +739,15 @@ __device__ __forceinline__ AttnItem attn_item(const Args& a, int M) {
     return it;
 }
 
-template <int M, int G, bool RT, int PW, int Q>
+// Consume one GEMV phase's slots (CUDA cores, or FP8 on the tensor cores).
+template <int M, int Q, bool TC>
+__device__ __forceinline__ void consume_phase(Ring& r, const bf16* hs, float* part, int r0, int r1, int K, bool gate,
+                                              const float* sc, int up_off, u64* wait_ns) {
+    if (TC) consume_tc<M, Q>(r, hs, part, r0, r1, K, gate, sc, up_off, wait_ns);
+    else consume<M, Q>(r, hs, part, r0, r1, K, gate, sc, up_off, wait_ns);
+}
+
+template <int M, int G, bool RT, int PW, int Q, bool TC>
 __device__ void megakernel(const Args& a) {
     extern __shared__ __align__(128) char smem[];
     char* slots = smem;
@@ -671,7 +769,7 @@ __device__ void megakernel(const Args& a) {
         if (threadIdx.x != MK_CTHREADS) return;
         u64 policy;
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-        produce_all<Q>(ring, a, rows, policy);
+        produce_all<Q, TC>(ring, a, rows, policy);
         return;
     }
     if (PW == 4) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(MK_REGS_CONSUMER));
@@ -699,7 +797,7 @@ __device__ void megakernel(const Args& a) {
         // (1) qkv = rmsnorm(x) W_qkv^T
         norm_to_smem<M>(a.x, a.in_norm + lw, hs, H, a.eps, scratch);
         STAMP(1);
-        consume<M, Q>(ring, hs, part, q0, q1, H, false, a.s_qkv + ls, 0, tr ? &waits[0] : nullptr);
+        consume_phase<M, Q, TC>(ring, hs, part, q0, q1, H, false, a.s_qkv + ls, 0, tr ? &waits[0] : nullptr);
         STAMP(2);
         if (it.live && it.ctx > 0) {
             const bf16* kvl = a.kv + (size_t)l * 2 * a.num_slots * a.nkv * MK_HD;
@@ -708,7 +806,7 @@ __device__ void megakernel(const Args& a) {
         }
         csync();
         {
-            const int wpr = MK_CONSUMERS / slot_rows<Q>(H);
+            const int wpr = warps_per_row<Q, TC>(H);
             for (int i = threadIdx.x; i < (q1 - q0) * M; i += MK_CTHREADS) {
                 const int r = i / M, m = i % M;
                 a.qkv[(size_t)m * nq + q0 + r] = f2bf(part_sum<M>(part, r, wpr, m));
@@ -725,11 +823,11 @@ __device__ void megakernel(const Args& a) {
         // (3) x += attn W_o^T
         copy_to_smem<M>(a.attn, hs, a.nh * MK_HD);
         STAMP(6);
-        consume<M, Q>(ring, hs, part, h0, h1, a.nh * MK_HD, false, a.s_o + ls, 0, tr ? &waits[1] : nullptr);
+        consume_phase<M, Q, TC>(ring, hs, part, h0, h1, a.nh * MK_HD, false, a.s_o + ls, 0, tr ? &waits[1] : nullptr);
         STAMP(7);
         csync();
         {
-            const int wpr = MK_CONSUMERS / slot_rows<Q>(a.nh * MK_HD);
+            const int wpr = warps_per_row<Q, TC>(a.nh * MK_HD);
             for (int i = threadIdx.x; i < (h1 - h0) * M; i += MK_CTHREADS) {
                 const int r = i / M, m = i % M;
                 bf16* xp = a.x + (size_t)m * H + h0 + r;
@@ -742,11 +840,11 @@ __device__ void megakernel(const Args& a) {
         STAMP(8);
         norm_to_smem<M>(a.x, a.post_norm + lw, hs, H, a.eps, scratch);
         STAMP(9);
-        consume<M, Q>(ring, hs, part, i0, i1, H, true, a.s_gu + ls, I, tr ? &waits[2] : nullptr);
+        consume_phase<M, Q, TC>(ring, hs, part, i0, i1, H, true, a.s_gu + ls, I, tr ? &waits[2] : nullptr);
         STAMP(10);
         csync();
         {
-            const int wpr = MK_CONSUMERS / slot_rows<Q>(H);
+            const int wpr = warps_per_row<Q, TC>(H);
             for (int i = threadIdx.x; i < (i1 - i0) * M; i += MK_CTHREADS) {
                 const int r = i / M, m = i % M;
                 const float g = round_bf(part_sum<M>(part, 2 * r, wpr, m));
@@ -760,12 +858,12 @@ __device__ void megakernel(const Args& a) {
         STAMP(11);
         copy_to_smem<M>(a.act, hs, I);
         STAMP(12);
-        consume<M, Q>(ring, hs, part, h0, h1, I, false, a.s_down + ls, 0, tr ? &waits[3] : nullptr);
+        consume_phase<M, Q, TC>(ring, hs, part, h0, h1, I, false, a.s_down + ls, 0, tr ? &waits[3] : nullptr);
         STAMP(13);
         if (tr) for (int k = 0; k < 4; k++) tr[14 + k] = (long long)waits[k];
         csync();
         {
-            const int wpr = MK_CONSUMERS / slot_rows<Q>(I);
+            const int wpr = warps_per_row<Q, TC>(I);
             for (int i = threadIdx.x; i < (h1 - h0) * M; i += MK_CTHREADS) {
                 const int r = i / M, m = i % M;
                 bf16* xp = a.x + (size_t)m * H + h0 + r;
@@ -786,7 +884,7 @@ __device__ void megakernel(const Args& a) {
 // residual stream), h_out [M, H] = final rmsnorm; qkv [M, (nh + 2 nkv) HD], attn [M, nh HD], act [M, I] scratch;
 // layer weights: layer 0's pointers, layer l at + l * layer_stride elements; kv: the cache's layer 0.
 // WT: the weight matrices' pointee type (bf16 for Q 0, e4m3 else); their scales follow w_down (null for bf16)
-#define MK_KERNEL(M, G, RT, PW, Q, WT, SUF)                                                                    \
+#define MK_KERNEL(M, G, RT, PW, Q, TC, WT, SUF)                                                                    \
     extern "C" __global__ void __launch_bounds__(MK_THREADS_##PW, 1) decode_mk_m##M##_g##G##_hd128##SUF(        \
         bf16* x, bf16* h_out, bf16* qkv, bf16* attn, bf16* act, const bf16* in_norm, const WT* w_qkv,            \
         const bf16* q_norm, const bf16* k_norm, const WT* w_o, const bf16* post_norm, const WT* w_gu,            \
@@ -801,20 +899,23 @@ __device__ void megakernel(const Args& a) {
                      s_qkv, s_o, s_gu, s_down, layer_stride, cos_t, sin_t, positions, seq_lens, slot_mapping,    \
                      block_tables, kv, part_o, part_ml, counters, bar, trace, layers, H, I, nh, nkv, block_size, \
                      max_blocks, num_slots, smax, stages, l2_ahead, kv_prefetch, eps, scale};                   \
-        megakernel<M, G, RT, PW, Q>(a); }
+        megakernel<M, G, RT, PW, Q, TC>(a); }
 
 // RT: the first KV tile of a split is loaded into registers before the qkv barrier (_tl2: after it), from L2
 // where the layer's start prefetched it; PW: producer warps (_p4: a producer warpgroup, setmaxnreg);
-// Q: _f8c / _f8b FP8 weights (fp8_channel / fp8_block128), only the default variant
-MK_KERNEL(1, 4, true, 1, 0, bf16, )
-MK_KERNEL(2, 4, true, 1, 0, bf16, )
-MK_KERNEL(1, 4, false, 1, 0, bf16, _tl2)
-MK_KERNEL(2, 4, false, 1, 0, bf16, _tl2)
-MK_KERNEL(1, 4, true, 4, 0, bf16, _p4)
-MK_KERNEL(2, 4, true, 4, 0, bf16, _p4)
-MK_KERNEL(1, 4, false, 4, 0, bf16, _tl2_p4)
-MK_KERNEL(2, 4, false, 4, 0, bf16, _tl2_p4)
-MK_KERNEL(1, 4, false, 4, 1, e4m3, _tl2_p4_f8c)
-MK_KERNEL(2, 4, false, 4, 1, e4m3, _tl2_p4_f8c)
-MK_KERNEL(1, 4, false, 4, 2, e4m3, _tl2_p4_f8b)
-MK_KERNEL(2, 4, false, 4, 2, e4m3, _tl2_p4_f8b)
+// Q: _f8c / _f8b FP8 weights (fp8_channel / fp8_block128), only the default variant; TC (_f8ct / _f8bt): FP8 rows
+// on the tensor cores, one sequence
+MK_KERNEL(1, 4, true, 1, 0, false, bf16, )
+MK_KERNEL(2, 4, true, 1, 0, false, bf16, )
+MK_KERNEL(1, 4, false, 1, 0, false, bf16, _tl2)
+MK_KERNEL(2, 4, false, 1, 0, false, bf16, _tl2)
+MK_KERNEL(1, 4, true, 4, 0, false, bf16, _p4)
+MK_KERNEL(2, 4, true, 4, 0, false, bf16, _p4)
+MK_KERNEL(1, 4, false, 4, 0, false, bf16, _tl2_p4)
+MK_KERNEL(2, 4, false, 4, 0, false, bf16, _tl2_p4)
+MK_KERNEL(1, 4, false, 4, 1, false, e4m3, _tl2_p4_f8c)
+MK_KERNEL(2, 4, false, 4, 1, false, e4m3, _tl2_p4_f8c)
+MK_KERNEL(1, 4, false, 4, 2, false, e4m3, _tl2_p4_f8b)
+MK_KERNEL(2, 4, false, 4, 2, false, e4m3, _tl2_p4_f8b)
+MK_KERNEL(1, 4, false, 4, 1, true, e4m3, _tl2_p4_f8ct)
+MK_KERNEL(1, 4, false, 4, 2, true, e4m3, _tl2_p4_f8bt)

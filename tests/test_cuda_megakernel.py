@@ -131,22 +131,26 @@ def test_graph_replay_equals_eager_bitwise(runners, seed):
     np.testing.assert_array_equal(graph, eager)
 
 
-@pytest.fixture(scope="module", params=["block128", "channel"])
+@pytest.fixture(scope="module", params=["block128", "channel", "block128-tc", "channel-tc"])
 def fp8_plans(request, tmp_path_factory, seed_for, sms):
-    """A tiny FP8 (W8A16 at decode) plan with the megakernel and the same model's per-op FP8 plan."""
+    """A tiny FP8 (W8A16 at decode) plan with the megakernel (-tc: decode_1 on the tensor cores) and the same
+    model's per-op FP8 plan."""
     from tests.tiny_models import make_tiny_model
     from xserv_aot.config import BuildConfig
     from xserv_aot.plan import megakernel_plan
     from xserv_aot.plan.builder import compile_plan
     tmp = tmp_path_factory.mktemp("cuda_mk_fp8")
     model_dir = make_tiny_model(tmp / "hf", "qwen3", seed=seed_for("test_cuda_megakernel.fp8"), **SHAPE)
-    fp8 = dict(BUILD, quantization="fp8", fp8_scheme=request.param, prefill_buckets=[64])
+    scheme, tc = request.param.removesuffix("-tc"), request.param.endswith("-tc")
+    fp8 = dict(BUILD, quantization="fp8", fp8_scheme=scheme, prefill_buckets=[64])
     with pytest.MonkeyPatch.context() as mp:                # decode_1 too (selectable, not the default)
         mp.setattr(megakernel_plan, "MK_FP8_SEQS", (1, 2))
+        mp.setattr(megakernel_plan, "MK_FP8_TC", tc)
         mk = compile_plan(model_dir, tmp / "mk", BuildConfig(**fp8, megakernel_sms=sms))
     ref = compile_plan(model_dir, tmp / "ref", BuildConfig(**fp8))
-    suffix = {"block128": "_f8b", "channel": "_f8c"}[request.param]
-    assert all(any(op.cuda.kernel.endswith(suffix) for op in bk.ops) for bk in mk.buckets[:2])
+    suffix = {"block128": "_f8b", "channel": "_f8c"}[scheme]
+    assert [[op.cuda.kernel.rsplit("_", 1)[1] for op in bk.ops if op.cuda.kernel.startswith("decode_mk_")]
+            for bk in mk.buckets[:2]] == [[suffix[1:] + ("t" if tc else "")], [suffix[1:]]]
     return mk, ref
 
 

@@ -23,6 +23,7 @@ CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_s
 
 def compile_tiny(tmp_path, config=CONFIG, **build):
     from xserv_aot.plan.builder import compile_plan
+    tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(config))
     b = dict(max_num_seqs=4, decode_buckets=[1, 2, 4], prefill_buckets=[16, 64], max_seq_len=512, dtype="bfloat16",
@@ -101,6 +102,19 @@ def test_fp8_weights_run_the_fp8_kernel_with_their_scales(tmp_path, scheme, suff
             assert tensors[f"layers.1.{w}"]["offset"] - tensors[f"layers.0.{w}"]["offset"] == 2 * stride
         assert tensors["layers.0.qkv"]["dtype"] == "float8_e4m3fn"
     assert "megakernel_skipped" not in plan.kernels
+
+
+def test_fp8_tensor_core_variant_is_decode_1_only(tmp_path, monkeypatch):
+    from xserv_aot.plan import megakernel_plan
+    monkeypatch.setattr(megakernel_plan, "MK_FP8_SEQS", (1, 2))
+    monkeypatch.setattr(megakernel_plan, "MK_FP8_TC", True)
+    plan = compile_tiny(tmp_path / "wide", {**CONFIG, "hidden_size": 1024, "intermediate_size": 2048},
+                        quantization="fp8")                  # every K a multiple of 8 warps x 128
+    fns = {name: next(op.cuda.launch[0].fn for op in bucket(plan, name).ops if op.cuda.kernel.startswith(MK_PREFIX))
+           for name in ("decode_1", "decode_2")}
+    assert fns == {"decode_1": f"{MK_PREFIX}m1_g4_hd128_tl2_p4_f8bt", "decode_2": f"{MK_PREFIX}m2_g4_hd128_tl2_p4_f8b"}
+    narrow = compile_tiny(tmp_path / "narrow", quantization="fp8")           # hidden 512: 64 k a warp
+    assert "128-k blocks" in narrow.kernels["megakernel_skipped"]["decode_1"]
 
 
 def test_fp8_plans_take_the_megakernel_at_the_measured_sizes_only(tmp_path):

@@ -13,7 +13,8 @@ SK_WARPS = 8            # warps of a kernels/gemm_skinny.cu block
 SK_RT = 2               # 16-row weight tiles per skinny warp
 SK_STAGES = 3           # ring of 64-k steps per skinny warp (SK_RT * 16 rows * 128 B each)
 MK_SMEM_MAX = 232448    # dynamic shared memory of the decode megakernel (kernels/decode_megakernel.cu): sm_90's 227 KB
-MK_STAGE_BYTES = 32768  # ... bytes a weight-ring slot (whole rows of one matrix); the ring takes what is left
+MK_STAGE_BYTES = 33792  # ... bytes a weight-ring slot (whole rows of one matrix; 32 KB + room for the padded
+                        #     rows of the FP8 tensor-core variant); the ring takes what is left
 MK_H_SEQ_BYTES = 24576  # ... GEMV input a sequence ([K] bf16; also holds the attention scratch)
 MK_PART_FLOATS = 2048   # ... per-row, per-warp partial sums of a block's rows
 MK_CONSUMERS = 8        # ... consumer warps (a slot's rows split them evenly); one more warp streams the weights

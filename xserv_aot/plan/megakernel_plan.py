@@ -24,6 +24,8 @@ MK_PRODUCER_WARPS = 4            # the weight-stream producer: one warp, or a wa
                                  # the consumers (setmaxnreg; H200 decode_1: 4.14 vs 4.52 ms at ctx 128)
 MK_FP8_SEQS = (2,)               # bucket sizes whose FP8 plans take the megakernel (H200: decode_2 4.13 vs 4.38 ms
                                  # per-op; decode_1 3.37 vs 3.20: the e4m3 conversions bind the consumer warps)
+MK_FP8_TC = False                # FP8 decode_1 through the tensor cores (_f8ct / _f8bt: padded slot rows, mma.sync)
+MK_ROW_PAD = 16                  # the kernel's MK_ROW_PAD: bytes after each slot row of the tensor-core variant
 MK_KV_PREFETCH = 0               # the layer-start KV prefetch: 0 per 128-B line, 1 per 256-B row by the copy engine
 MK_THREADS = (MK_CONSUMERS + MK_PRODUCER_WARPS) * 32     # of the default variant
 
@@ -37,13 +39,19 @@ QUANT_SUFFIX = {None: "", "fp8_channel": "_f8c", "fp8_block128": "_f8b"}    # in
 WEIGHT_BYTES = {None: 2, "fp8_channel": 1, "fp8_block128": 1}
 
 
+def tensor_cores(seqs: int, quant: str | None) -> bool:
+    """FP8 rows on the tensor cores (the kernel's TC): decode_1 of FP8 plans with MK_FP8_TC."""
+    return bool(quant) and seqs == 1 and MK_FP8_TC
+
+
 def kernel_name(seqs: int, g: int, quant: str | None = None) -> str:
     """The kernel of the variant the constants above choose (kernels/decode_megakernel.cu MK_KERNEL); FP8 weights
     only with the default variant (NotEligible otherwise)."""
     variant = ("" if MK_TILE_IN_REGS else "_tl2") + ("_p4" if MK_PRODUCER_WARPS == 4 else "")
     if quant and variant != "_tl2_p4":
         raise NotEligible(f"{quant} weights: no kernel of variant {variant or 'default'!r}")
-    return f"{MK_PREFIX}m{seqs}_g{g}_hd{MK_HEAD_DIM}{variant}{QUANT_SUFFIX[quant]}"
+    return (f"{MK_PREFIX}m{seqs}_g{g}_hd{MK_HEAD_DIM}{variant}{QUANT_SUFFIX[quant]}"
+            + ("t" if tensor_cores(seqs, quant) else ""))
 
 
 class NotEligible(Exception):
@@ -146,8 +154,9 @@ def layer_stride(tensors: dict, per_layer: list[list[str | None]], quant: str | 
     return (strides.pop() if strides else 0) // 2
 
 
-def check_shapes(m: dict, seqs: int, sms: int, wb: int = 2) -> int:
-    """smax (splits a sequence's attention may use) if the shapes fit the kernel."""
+def check_shapes(m: dict, seqs: int, sms: int, wb: int = 2, tc: bool = False) -> int:
+    """smax (splits a sequence's attention may use) if the shapes fit the kernel (tc: the FP8 tensor-core variant,
+    every consumer warp a partial of every row, 128-k blocks a warp, padded slot rows)."""
     hidden, inter, nh, nkv, hd = (m[k] for k in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
                                                  "head_dim"))
     if hd != MK_HEAD_DIM or nh % nkv or nh // nkv not in MK_GQA:
@@ -158,8 +167,10 @@ def check_shapes(m: dict, seqs: int, sms: int, wb: int = 2) -> int:
     for n, k, gate in (((nh + 2 * nkv) * hd, hidden, False), (hidden, nh * hd, False), (inter, hidden, True),
                        (hidden, inter, False)):
         rows = -(-n // sms) * (2 if gate else 1)
-        if rows * (MK_CONSUMERS // slot_rows(k, wb)) * seqs > MK_PART_FLOATS:
+        if rows * (MK_CONSUMERS if tc else MK_CONSUMERS // slot_rows(k, wb)) * seqs > MK_PART_FLOATS:
             raise NotEligible(f"{n} x {k}: too many rows a block for the partial sums")
+        if tc and (k % (MK_CONSUMERS * 128) or slot_rows(k, wb) * (k * wb + MK_ROW_PAD) > MK_STAGE_BYTES):
+            raise NotEligible(f"{n} x {k}: not a whole number of 128-k blocks a warp, or padded rows overflow a slot")
     g = nh // nkv
     if 4 * (g * (hd + MK_TILE + MK_CONSUMERS * (hd + 1)) + 2 * hd + 1) > MK_H_SEQ_BYTES:
         raise NotEligible(f"{g} query heads a kv head: the attention scratch does not fit")
@@ -185,7 +196,7 @@ def plan_megakernel(kind: str, ops: list[Op], choices: list[KernelChoice], manif
     if quant and seqs not in MK_FP8_SEQS:
         raise NotEligible(f"FP8 weights at {seqs} seqs: the per-op kernels measured faster (MK_FP8_SEQS)")
     fn = kernel_name(seqs, m["num_heads"] // m["num_kv_heads"], quant)
-    smax = check_shapes(m, seqs, sms, WEIGHT_BYTES[quant])
+    smax = check_shapes(m, seqs, sms, WEIGHT_BYTES[quant], tensor_cores(seqs, quant))
     stride = layer_stride(manifest["weights"]["tensors"], layer_weights(ops, start, layers), quant)
     rope, attn, final = layers[0][1], layers[0][2], ops[end]
     stages, smem = smem_layout(seqs)

@@ -20,13 +20,16 @@ MK_CONSUMERS = 8        # ... consumer warps (a slot's rows split them evenly); 
 MK_TILE = 128           # ... keys an attention tile (two consumer threads a key)
 MK_TRACE = 18           # ... trace stamps a block and layer (14 phase edges, 4 ring-wait sums; mk_trace buffer)
 SW8_STAGES = 4          # ring of 128-k steps per W8A8 skinny block (256 weight lines + the X tile each)
+WG8_WGS = 2             # consumer warpgroups (m64 weight tiles) of a kernels/gemm_w8a8_wgmma.cu block
+WG8_STAGES = 6          # ... its ring of 128-k steps (64 WG8_WGS weight lines + the NT-row X tile each)
 
 KERNEL_DEFINES = {"P_KEYS": P_KEYS, "G_MAX": G_MAX, "NORM_NC": NORM_NC, "GEMM_BK": GEMM_BK, "GEMM_LDS": GEMM_LDS,
                   "GEMM_STAGES_128": GEMM_STAGES_128, "GEMM_STAGES_64": GEMM_STAGES_64, "SK_WARPS": SK_WARPS,
                   "SK_RT": SK_RT, "SK_STAGES": SK_STAGES, "MK_STAGE_BYTES": MK_STAGE_BYTES,
                   "MK_H_SEQ_BYTES": MK_H_SEQ_BYTES, "MK_PART_FLOATS": MK_PART_FLOATS,
                   "MK_CONSUMERS": MK_CONSUMERS, "MK_TILE": MK_TILE,
-                  "MK_TRACE": MK_TRACE, "SW8_STAGES": SW8_STAGES}
+                  "MK_TRACE": MK_TRACE, "SW8_STAGES": SW8_STAGES,
+                  "WG8_WGS": WG8_WGS, "WG8_STAGES": WG8_STAGES}
 
 
 def gemm_smem(tile: str) -> int:
@@ -55,6 +58,21 @@ def skinny_w8a8_smem(mt: int, qx: bool = False, half: bool = False) -> int:
     rows = skinny_w8a8_rows(mt, half)
     stage = rows * 128 + (mt * 256 if qx else mt * 128 + mt * 4)
     return max(SW8_STAGES * stage + (mt * 128 + mt * 4 if qx else 0), mt * (rows + 4) * 4)
+
+
+def w8a8_wgmma_rows() -> int:
+    """Weight rows a kernels/gemm_w8a8_wgmma.cu block: one m64 tile a consumer warpgroup."""
+    return 64 * WG8_WGS
+
+
+def w8a8_wgmma_smem(nt: int) -> int:
+    """Dynamic shared memory (bytes) of a kernels/gemm_w8a8_wgmma.cu block for nt activation rows: 1024 of alignment
+    slack, WG8_STAGES steps of the weight lines and nt e4m3 lines (128 B each), then WG8_STAGES x nt X scales; the
+    partial sums [nt, rows + 4] floats reuse the ring."""
+    rows = w8a8_wgmma_rows()
+    ring = WG8_STAGES * (rows + nt) * 128
+    assert nt * (rows + 4) * 4 <= ring
+    return 1024 + ring + WG8_STAGES * nt * 4
 
 
 def nvrtc_defines() -> list[tuple[str, str]]:

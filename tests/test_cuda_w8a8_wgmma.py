@@ -1,0 +1,135 @@
+"""The W8A8 wgmma GEMM (kernels/gemm_w8a8_wgmma.cu: weights as the wgmma A operand, 33-256 activation rows as N,
+K split over a thread-block cluster) on the GPU against the NumPy op linear_w8a8 and an independent float64
+reference (test_cuda_fp8.check_w8a8), on fresh random inputs (seed printed on failure), outputs poisoned with NaN:
+both scale schemes, M / N / K tails of the Qwen3-8B shapes, every routed row count, every built cluster size,
+graph replay == eager. The routing tests at the end need no GPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.cuda_fixtures import bf, lib, rng  # noqa: F401  (fixtures)
+from tests.test_cuda_fp8 import SCHEMES, check_w8a8, make_weight, to_dev_fp8
+from xserv_aot import fp8
+from xserv_aot.plan import fp8_build
+from xserv_aot.plan.kernel_build import plan_linear
+from xserv_aot.plan.op_records import Linear, QuantizeFp8
+
+
+def w8a8_op(rows, n, k, scheme, bias=False):
+    return Linear(rows=rows, n=n, k=k, inp="xq", inp_scale="xs", weight="w", bias="b" if bias else None, out="out",
+                  weight_scale="w.scale", quant=scheme)
+
+
+def run_wgmma(lib, rng, scheme, M, N, K, out_dtype, bias, cluster=None):
+    """quantize_fp8 (device) + the W8A8 wgmma kernel as the plan routes it (fp8_w8a8_wgmma), or at a forced
+    cluster size; -> (bufs, records, (x, q, s, b))."""
+    q, s = make_weight(rng, N, K, scheme)
+    x = bf(rng.standard_normal((M, K), dtype=np.float32) * np.exp(rng.uniform(-2, 2, (M, 1))).astype(np.float32))
+    b = bf(rng.standard_normal(N)) if bias else None
+    group = fp8.act_group(scheme, K)
+    qop = QuantizeFp8(rows=M, inp="x", out="xq", scale="xs", k=K, group=group)
+    op = w8a8_op(M, N, K, scheme, bias)
+    choice = (fp8_build.plan_w8a8_wgmma(op, out_dtype, cluster) if cluster else
+              plan_linear(op, out_dtype, None, {}, decode=True, fp8_wgmma=True))
+    assert choice.kernel.startswith(f"w8a8_wgmma_{fp8_build.SCHEME_TAG[scheme]}_"), choice.kernel
+    bufs = {"x": lib.to_device(x, "bfloat16"), "w": to_dev_fp8(lib, q), "w.scale": lib.to_device(s),
+            "b": lib.to_device(b, "bfloat16") if bias else None,
+            "xq": lib.empty((M, K), "float8_e4m3fn"), "xs": lib.empty((M, fp8.groups(K, group)), "float32"),
+            "out": lib.empty((M, N), out_dtype)}
+    lib.dev.memset(bufs["out"].ptr, 0xFF, bufs["out"].nbytes)          # NaN in bf16 and f32
+    recs = [*fp8_build.plan_quantize(qop).launch, *choice.launch]
+    for rec in recs:
+        lib.launch_record(rec, bufs)
+    return bufs, recs, (x, q, s, b)
+
+
+CASES = [  # rows, N, K, out dtype, bias: the Qwen3-8B shapes (qkv, o, gate_up, down) and tails
+    (33, 6144, 4096, "bfloat16", False),
+    (64, 4096, 4096, "float32", True),
+    (100, 24576, 4096, "bfloat16", False),
+    (256, 4096, 12288, "bfloat16", True),     # two 128-row slices
+    (65, 4096, 12288, "float32", False),
+    (129, 1000, 592, "float32", True),        # N not a multiple of 128, K not of 128, a 1-row second slice
+    (200, 1002, 576, "float32", False),
+    (48, 136, 4096, "bfloat16", True),        # one tile, its second warpgroup mostly past N
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("M,N,K,out_dtype,bias", CASES)
+def test_w8a8_wgmma_linear(lib, rng, scheme, M, N, K, out_dtype, bias):
+    bufs, _, (x, q, s, b) = run_wgmma(lib, rng, scheme, M, N, K, out_dtype, bias)
+    check_w8a8(bufs, x, q, s, b, scheme, out_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_w8a8_wgmma_every_routed_row_count(lib, rng, scheme):
+    """Rows 33..256 (every count the build setting routes here), fresh inputs each."""
+    for M in range(fp8_build.W8A8_SKINNY_MAX_ROWS + 1, fp8_build.W8A8_WGMMA_MAX_ROWS + 1):
+        bufs, recs, (x, q, s, b) = run_wgmma(lib, rng, scheme, M, 264, 400, "float32", M % 2 == 0)
+        try:
+            check_w8a8(bufs, x, q, s, b, scheme, "float32")
+        except AssertionError as e:
+            raise AssertionError(f"rows {M} ({recs[-1].fn}): {e}") from None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("cluster", fp8_build.W8A8_WGMMA_CLUSTERS)
+@pytest.mark.parametrize("M,K", [(96, 2176), (40, 576), (250, 1024)])  # 17 steps; 5 (c8: blocks without a step)
+def test_w8a8_wgmma_every_cluster(lib, rng, scheme, cluster, M, K):
+    bufs, recs, (x, q, s, b) = run_wgmma(lib, rng, scheme, M, 1000, K, "float32", True, cluster)
+    assert recs[-1].grid[1] == cluster
+    check_w8a8(bufs, x, q, s, b, scheme, "float32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_w8a8_wgmma_graph_replay_equals_eager(lib, rng, scheme):
+    bufs, recs, _ = run_wgmma(lib, rng, scheme, 160, 2048, 4096, "bfloat16", True)
+    eager = {k: bufs[k].numpy().copy() for k in ("out", "xq", "xs")}
+    for k in eager:
+        lib.dev.memset(bufs[k].ptr, 0x7F, bufs[k].nbytes)
+    gexec = lib.dev.capture(lambda stream: [lib.launch_record(r, bufs, sync=False) for r in recs])
+    lib.dev.graph_launch(gexec)
+    lib.dev.sync()
+    for k, v in eager.items():
+        assert np.isfinite(v.astype(np.float32)).all()
+        np.testing.assert_array_equal(bufs[k].numpy(), v, err_msg=k)
+
+
+# ---- routing (no GPU) ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows,nt,slices", [(33, 64, 1), (64, 64, 1), (65, 128, 1), (128, 128, 1), (129, 128, 2),
+                                            (256, 128, 2)])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_w8a8_wgmma_routing(rows, nt, slices, scheme):
+    """fp8_w8a8_wgmma: rows 33-256 take the wgmma kernel (NT 64 / 128, grid z slices of 128), with or without a
+    CUTLASS library; off: CUTLASS (as before)."""
+    op = w8a8_op(rows, 4096, 4096, scheme)
+    for cutlass in ({}, None):
+        (rec,) = plan_linear(op, "bfloat16", None, cutlass, decode=True, fp8_wgmma=True).launch
+        assert rec.fn.startswith(f"w8a8_wgmma_{fp8_build.SCHEME_TAG[scheme]}_n{nt}c"), rec.fn
+        assert rec.grid[0] == 4096 // 128 and rec.grid[2] == slices and rec.block == (256, 1, 1)
+        assert rec.smem == fp8_build.w8a8_wgmma_smem(nt) <= 227 * 1024
+    assert plan_linear(op, "bfloat16", None, {}, decode=True).kernel == "cutlass_fp8"
+
+
+def test_w8a8_wgmma_keeps_the_skinny_kernel_up_to_32_rows():
+    (rec,) = plan_linear(w8a8_op(32, 4096, 4096, fp8.BLOCK128), "bfloat16", None, None, True, fp8_wgmma=True).launch
+    assert rec.fn.startswith("skinny_w8a8_blk_m32")
+    with pytest.raises(Exception, match="CUTLASS"):
+        plan_linear(w8a8_op(257, 4096, 4096, fp8.BLOCK128), "bfloat16", None, None, True, fp8_wgmma=True)
+
+
+@pytest.mark.parametrize("rows,n,k,cluster", [(64, 6144, 4096, 2), (64, 4096, 4096, 4), (64, 24576, 4096, 2),
+                                              (64, 4096, 12288, 4), (256, 4096, 4096, 2), (256, 24576, 4096, 1),
+                                              (100, 1000, 256, 2)])
+def test_w8a8_wgmma_cluster_rule(rows, n, k, cluster):
+    """One wave where the tiles allow (tiles x C <= 132), else the least idle last wave; C <= 128-k steps."""
+    (rec,) = fp8_build.plan_w8a8_wgmma(w8a8_op(rows, n, k, fp8.BLOCK128), "bfloat16").launch
+    assert rec.grid[1] == cluster, rec.grid

@@ -34,7 +34,7 @@ __device__ __forceinline__ void wg8_cp4(u32 dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(src) : "memory");
 }
 
-template <int NT, bool OUT_F32, bool BLK, int C>
+template <int NT, bool OUT_F32, bool BLK, int C, bool MB>
 __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, const float* __restrict__ XS,
                                                 const e4m3* __restrict__ W, const float* __restrict__ WS,
                                                 const bf16* __restrict__ bias, void* __restrict__ out,
@@ -55,10 +55,23 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
     const int tid = threadIdx.x, wg = tid >> 7, w4 = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * ROWS, z = blockIdx.y;
     const int n_my = z < steps ? (steps - z + C - 1) / C : 0;
+    // MB: per-slot mbarriers instead of a block barrier a step: full (every thread's copies landed: THREADS
+    // arrivals) and empty (every warp done with the slot's MMAs and scales: 4 WG8_WGS arrivals), so the
+    // warpgroups drift apart (one's promotion overlaps the other's MMAs) by up to a step.
+    __shared__ __align__(8) u64 bars[MB ? 2 * WG8_STAGES : 1];
+    const u32 full = smem_addr(bars), empty = full + 8 * WG8_STAGES;
+    if (MB) {
+        if (tid < WG8_STAGES) {
+            mbar_init(full + 8 * tid, THREADS);
+            mbar_init(empty + 8 * tid, 4 * WG8_WGS);
+        }
+        __syncthreads();
+    }
 
     auto issue = [&](int j) {
         if (j < n_my) {
             const int k = (z + j * C) * 128, slot = j % WG8_STAGES;
+            if (MB && j >= WG8_STAGES) mbar_wait(empty + 8 * slot, (j / WG8_STAGES - 1) & 1);
             const u32 st = base + (u32)(slot * TILE);
             const int p = tid & 7, kk = k + p * 16, bytes = kk < K ? 16 : 0, ks = kk < K ? kk : 0;
 #pragma unroll
@@ -75,6 +88,7 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
             }
             if (BLK && tid < NT)
                 wg8_cp4(xs_ring + (u32)((slot * NT + tid) * 4), XS + (size_t)min(tid, M - 1) * steps + (z + j * C));
+            if (MB) mbar_arrive_on_copies(full + 8 * slot);
         }
         cp_async_commit();
     };
@@ -88,11 +102,17 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
     const float* sw_row = WS + (size_t)(min(n0 + wg * 64, N - 1) >> 7) * steps;
 
     for (int j = 0; j < n_my; j++) {
-        cp_async_wait<WG8_STAGES - 2>();           // step j landed (this thread's copies) ...
-        fence_proxy_async();                       // ... visible to the tensor cores
-        __syncthreads();                           // ... every thread's; step j - 1's slot is free
-        issue(j + WG8_STAGES - 1);
         const int slot = j % WG8_STAGES;
+        if (MB) {
+            issue(j + WG8_STAGES - 1);             // waits until every warp is done with step j - 1
+            mbar_wait(full + 8 * slot, (j / WG8_STAGES) & 1);
+            fence_proxy_async();
+        } else {
+            cp_async_wait<WG8_STAGES - 2>();       // step j landed (this thread's copies) ...
+            fence_proxy_async();                   // ... visible to the tensor cores
+            __syncthreads();                       // ... every thread's; step j - 1's slot is free
+            issue(j + WG8_STAGES - 1);
+        }
         const u32 st = base + (u32)(slot * TILE);
         wg_fence();
 #pragma unroll
@@ -100,8 +120,8 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
             wgmma_e4m3(d, sw128_desc(st + (u32)(wg * 64 * 128 + kc * 32), 16, 1024),
                        sw128_desc(st + (u32)(W_BYTES + kc * 32), 16, 1024), kc);
         wg_commit();
-        wg_wait<0>();
-        reg_fence(d);
+        wg_wait<0>();                              // (ptxas serialises wgmma when other accumulators are read
+        reg_fence(d);                              // while one is in flight: no overlap of steps in a warpgroup)
         if (BLK) {
             const float sw = __ldg(sw_row + z + j * C);
             const float* xs = reinterpret_cast<const float*>(smem_raw + (xs_ring - raw)) + slot * NT;
@@ -118,6 +138,10 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
         } else {
 #pragma unroll
             for (int i = 0; i < NT / 2; i++) acc[i] += d[i];
+        }
+        if (MB) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty + 8 * slot);
         }
     }
     cp_async_wait<0>();
@@ -161,28 +185,45 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
 
 // Grid (ceil(N / (64 WG8_WGS)), C, ceil(M / NT)) of 128 WG8_WGS threads, clusters (1, C, 1); dynamic shared memory
 // w8a8_wgmma_smem(NT).
-#define W8A8_WGMMA_KERNELS(S, BLK, NT, CL)                                                                         \
+#define W8A8_WGMMA_KERNELS(S, BLK, NT, CL, MB, TAG)                                                                \
     extern "C" __global__ void __launch_bounds__(128 * WG8_WGS, 1) __cluster_dims__(1, CL, 1)                      \
-    w8a8_wgmma_##S##_n##NT##c##CL##_bf16(const e4m3* XQ, const float* XS, const e4m3* W, const float* WS,          \
-                                         const bf16* bias, bf16* out, int M, int N, int K) {                       \
-        w8a8_wgmma_impl<NT, false, BLK, CL>(XQ, XS, W, WS, bias, out, M, N, K); }                                  \
+    w8a8_wgmma_##S##_n##NT##c##CL##TAG##_bf16(const e4m3* XQ, const float* XS, const e4m3* W, const float* WS,     \
+                                              const bf16* bias, bf16* out, int M, int N, int K) {                  \
+        w8a8_wgmma_impl<NT, false, BLK, CL, MB>(XQ, XS, W, WS, bias, out, M, N, K); }                              \
     extern "C" __global__ void __launch_bounds__(128 * WG8_WGS, 1) __cluster_dims__(1, CL, 1)                      \
-    w8a8_wgmma_##S##_n##NT##c##CL##_f32(const e4m3* XQ, const float* XS, const e4m3* W, const float* WS,           \
-                                        const bf16* bias, float* out, int M, int N, int K) {                       \
-        w8a8_wgmma_impl<NT, true, BLK, CL>(XQ, XS, W, WS, bias, out, M, N, K); }
-W8A8_WGMMA_KERNELS(ch, false, 64, 1)
-W8A8_WGMMA_KERNELS(ch, false, 64, 2)
-W8A8_WGMMA_KERNELS(ch, false, 64, 4)
-W8A8_WGMMA_KERNELS(ch, false, 64, 8)
-W8A8_WGMMA_KERNELS(ch, false, 128, 1)
-W8A8_WGMMA_KERNELS(ch, false, 128, 2)
-W8A8_WGMMA_KERNELS(ch, false, 128, 4)
-W8A8_WGMMA_KERNELS(ch, false, 128, 8)
-W8A8_WGMMA_KERNELS(blk, true, 64, 1)
-W8A8_WGMMA_KERNELS(blk, true, 64, 2)
-W8A8_WGMMA_KERNELS(blk, true, 64, 4)
-W8A8_WGMMA_KERNELS(blk, true, 64, 8)
-W8A8_WGMMA_KERNELS(blk, true, 128, 1)
-W8A8_WGMMA_KERNELS(blk, true, 128, 2)
-W8A8_WGMMA_KERNELS(blk, true, 128, 4)
-W8A8_WGMMA_KERNELS(blk, true, 128, 8)
+    w8a8_wgmma_##S##_n##NT##c##CL##TAG##_f32(const e4m3* XQ, const float* XS, const e4m3* W, const float* WS,      \
+                                             const bf16* bias, float* out, int M, int N, int K) {                  \
+        w8a8_wgmma_impl<NT, true, BLK, CL, MB>(XQ, XS, W, WS, bias, out, M, N, K); }
+// TAG mb: the per-slot mbarrier ring (MB).
+W8A8_WGMMA_KERNELS(ch, false, 64, 1, false, )
+W8A8_WGMMA_KERNELS(ch, false, 64, 2, false, )
+W8A8_WGMMA_KERNELS(ch, false, 64, 4, false, )
+W8A8_WGMMA_KERNELS(ch, false, 64, 8, false, )
+W8A8_WGMMA_KERNELS(ch, false, 128, 1, false, )
+W8A8_WGMMA_KERNELS(ch, false, 128, 2, false, )
+W8A8_WGMMA_KERNELS(ch, false, 128, 4, false, )
+W8A8_WGMMA_KERNELS(ch, false, 128, 8, false, )
+W8A8_WGMMA_KERNELS(blk, true, 64, 1, false, )
+W8A8_WGMMA_KERNELS(blk, true, 64, 2, false, )
+W8A8_WGMMA_KERNELS(blk, true, 64, 4, false, )
+W8A8_WGMMA_KERNELS(blk, true, 64, 8, false, )
+W8A8_WGMMA_KERNELS(blk, true, 128, 1, false, )
+W8A8_WGMMA_KERNELS(blk, true, 128, 2, false, )
+W8A8_WGMMA_KERNELS(blk, true, 128, 4, false, )
+W8A8_WGMMA_KERNELS(blk, true, 128, 8, false, )
+W8A8_WGMMA_KERNELS(ch, false, 64, 1, true, mb)
+W8A8_WGMMA_KERNELS(ch, false, 64, 2, true, mb)
+W8A8_WGMMA_KERNELS(ch, false, 64, 4, true, mb)
+W8A8_WGMMA_KERNELS(ch, false, 64, 8, true, mb)
+W8A8_WGMMA_KERNELS(ch, false, 128, 1, true, mb)
+W8A8_WGMMA_KERNELS(ch, false, 128, 2, true, mb)
+W8A8_WGMMA_KERNELS(ch, false, 128, 4, true, mb)
+W8A8_WGMMA_KERNELS(ch, false, 128, 8, true, mb)
+W8A8_WGMMA_KERNELS(blk, true, 64, 1, true, mb)
+W8A8_WGMMA_KERNELS(blk, true, 64, 2, true, mb)
+W8A8_WGMMA_KERNELS(blk, true, 64, 4, true, mb)
+W8A8_WGMMA_KERNELS(blk, true, 64, 8, true, mb)
+W8A8_WGMMA_KERNELS(blk, true, 128, 1, true, mb)
+W8A8_WGMMA_KERNELS(blk, true, 128, 2, true, mb)
+W8A8_WGMMA_KERNELS(blk, true, 128, 4, true, mb)
+W8A8_WGMMA_KERNELS(blk, true, 128, 8, true, mb)

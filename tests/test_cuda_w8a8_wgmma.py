@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.cuda_fixtures import bf, lib, rng  # noqa: F401  (fixtures)
+from tests.cuda_fixtures import bf, rng  # noqa: F401  (fixtures)
 from tests.test_cuda_fp8 import SCHEMES, check_w8a8, make_weight, to_dev_fp8
 from xserv_aot import fp8
 from xserv_aot.plan import fp8_build
@@ -17,22 +17,32 @@ from xserv_aot.plan.kernel_build import plan_linear
 from xserv_aot.plan.op_records import Linear, QuantizeFp8
 
 
+@pytest.fixture(scope="module")
+def lib():
+    """The kernel library of quantize_fp8 (gemv_fp8.cu) and the wgmma GEMM alone (a short NVRTC build)."""
+    from xserv_aot.runtime.select import gpu_available
+    if not gpu_available():
+        pytest.skip("no CUDA GPU")
+    from xserv_aot.runtime.cuda.kernel_lib import KernelLib
+    return KernelLib(sources=("gemv_fp8.cu", "gemm_w8a8_wgmma.cu"))
+
+
 def w8a8_op(rows, n, k, scheme, bias=False):
     return Linear(rows=rows, n=n, k=k, inp="xq", inp_scale="xs", weight="w", bias="b" if bias else None, out="out",
                   weight_scale="w.scale", quant=scheme)
 
 
-def run_wgmma(lib, rng, scheme, M, N, K, out_dtype, bias, cluster=None):
+def run_wgmma(lib, rng, scheme, M, N, K, out_dtype, bias, cluster=None, mbar=None):
     """quantize_fp8 (device) + the W8A8 wgmma kernel as the plan routes it (fp8_w8a8_wgmma), or at a forced
-    cluster size; -> (bufs, records, (x, q, s, b))."""
+    cluster size / ring variant (mbar); -> (bufs, records, (x, q, s, b))."""
     q, s = make_weight(rng, N, K, scheme)
     x = bf(rng.standard_normal((M, K), dtype=np.float32) * np.exp(rng.uniform(-2, 2, (M, 1))).astype(np.float32))
     b = bf(rng.standard_normal(N)) if bias else None
     group = fp8.act_group(scheme, K)
     qop = QuantizeFp8(rows=M, inp="x", out="xq", scale="xs", k=K, group=group)
     op = w8a8_op(M, N, K, scheme, bias)
-    choice = (fp8_build.plan_w8a8_wgmma(op, out_dtype, cluster) if cluster else
-              plan_linear(op, out_dtype, None, {}, decode=True, fp8_wgmma=True))
+    choice = (fp8_build.plan_w8a8_wgmma(op, out_dtype, cluster, fp8_build.W8A8_WGMMA_MBAR if mbar is None else mbar)
+              if cluster or mbar is not None else plan_linear(op, out_dtype, None, {}, decode=True, fp8_wgmma=True))
     assert choice.kernel.startswith(f"w8a8_wgmma_{fp8_build.SCHEME_TAG[scheme]}_"), choice.kernel
     bufs = {"x": lib.to_device(x, "bfloat16"), "w": to_dev_fp8(lib, q), "w.scale": lib.to_device(s),
             "b": lib.to_device(b, "bfloat16") if bias else None,
@@ -67,10 +77,20 @@ def test_w8a8_wgmma_linear(lib, rng, scheme, M, N, K, out_dtype, bias):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_w8a8_wgmma_every_routed_row_count(lib, rng, scheme):
-    """Rows 33..256 (every count the build setting routes here), fresh inputs each."""
+@pytest.mark.parametrize("M,N,K,out_dtype,bias", CASES[1::2])
+def test_w8a8_wgmma_mbarrier_ring(lib, rng, scheme, M, N, K, out_dtype, bias):
+    bufs, recs, (x, q, s, b) = run_wgmma(lib, rng, scheme, M, N, K, out_dtype, bias,
+                                         mbar=not fp8_build.W8A8_WGMMA_MBAR)
+    check_w8a8(bufs, x, q, s, b, scheme, out_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("mbar", [False, True])
+def test_w8a8_wgmma_every_routed_row_count(lib, rng, scheme, mbar):
+    """Rows 33..256 (every count the build setting routes here), fresh inputs each, both ring variants."""
     for M in range(fp8_build.W8A8_SKINNY_MAX_ROWS + 1, fp8_build.W8A8_WGMMA_MAX_ROWS + 1):
-        bufs, recs, (x, q, s, b) = run_wgmma(lib, rng, scheme, M, 264, 400, "float32", M % 2 == 0)
+        bufs, recs, (x, q, s, b) = run_wgmma(lib, rng, scheme, M, 264, 400, "float32", M % 2 == 0, mbar=mbar)
         try:
             check_w8a8(bufs, x, q, s, b, scheme, "float32")
         except AssertionError as e:
@@ -79,11 +99,12 @@ def test_w8a8_wgmma_every_routed_row_count(lib, rng, scheme):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("mbar", [False, True])
 @pytest.mark.parametrize("cluster", fp8_build.W8A8_WGMMA_CLUSTERS)
 @pytest.mark.parametrize("M,K", [(96, 2176), (40, 576), (250, 1024)])  # 17 steps; 5 (c8: blocks without a step)
-def test_w8a8_wgmma_every_cluster(lib, rng, scheme, cluster, M, K):
-    bufs, recs, (x, q, s, b) = run_wgmma(lib, rng, scheme, M, 1000, K, "float32", True, cluster)
-    assert recs[-1].grid[1] == cluster
+def test_w8a8_wgmma_every_cluster(lib, rng, scheme, mbar, cluster, M, K):
+    bufs, recs, (x, q, s, b) = run_wgmma(lib, rng, scheme, M, 1000, K, "float32", True, cluster, mbar)
+    assert recs[-1].grid[1] == cluster and ("mb_" in recs[-1].fn) == mbar
     check_w8a8(bufs, x, q, s, b, scheme, "float32")
 
 

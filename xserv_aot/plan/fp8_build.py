@@ -35,6 +35,7 @@ W8A8_WGMMA_MAX_ROWS = 256                 # build setting fp8_w8a8_wgmma: W8A8 l
 W8A8_WGMMA_TILES = (64, 128)              # activation rows a wgmma N (more rows: grid z slices of 128)
 W8A8_WGMMA_CLUSTERS = (1, 2, 4, 8)        # blocks a cluster (splitting K) that the kernel file instantiates
 W8A8_WGMMA_SMS = 132                      # one block an SM (its ring takes ~195 KB of shared memory)
+W8A8_WGMMA_MBAR = False                   # per-slot mbarriers instead of a block barrier a step (`mb` kernels)
 
 
 def host_signatures() -> dict[str, list[dict]]:
@@ -155,10 +156,11 @@ def wgmma_cluster(tiles: int, steps: int) -> int:
     return min(built, key=lambda c: (round(waste[c], 3), c))
 
 
-def plan_w8a8_wgmma(op: Linear, out_dtype: str, cluster: int | None = None) -> KernelChoice:
+def plan_w8a8_wgmma(op: Linear, out_dtype: str, cluster: int | None = None,
+                    mbar: bool = W8A8_WGMMA_MBAR) -> KernelChoice:
     """quantize_fp8's rows and scales x the e4m3 weight on wgmma e4m3, weights as the A operand (m64 tiles), the
     activation rows as N (kernels/gemm_w8a8_wgmma.cu); cluster: force the K split (tests, bench), by default
-    wgmma_cluster."""
+    wgmma_cluster; mbar: the mbarrier ring variant."""
     if op.k % 16:
         raise KernelBuildError(f"FP8 linear {op.weight}: k={op.k} (the W8A8 wgmma kernel needs k % 16 == 0)")
     nt = next((t for t in W8A8_WGMMA_TILES if t >= op.rows), W8A8_WGMMA_TILES[-1])
@@ -167,7 +169,7 @@ def plan_w8a8_wgmma(op: Linear, out_dtype: str, cluster: int | None = None) -> K
     if c not in W8A8_WGMMA_CLUSTERS:
         raise KernelBuildError(f"W8A8 wgmma cluster {c} is not built (built: {W8A8_WGMMA_CLUSTERS})")
     suffix = "f32" if out_dtype == "float32" else "bf16"
-    fn = f"w8a8_wgmma_{SCHEME_TAG[op.quant]}_n{nt}c{c}_{suffix}"
+    fn = f"w8a8_wgmma_{SCHEME_TAG[op.quant]}_n{nt}c{c}{'mb' if mbar else ''}_{suffix}"
     args = [ptr(op.inp), ptr(op.inp_scale), ptr(op.weight), ptr(op.weight_scale), ptr(op.bias), ptr(op.out),
             i32(op.rows), i32(op.n), i32(op.k)]
     return kernel(launch(fn, [tiles, c, slices], [128 * WG8_WGS], w8a8_wgmma_smem(nt), args))

@@ -55,35 +55,6 @@ def run_wgmma(lib, rng, scheme, M, N, K, out_dtype, bias, cluster=None, mbar=Non
     return bufs, recs, (x, q, s, b)
 
 
-CASES = [  # rows, N, K, out dtype, bias: the Qwen3-8B shapes (qkv, o, gate_up, down) and tails
-    (33, 6144, 4096, "bfloat16", False),
-    (64, 4096, 4096, "float32", True),
-    (100, 24576, 4096, "bfloat16", False),
-    (256, 4096, 12288, "bfloat16", True),     # two 128-row slices
-    (65, 4096, 12288, "float32", False),
-    (129, 1000, 592, "float32", True),        # N not a multiple of 128, K not of 128, a 1-row second slice
-    (200, 1002, 576, "float32", False),
-    (48, 136, 4096, "bfloat16", True),        # one tile, its second warpgroup mostly past N
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("M,N,K,out_dtype,bias", CASES)
-def test_w8a8_wgmma_linear(lib, rng, scheme, M, N, K, out_dtype, bias):
-    bufs, _, (x, q, s, b) = run_wgmma(lib, rng, scheme, M, N, K, out_dtype, bias)
-    check_w8a8(bufs, x, q, s, b, scheme, out_dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("M,N,K,out_dtype,bias", CASES[1::2])
-def test_w8a8_wgmma_mbarrier_ring(lib, rng, scheme, M, N, K, out_dtype, bias):
-    bufs, recs, (x, q, s, b) = run_wgmma(lib, rng, scheme, M, N, K, out_dtype, bias,
-                                         mbar=not fp8_build.W8A8_WGMMA_MBAR)
-    check_w8a8(bufs, x, q, s, b, scheme, out_dtype)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("mbar", [False, True])
@@ -121,6 +92,35 @@ def test_w8a8_wgmma_graph_replay_equals_eager(lib, rng, scheme):
     for k, v in eager.items():
         assert np.isfinite(v.astype(np.float32)).all()
         np.testing.assert_array_equal(bufs[k].numpy(), v, err_msg=k)
+
+
+CASES = [  # rows, N, K, out dtype, bias: the Qwen3-8B shapes (qkv, o, gate_up, down) and tails
+    (33, 6144, 4096, "bfloat16", False),
+    (64, 4096, 4096, "float32", True),
+    (100, 24576, 4096, "bfloat16", False),
+    (256, 4096, 12288, "bfloat16", True),     # two 128-row slices
+    (65, 4096, 12288, "float32", False),
+    (129, 1000, 592, "float32", True),        # N not a multiple of 128, K not of 128, a 1-row second slice
+    (200, 1002, 576, "float32", False),
+    (48, 136, 4096, "bfloat16", True),        # one tile, its second warpgroup mostly past N
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("M,N,K,out_dtype,bias", CASES)
+def test_w8a8_wgmma_linear(lib, rng, scheme, M, N, K, out_dtype, bias):
+    bufs, _, (x, q, s, b) = run_wgmma(lib, rng, scheme, M, N, K, out_dtype, bias)
+    check_w8a8(bufs, x, q, s, b, scheme, out_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("M,N,K,out_dtype,bias", CASES[1::2])
+def test_w8a8_wgmma_mbarrier_ring(lib, rng, scheme, M, N, K, out_dtype, bias):
+    bufs, recs, (x, q, s, b) = run_wgmma(lib, rng, scheme, M, N, K, out_dtype, bias,
+                                         mbar=not fp8_build.W8A8_WGMMA_MBAR)
+    check_w8a8(bufs, x, q, s, b, scheme, out_dtype)
 
 
 # ---- routing (no GPU) ----------------------------------------------------------------------------------------

@@ -123,6 +123,42 @@ def test_w8a8_wgmma_mbarrier_ring(lib, rng, scheme, M, N, K, out_dtype, bias):
     check_w8a8(bufs, x, q, s, b, scheme, out_dtype)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["auto", "channel"])
+def test_tiny_plan_with_wgmma_w8a8_cuda_matches_numpy(tmp_path, seed, scheme):
+    """fp8_w8a8_wgmma, no CUTLASS library: the 40-row decode bucket and the 64-row prefill bucket run quantize_fp8
+    (or the producers' quantize) + the wgmma kernel; CUDA logits against the NumPy backend's."""
+    from tests.test_cuda_e2e import SMALL, gpu_or_skip, make_model
+    from tests.test_cuda_fp8 import W8A8_STEP_TOL, cuda_vs_numpy
+    gpu_or_skip()
+    from xserv_aot.config import BuildConfig
+    from xserv_aot.plan.builder import compile_plan
+    from xserv_aot.runtime.session import Session
+
+    r = np.random.default_rng(seed)
+    make_model(tmp_path / "hf", SMALL, int(r.integers(1 << 30)))
+    build = BuildConfig(max_num_seqs=40, decode_buckets=[1, 2, 40], prefill_buckets=[64], max_seq_len=256,
+                        block_size=16, dtype="bfloat16", target="sm_90a", quantization="fp8", fp8_scheme=scheme,
+                        gemm_library=False, fp8_w8a16_max_rows=2, fp8_quantize_in_producer=True, fp8_w8a8_wgmma=True)
+    plan = compile_plan(tmp_path / "hf", tmp_path / "plan", build)
+    fns = {rec.fn for bk in plan.buckets for op in bk.ops if op.cuda for rec in op.cuda.launch}
+    assert any(f.startswith("w8a8_wgmma_") for f in fns) and not any(f.startswith("skinny_w8a8_") for f in fns)
+    prompts = [r.integers(3, SMALL["vocab_size"], int(r.integers(5, 20))).tolist() for _ in range(40)]
+    forced = r.integers(3, SMALL["vocab_size"], (4, 40)).tolist()
+
+    def logits(runner):
+        sess = Session(runner, num_seqs=40)
+        got = [sess.prefill(i, p)[1] for i, p in enumerate(prompts)]
+        for toks in forced:                                   # 40 sequences a step: the decode_40 bucket
+            step = sess.step({i: [t] for i, t in enumerate(toks)})[1]
+            got += [step[i] for i in range(40)]
+        return np.array(got, np.float64)
+
+    errs = cuda_vs_numpy(plan, logits)
+    print(f"per-row logits relative error CUDA vs NumPy: max {errs.max():.2e}, mean {errs.mean():.2e}")
+    assert errs.max() <= W8A8_STEP_TOL
+
+
 # ---- routing (no GPU) ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("rows,nt,slices", [(33, 64, 1), (64, 64, 1), (65, 128, 1), (128, 128, 1), (129, 128, 2),
@@ -154,3 +190,24 @@ def test_w8a8_wgmma_cluster_rule(rows, n, k, cluster):
     """One wave where the tiles allow (tiles x C <= 132), else the least idle last wave; C <= 128-k steps."""
     (rec,) = fp8_build.plan_w8a8_wgmma(w8a8_op(rows, n, k, fp8.BLOCK128), "bfloat16").launch
     assert rec.grid[1] == cluster, rec.grid
+
+
+def test_fp8_plan_routes_33_to_256_rows_to_wgmma(tmp_path):
+    """Compile (no GPU), fp8_w8a8_wgmma with and without the CUTLASS library: every W8A8 linear of 33-256 rows
+    (decode 48, prefill 64 / 256) on the wgmma kernel, rows <= 32 on the skinny kernel, more on CUTLASS."""
+    from tests.test_cuda_fp8 import compile_fp8_tiny
+    for lib in (False, True):
+        (tmp_path / str(lib)).mkdir()
+        plan = compile_fp8_tiny(tmp_path / str(lib), max_num_seqs=48, decode_buckets=[1, 16, 48],
+                                prefill_buckets=[64, 256, 512] if lib else [64, 256], fp8_w8a16_max_rows=8, fp8_w8a8_wgmma=True,
+                                gemm_library=lib)
+        seen = set()
+        for bk in plan.buckets:
+            for op in bk.ops:
+                if op.op == "linear" and op.inp_scale:
+                    (rec,) = op.cuda.launch
+                    want = ("skinny_w8a8_" if bk.num_tokens <= 32 else "w8a8_wgmma_" if bk.num_tokens <= 256 else
+                            "xserv_gemm_fp8")
+                    assert rec.fn.startswith(want), (bk.name, rec.fn)
+                    seen.add(want)
+        assert seen == ({"skinny_w8a8_", "w8a8_wgmma_", "xserv_gemm_fp8"} if lib else {"skinny_w8a8_", "w8a8_wgmma_"})

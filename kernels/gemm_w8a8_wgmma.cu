@@ -12,7 +12,8 @@
 // 16 w4 + g + 8 e, activation row 8 j + 2 t + c.
 // C blocks (grid y, a thread-block cluster) split the k-steps of one tile (interleaved: block y takes steps y,
 // y + C, ..); partial sums meet in distributed shared memory and block y reduces its share of the tile's outputs
-// in cluster-rank order (deterministic, no atomics, no workspace). Grid z: NT-row slices of the activations.
+// in cluster-rank order (deterministic, no atomics, no workspace). Grid x: (weight tile, NT-row slice of the
+// activations), the slices of a tile adjacent (they run together, the second one's weight reads hit L2).
 // K % 16 == 0 (16-byte copies; the last step's missing chunks are zero-filled), M / N tails clamped on reads and
 // skipped on writes.
 #include "fp8.cuh"
@@ -43,7 +44,7 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
     constexpr int ROWS = 64 * WG8_WGS, THREADS = 128 * WG8_WGS, W_BYTES = ROWS * 128, TILE = W_BYTES + NT * 128;
     constexpr int PSTRIDE = ROWS + 4;              // floats an activation row of the partial sums (conflict-free)
     const int steps = (K + 127) >> 7;
-    const int m0 = blockIdx.z * NT;
+    const int slices = (M + NT - 1) / NT, m0 = (blockIdx.x % slices) * NT;   // a tile's slices: adjacent blocks
     M -= m0;
     XQ += (size_t)m0 * K;
     XS += BLK ? (size_t)m0 * steps : (size_t)m0;
@@ -53,7 +54,7 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
     float* part = reinterpret_cast<float*>(smem_raw + (base - raw));       // partial sums, over the ring at the end
     const u32 xs_ring = base + (u32)(WG8_STAGES * TILE);                   // BLK: WG8_STAGES x NT X scales
     const int tid = threadIdx.x, wg = tid >> 7, w4 = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * ROWS, z = blockIdx.y;
+    const int n0 = (blockIdx.x / slices) * ROWS, z = blockIdx.y;
     const int n_my = z < steps ? (steps - z + C - 1) / C : 0;
     // MB: per-slot mbarriers instead of a block barrier a step: full (every thread's copies landed: THREADS
     // arrivals) and empty (every warp done with the slot's MMAs and scales: 4 WG8_WGS arrivals), so the
@@ -183,7 +184,7 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
     if (C > 1) cluster_barrier();                  // no block leaves while the cluster still reads its partials
 }
 
-// Grid (ceil(N / (64 WG8_WGS)), C, ceil(M / NT)) of 128 WG8_WGS threads, clusters (1, C, 1); dynamic shared memory
+// Grid (ceil(N / (64 WG8_WGS)) x ceil(M / NT), C) of 128 WG8_WGS threads, clusters (1, C, 1); dynamic shared memory
 // w8a8_wgmma_smem(NT).
 #define W8A8_WGMMA_KERNELS(S, BLK, NT, CL, MB, TAG)                                                                \
     extern "C" __global__ void __launch_bounds__(128 * WG8_WGS, 1) __cluster_dims__(1, CL, 1)                      \

@@ -165,13 +165,13 @@ def test_tiny_plan_with_wgmma_w8a8_cuda_matches_numpy(tmp_path, seed, scheme):
                                             (256, 128, 2)])
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_w8a8_wgmma_routing(rows, nt, slices, scheme):
-    """fp8_w8a8_wgmma: rows 33-256 take the wgmma kernel (NT 64 / 128, grid z slices of 128), with or without a
+    """fp8_w8a8_wgmma: rows 33-256 take the wgmma kernel (NT 64 / 128, slices of 128 on grid x), with or without a
     CUTLASS library; off: CUTLASS (as before)."""
     op = w8a8_op(rows, 4096, 4096, scheme)
     for cutlass in ({}, None):
         (rec,) = plan_linear(op, "bfloat16", None, cutlass, decode=True, fp8_wgmma=True).launch
         assert rec.fn.startswith(f"w8a8_wgmma_{fp8_build.SCHEME_TAG[scheme]}_n{nt}c"), rec.fn
-        assert rec.grid[0] == 4096 // 128 and rec.grid[2] == slices and rec.block == (256, 1, 1)
+        assert rec.grid[0] == 4096 // 128 * slices and rec.grid[2] == 1 and rec.block == (256, 1, 1)
         assert rec.smem == fp8_build.w8a8_wgmma_smem(nt) <= 227 * 1024
     assert plan_linear(op, "bfloat16", None, {}, decode=True).kernel == "cutlass_fp8"
 

@@ -32,7 +32,7 @@ W8A8_QUANTIZE_IN_KERNEL = False           # block128 W8A8 skinny linears quantiz
 W8A8_SKINNY_HALF = False                  # 33-64 rows: 128-row blocks (r1, no spills) instead of 256-row ones
 W8A8_WGMMA_MAX_ROWS = 256                 # build setting fp8_w8a8_wgmma: W8A8 linears of W8A8_SKINNY_MAX_ROWS + 1 ..
                                           # this many rows on kernels/gemm_w8a8_wgmma.cu instead of CUTLASS
-W8A8_WGMMA_TILES = (64, 128)              # activation rows a wgmma N (more rows: grid z slices of 128)
+W8A8_WGMMA_TILES = (64, 128)              # activation rows a wgmma N (more rows: slices of 128, grid x)
 W8A8_WGMMA_CLUSTERS = (1, 2, 4, 8)        # blocks a cluster (splitting K) that the kernel file instantiates
 W8A8_WGMMA_SMS = 132                      # one block an SM (its ring takes ~195 KB of shared memory)
 W8A8_WGMMA_MBAR = False                   # per-slot mbarriers instead of a block barrier a step (`mb` kernels)
@@ -172,7 +172,7 @@ def plan_w8a8_wgmma(op: Linear, out_dtype: str, cluster: int | None = None,
     fn = f"w8a8_wgmma_{SCHEME_TAG[op.quant]}_n{nt}c{c}{'mb' if mbar else ''}_{suffix}"
     args = [ptr(op.inp), ptr(op.inp_scale), ptr(op.weight), ptr(op.weight_scale), ptr(op.bias), ptr(op.out),
             i32(op.rows), i32(op.n), i32(op.k)]
-    return kernel(launch(fn, [tiles, c, slices], [128 * WG8_WGS], w8a8_wgmma_smem(nt), args))
+    return kernel(launch(fn, [tiles * slices, c], [128 * WG8_WGS], w8a8_wgmma_smem(nt), args))
 
 
 def plan_quantize(op: QuantizeFp8) -> KernelChoice:

@@ -4,7 +4,7 @@
 // (one group: the whole row) or BLK: sw[ceil(N/128), ceil(K/128)].
 // Block = WG8_WGS consumer warpgroups, warpgroup w owning the m64 tile of weight rows n0 + 64 w .. + 63 (the wgmma
 // A operand); the NT activation rows of a grid-z slice are the wgmma N (NT = 64 or 128). Every warpgroup works on
-// the same 128-k step: one step = 4 x wgmma m64nNTk32 e4m3 from a WG8_STAGES-deep cp.async ring of steps (the
+// the same 128-k step: one step = 4 x wgmma m64nNTk32 e4m3 from a WG8_STAGES_N{NT}-deep cp.async ring of steps (the
 // block's 128-byte weight lines + the X tile, both 128B-swizzled K-major, + BLK: the step's X scales), one block
 // barrier a step. Each step's sum lands in fresh registers d and is promoted into the fp32 accumulator (FP8 tensor
 // core sums are short): acc += d * sw * xs[m] (BLK) or acc += d (CH; scales applied once at the end).
@@ -43,6 +43,7 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
     pdl_entry();
     constexpr int ROWS = 64 * WG8_WGS, THREADS = 128 * WG8_WGS, W_BYTES = ROWS * 128, TILE = W_BYTES + NT * 128;
     constexpr int PSTRIDE = ROWS + 4;              // floats an activation row of the partial sums (conflict-free)
+    constexpr int STAGES = NT == 64 ? WG8_STAGES_N64 : WG8_STAGES_N128;
     const int steps = (K + 127) >> 7;
     const int slices = (M + NT - 1) / NT, m0 = (blockIdx.x % slices) * NT;   // a tile's slices: adjacent blocks
     M -= m0;
@@ -52,17 +53,17 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 raw = smem_addr(smem_raw), base = (raw + 1023u) & ~1023u;   // swizzle atoms: 1024-byte aligned
     float* part = reinterpret_cast<float*>(smem_raw + (base - raw));       // partial sums, over the ring at the end
-    const u32 xs_ring = base + (u32)(WG8_STAGES * TILE);                   // BLK: WG8_STAGES x NT X scales
+    const u32 xs_ring = base + (u32)(STAGES * TILE);                   // BLK: STAGES x NT X scales
     const int tid = threadIdx.x, wg = tid >> 7, w4 = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int n0 = (blockIdx.x / slices) * ROWS, z = blockIdx.y;
     const int n_my = z < steps ? (steps - z + C - 1) / C : 0;
     // MB: per-slot mbarriers instead of a block barrier a step: full (every thread's copies landed: THREADS
     // arrivals) and empty (every warp done with the slot's MMAs and scales: 4 WG8_WGS arrivals), so the
     // warpgroups drift apart (one's promotion overlaps the other's MMAs) by up to a step.
-    __shared__ __align__(8) u64 bars[MB ? 2 * WG8_STAGES : 1];
-    const u32 full = smem_addr(bars), empty = full + 8 * WG8_STAGES;
+    __shared__ __align__(8) u64 bars[MB ? 2 * STAGES : 1];
+    const u32 full = smem_addr(bars), empty = full + 8 * STAGES;
     if (MB) {
-        if (tid < WG8_STAGES) {
+        if (tid < STAGES) {
             mbar_init(full + 8 * tid, THREADS);
             mbar_init(empty + 8 * tid, 4 * WG8_WGS);
         }
@@ -71,8 +72,8 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
 
     auto issue = [&](int j) {
         if (j < n_my) {
-            const int k = (z + j * C) * 128, slot = j % WG8_STAGES;
-            if (MB && j >= WG8_STAGES) mbar_wait(empty + 8 * slot, (j / WG8_STAGES - 1) & 1);
+            const int k = (z + j * C) * 128, slot = j % STAGES;
+            if (MB && j >= STAGES) mbar_wait(empty + 8 * slot, (j / STAGES - 1) & 1);
             const u32 st = base + (u32)(slot * TILE);
             const int p = tid & 7, kk = k + p * 16, bytes = kk < K ? 16 : 0, ks = kk < K ? kk : 0;
 #pragma unroll
@@ -94,7 +95,7 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
         cp_async_commit();
     };
 #pragma unroll
-    for (int j = 0; j < WG8_STAGES - 1; j++) issue(j);
+    for (int j = 0; j < STAGES - 1; j++) issue(j);
 
     float acc[NT / 2], d[NT / 2];
 #pragma unroll
@@ -103,16 +104,16 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
     const float* sw_row = WS + (size_t)(min(n0 + wg * 64, N - 1) >> 7) * steps;
 
     for (int j = 0; j < n_my; j++) {
-        const int slot = j % WG8_STAGES;
+        const int slot = j % STAGES;
         if (MB) {
-            issue(j + WG8_STAGES - 1);             // waits until every warp is done with step j - 1
-            mbar_wait(full + 8 * slot, (j / WG8_STAGES) & 1);
+            issue(j + STAGES - 1);             // waits until every warp is done with step j - 1
+            mbar_wait(full + 8 * slot, (j / STAGES) & 1);
             fence_proxy_async();
         } else {
-            cp_async_wait<WG8_STAGES - 2>();       // step j landed (this thread's copies) ...
+            cp_async_wait<STAGES - 2>();       // step j landed (this thread's copies) ...
             fence_proxy_async();                   // ... visible to the tensor cores
             __syncthreads();                       // ... every thread's; step j - 1's slot is free
-            issue(j + WG8_STAGES - 1);
+            issue(j + STAGES - 1);
         }
         const u32 st = base + (u32)(slot * TILE);
         wg_fence();

@@ -43,7 +43,8 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
     pdl_entry();
     constexpr int ROWS = 64 * WG8_WGS, THREADS = 128 * WG8_WGS, W_BYTES = ROWS * 128, TILE = W_BYTES + NT * 128;
     constexpr int PSTRIDE = ROWS + 4;              // floats an activation row of the partial sums (conflict-free)
-    constexpr int STAGES = NT == 64 ? WG8_STAGES_N64 : WG8_STAGES_N128;
+    constexpr int STAGES = NT == 64 ? WG8_STAGES_N64 : NT == 128 ? WG8_STAGES_N128 : WG8_STAGES_N256;
+    constexpr int NH = NT > 128 ? 2 : 1, NW = NT / NH;   // NT 256: two n128 wgmma chains on one weight tile
     const int steps = (K + 127) >> 7;
     const int slices = (M + NT - 1) / NT, m0 = (blockIdx.x % slices) * NT;   // a tile's slices: adjacent blocks
     M -= m0;
@@ -97,9 +98,11 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
 #pragma unroll
     for (int j = 0; j < STAGES - 1; j++) issue(j);
 
-    float acc[NT / 2], d[NT / 2];
+    float acc[NT / 2], d[NW / 2];                  // acc: the NH halves' sums; d: one half's step sum
 #pragma unroll
-    for (int i = 0; i < NT / 2; i++) acc[i] = d[i] = 0.f;
+    for (int i = 0; i < NT / 2; i++) acc[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < NW / 2; i++) d[i] = 0.f;
     // BLK: a warpgroup's 64 rows lie in one 128-row block of the weight scales
     const float* sw_row = WS + (size_t)(min(n0 + wg * 64, N - 1) >> 7) * steps;
 
@@ -116,30 +119,34 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
             issue(j + STAGES - 1);
         }
         const u32 st = base + (u32)(slot * TILE);
-        wg_fence();
+        const float sw = BLK ? __ldg(sw_row + z + j * C) : 0.f;
 #pragma unroll
-        for (int kc = 0; kc < 4; kc++)
-            wgmma_e4m3(d, sw128_desc(st + (u32)(wg * 64 * 128 + kc * 32), 16, 1024),
-                       sw128_desc(st + (u32)(W_BYTES + kc * 32), 16, 1024), kc);
-        wg_commit();
-        wg_wait<0>();                              // (ptxas serialises wgmma when other accumulators are read
-        reg_fence(d);                              // while one is in flight: no overlap of steps in a warpgroup)
-        if (BLK) {
-            const float sw = __ldg(sw_row + z + j * C);
-            const float* xs = reinterpret_cast<const float*>(smem_raw + (xs_ring - raw)) + slot * NT;
+        for (int h = 0; h < NH; h++) {              // activation rows h NW .. + NW - 1, the same A tile
+            wg_fence();
 #pragma unroll
-            for (int jj = 0; jj < NT / 8; jj++) {
-                const float2 s = *reinterpret_cast<const float2*>(xs + 8 * jj + 2 * t);
-                const float s0 = s.x * sw, s1 = s.y * sw;
+            for (int kc = 0; kc < 4; kc++)
+                wgmma_e4m3(d, sw128_desc(st + (u32)(wg * 64 * 128 + kc * 32), 16, 1024),
+                           sw128_desc(st + (u32)(W_BYTES + h * NW * 128 + kc * 32), 16, 1024), kc);
+            wg_commit();
+            wg_wait<0>();                          // (ptxas serialises wgmma when other accumulators are read
+            reg_fence(d);                          // while one is in flight: no overlap of steps in a warpgroup)
+            float* ah = acc + h * (NW / 2);
+            if (BLK) {
+                const float* xs = reinterpret_cast<const float*>(smem_raw + (xs_ring - raw)) + slot * NT + h * NW;
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    acc[4 * jj + 2 * e] += d[4 * jj + 2 * e] * s0;
-                    acc[4 * jj + 2 * e + 1] += d[4 * jj + 2 * e + 1] * s1;
+                for (int jj = 0; jj < NW / 8; jj++) {
+                    const float2 s = *reinterpret_cast<const float2*>(xs + 8 * jj + 2 * t);
+                    const float s0 = s.x * sw, s1 = s.y * sw;
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        ah[4 * jj + 2 * e] += d[4 * jj + 2 * e] * s0;
+                        ah[4 * jj + 2 * e + 1] += d[4 * jj + 2 * e + 1] * s1;
+                    }
                 }
-            }
-        } else {
+            } else {
 #pragma unroll
-            for (int i = 0; i < NT / 2; i++) acc[i] += d[i];
+                for (int i = 0; i < NW / 2; i++) ah[i] += d[i];
+            }
         }
         if (MB) {
             __syncwarp();
@@ -150,7 +157,7 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
     __syncthreads();                               // the ring is free: partial sums [NT][PSTRIDE] over it
 
 #pragma unroll
-    for (int jj = 0; jj < NT / 8; jj++)
+    for (int jj = 0; jj < NT / 8; jj++)            // (the NH halves: jj runs on over both)
 #pragma unroll
         for (int e = 0; e < 2; e++)
 #pragma unroll
@@ -229,3 +236,11 @@ W8A8_WGMMA_KERNELS(blk, true, 128, 1, true, mb)
 W8A8_WGMMA_KERNELS(blk, true, 128, 2, true, mb)
 W8A8_WGMMA_KERNELS(blk, true, 128, 4, true, mb)
 W8A8_WGMMA_KERNELS(blk, true, 128, 8, true, mb)
+W8A8_WGMMA_KERNELS(ch, false, 256, 1, false, )
+W8A8_WGMMA_KERNELS(ch, false, 256, 2, false, )
+W8A8_WGMMA_KERNELS(ch, false, 256, 4, false, )
+W8A8_WGMMA_KERNELS(ch, false, 256, 8, false, )
+W8A8_WGMMA_KERNELS(blk, true, 256, 1, false, )
+W8A8_WGMMA_KERNELS(blk, true, 256, 2, false, )
+W8A8_WGMMA_KERNELS(blk, true, 256, 4, false, )
+W8A8_WGMMA_KERNELS(blk, true, 256, 8, false, )

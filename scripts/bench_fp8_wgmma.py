@@ -3,7 +3,7 @@ shapes at 64 / 128 / 256 rows (device machine), against the CUTLASS W8A8 GEMM (w
 fp8_w8a8_wgmma) and the bf16 kernels a bf16 decode plan picks for those rows (plan_linear, --lib). Each output
 poisoned with NaN and checked against torch float32 on the unquantized activations (err), then timed in a CUDA
 graph rotating over weight copies beyond L2; TB/s = weight bytes (e4m3: 1 B, bf16: 2 B a weight) / time. Rows:
-quantize_fp8 alone, then each GEMM alone, the wgmma kernel at its planned cluster and at every built one, both ring variants (`mb`: mbarriers); the last
+quantize_fp8 alone, then each GEMM alone, the wgmma kernel at its planned cluster and at every built one, both ring variants (`mb`: mbarriers), above 128 rows the n256 tile too; the last
 lines sum 36 layers per row count (GEMMs alone; + quantize where the plan launches it: 1 of 4 linears a layer
 with fp8_quantize_in_producer, o_proj).
 """
@@ -17,7 +17,8 @@ import torch
 from scripts.bench_fp8 import BATCHED_SHAPES, FP8_SHAPES, launches, weights
 from xserv_aot import fp8
 from xserv_aot.plan.cutlass_build import FP8_CONFIG, library_config_names
-from xserv_aot.plan.fp8_build import W8A8_WGMMA_CLUSTERS, W8A8_WGMMA_MBAR, plan_quantize, plan_w8a8_wgmma
+from xserv_aot.plan.fp8_build import (W8A8_WGMMA_CLUSTERS, W8A8_WGMMA_MBAR, W8A8_WGMMA_TILES, W8A8_WGMMA_WIDE,
+                                      plan_quantize, plan_w8a8_wgmma)
 from xserv_aot.plan.linear_plan import plan_linear
 from xserv_aot.plan.op_records import Linear, QuantizeFp8
 
@@ -88,8 +89,11 @@ def bench_fp8_wgmma(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> Non
                 op8 = Linear(inp="xq", inp_scale="xs", weight="w", bias=None, out="y", rows=M, n=N, k=K,
                              weight_scale="w.scale", quant=scheme)
                 planned, best = plan_w8a8_wgmma(op8, "bfloat16").launch[0], float("inf")
-                for c, mb in [(None, W8A8_WGMMA_MBAR)] + [(c, mb) for mb in (False, True) for c in W8A8_WGMMA_CLUSTERS]:
-                    rec = plan_w8a8_wgmma(op8, "bfloat16", c, mb).launch[0]
+                variants = [(None, W8A8_WGMMA_MBAR, W8A8_WGMMA_WIDE)] + [
+                    (c, mb, wide) for mb, wide in ((False, False), (True, False), (False, True))
+                    if not wide or M > W8A8_WGMMA_TILES[-1] for c in W8A8_WGMMA_CLUSTERS]
+                for c, mb, wide in variants:
+                    rec = plan_w8a8_wgmma(op8, "bfloat16", c, mb, wide).launch[0]
                     if c is not None and rec.fn == planned.fn:
                         continue
                     ls = launches(kern, rec, [[("ptr", xq.data_ptr()), ("ptr", xs.data_ptr()), ("ptr", w.data_ptr()),

@@ -32,17 +32,19 @@ def w8a8_op(rows, n, k, scheme, bias=False):
                   weight_scale="w.scale", quant=scheme)
 
 
-def run_wgmma(lib, rng, scheme, M, N, K, out_dtype, bias, cluster=None, mbar=None):
+def run_wgmma(lib, rng, scheme, M, N, K, out_dtype, bias, cluster=None, mbar=None, wide=None):
     """quantize_fp8 (device) + the W8A8 wgmma kernel as the plan routes it (fp8_w8a8_wgmma), or at a forced
-    cluster size / ring variant (mbar); -> (bufs, records, (x, q, s, b))."""
+    cluster size / ring variant (mbar) / 256-row tile (wide); -> (bufs, records, (x, q, s, b))."""
     q, s = make_weight(rng, N, K, scheme)
     x = bf(rng.standard_normal((M, K), dtype=np.float32) * np.exp(rng.uniform(-2, 2, (M, 1))).astype(np.float32))
     b = bf(rng.standard_normal(N)) if bias else None
     group = fp8.act_group(scheme, K)
     qop = QuantizeFp8(rows=M, inp="x", out="xq", scale="xs", k=K, group=group)
     op = w8a8_op(M, N, K, scheme, bias)
-    choice = (fp8_build.plan_w8a8_wgmma(op, out_dtype, cluster, fp8_build.W8A8_WGMMA_MBAR if mbar is None else mbar)
-              if cluster or mbar is not None else plan_linear(op, out_dtype, None, {}, decode=True, fp8_wgmma=True))
+    forced = cluster or mbar is not None or wide is not None
+    choice = (fp8_build.plan_w8a8_wgmma(op, out_dtype, cluster, fp8_build.W8A8_WGMMA_MBAR if mbar is None else mbar,
+                                        fp8_build.W8A8_WGMMA_WIDE if wide is None else wide)
+              if forced else plan_linear(op, out_dtype, None, {}, decode=True, fp8_wgmma=True))
     assert choice.kernel.startswith(f"w8a8_wgmma_{fp8_build.SCHEME_TAG[scheme]}_"), choice.kernel
     bufs = {"x": lib.to_device(x, "bfloat16"), "w": to_dev_fp8(lib, q), "w.scale": lib.to_device(s),
             "b": lib.to_device(b, "bfloat16") if bias else None,
@@ -77,6 +79,30 @@ def test_w8a8_wgmma_every_cluster(lib, rng, scheme, mbar, cluster, M, K):
     bufs, recs, (x, q, s, b) = run_wgmma(lib, rng, scheme, M, 1000, K, "float32", True, cluster, mbar)
     assert recs[-1].grid[1] == cluster and ("mb_" in recs[-1].fn) == mbar
     check_w8a8(bufs, x, q, s, b, scheme, "float32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_w8a8_wgmma_wide_tile_every_row_count(lib, rng, scheme):
+    """Rows 129..256 on the n256 tile (two n128 halves on one weight tile), fresh inputs each."""
+    for M in range(129, fp8_build.W8A8_WGMMA_MAX_ROWS + 1):
+        bufs, recs, (x, q, s, b) = run_wgmma(lib, rng, scheme, M, 264, 400, "float32", M % 2 == 1, wide=True)
+        assert "_n256c" in recs[-1].fn
+        try:
+            check_w8a8(bufs, x, q, s, b, scheme, "float32")
+        except AssertionError as e:
+            raise AssertionError(f"rows {M} ({recs[-1].fn}): {e}") from None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("cluster", fp8_build.W8A8_WGMMA_CLUSTERS)
+@pytest.mark.parametrize("M,N,K", [(250, 1000, 1024), (256, 4096, 12288), (129, 6144, 592)])
+def test_w8a8_wgmma_wide_tile(lib, rng, scheme, cluster, M, N, K):
+    bufs, recs, (x, q, s, b) = run_wgmma(lib, rng, scheme, M, N, K, "bfloat16" if N > 1000 else "float32", True,
+                                         cluster, wide=True)
+    assert recs[-1].fn.startswith(f"w8a8_wgmma_{fp8_build.SCHEME_TAG[scheme]}_n256c{cluster}_")
+    check_w8a8(bufs, x, q, s, b, scheme, "bfloat16" if N > 1000 else "float32")
 
 
 @pytest.mark.gpu
@@ -181,6 +207,15 @@ def test_w8a8_wgmma_keeps_the_skinny_kernel_up_to_32_rows():
     assert rec.fn.startswith("skinny_w8a8_blk_m32")
     with pytest.raises(Exception, match="CUTLASS"):
         plan_linear(w8a8_op(257, 4096, 4096, fp8.BLOCK128), "bfloat16", None, None, True, fp8_wgmma=True)
+
+
+def test_w8a8_wgmma_wide_routing():
+    """wide: 129-256 rows as one n256 tile a weight tile (grid x = tiles), 33-128 as before; no mb at n256."""
+    for rows, nt in ((64, 64), (128, 128), (129, 256), (256, 256)):
+        (rec,) = fp8_build.plan_w8a8_wgmma(w8a8_op(rows, 4096, 4096, fp8.CHANNEL), "float32", mbar=True,
+                                               wide=True).launch
+        assert f"_n{nt}c" in rec.fn and rec.grid[0] == 32 and ("mb_" in rec.fn) == (nt != 256), rec
+        assert rec.smem == fp8_build.w8a8_wgmma_smem(nt) <= 227 * 1024
 
 
 @pytest.mark.parametrize("rows,n,k,cluster", [(64, 6144, 4096, 2), (64, 4096, 4096, 4), (64, 24576, 4096, 2),

@@ -36,6 +36,8 @@ W8A8_WGMMA_TILES = (64, 128)              # activation rows a wgmma N (more rows
 W8A8_WGMMA_CLUSTERS = (1, 2, 4, 8)        # blocks a cluster (splitting K) that the kernel file instantiates
 W8A8_WGMMA_SMS = 132                      # one block an SM (its ring takes ~195 KB of shared memory)
 W8A8_WGMMA_MBAR = False                   # per-slot mbarriers instead of a block barrier a step (`mb` kernels)
+W8A8_WGMMA_WIDE = False                   # 129-256 rows as one 256-row tile (n256: two n128 halves on one weight
+                                          # tile, its bytes read once) instead of two 128-row slices
 
 
 def host_signatures() -> dict[str, list[dict]]:
@@ -156,14 +158,16 @@ def wgmma_cluster(tiles: int, steps: int) -> int:
     return min(built, key=lambda c: (round(waste[c], 3), c))
 
 
-def plan_w8a8_wgmma(op: Linear, out_dtype: str, cluster: int | None = None,
-                    mbar: bool = W8A8_WGMMA_MBAR) -> KernelChoice:
+def plan_w8a8_wgmma(op: Linear, out_dtype: str, cluster: int | None = None, mbar: bool = W8A8_WGMMA_MBAR,
+                    wide: bool = W8A8_WGMMA_WIDE) -> KernelChoice:
     """quantize_fp8's rows and scales x the e4m3 weight on wgmma e4m3, weights as the A operand (m64 tiles), the
     activation rows as N (kernels/gemm_w8a8_wgmma.cu); cluster: force the K split (tests, bench), by default
-    wgmma_cluster; mbar: the mbarrier ring variant."""
+    wgmma_cluster; mbar: the mbarrier ring variant (not built for n256); wide: 129-256 rows on the n256 tile."""
     if op.k % 16:
         raise KernelBuildError(f"FP8 linear {op.weight}: k={op.k} (the W8A8 wgmma kernel needs k % 16 == 0)")
-    nt = next((t for t in W8A8_WGMMA_TILES if t >= op.rows), W8A8_WGMMA_TILES[-1])
+    nt = 256 if wide and op.rows > W8A8_WGMMA_TILES[-1] else next(
+        (t for t in W8A8_WGMMA_TILES if t >= op.rows), W8A8_WGMMA_TILES[-1])
+    mbar = mbar and nt != 256
     tiles, slices = -(-op.n // w8a8_wgmma_rows()), -(-op.rows // nt)
     c = cluster or wgmma_cluster(tiles * slices, -(-op.k // 128))
     if c not in W8A8_WGMMA_CLUSTERS:

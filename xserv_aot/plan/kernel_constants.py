@@ -23,6 +23,7 @@ SW8_STAGES = 4          # ring of 128-k steps per W8A8 skinny block (256 weight 
 WG8_WGS = 2             # consumer warpgroups (m64 weight tiles) of a kernels/gemm_w8a8_wgmma.cu block
 WG8_STAGES_N64 = 8      # ... its ring of 128-k steps (64 WG8_WGS weight lines + the NT-row X tile each) at NT 64
 WG8_STAGES_N128 = 6     # ... and at NT 128 (both ~200 KB of shared memory)
+WG8_STAGES_N256 = 4     # ... and at NT 256 (two n128 halves on one weight tile, ~197 KB)
 
 KERNEL_DEFINES = {"P_KEYS": P_KEYS, "G_MAX": G_MAX, "NORM_NC": NORM_NC, "GEMM_BK": GEMM_BK, "GEMM_LDS": GEMM_LDS,
                   "GEMM_STAGES_128": GEMM_STAGES_128, "GEMM_STAGES_64": GEMM_STAGES_64, "SK_WARPS": SK_WARPS,
@@ -31,7 +32,7 @@ KERNEL_DEFINES = {"P_KEYS": P_KEYS, "G_MAX": G_MAX, "NORM_NC": NORM_NC, "GEMM_BK
                   "MK_CONSUMERS": MK_CONSUMERS, "MK_TILE": MK_TILE,
                   "MK_TRACE": MK_TRACE, "SW8_STAGES": SW8_STAGES,
                   "WG8_WGS": WG8_WGS, "WG8_STAGES_N64": WG8_STAGES_N64,
-                  "WG8_STAGES_N128": WG8_STAGES_N128}
+                  "WG8_STAGES_N128": WG8_STAGES_N128, "WG8_STAGES_N256": WG8_STAGES_N256}
 
 
 def gemm_smem(tile: str) -> int:
@@ -71,7 +72,7 @@ def w8a8_wgmma_smem(nt: int) -> int:
     """Dynamic shared memory (bytes) of a kernels/gemm_w8a8_wgmma.cu block for nt activation rows: 1024 of alignment
     slack, its ring of steps (the weight lines and nt e4m3 lines, 128 B each), then the ring's X scales (nt floats
     a step); the partial sums [nt, rows + 4] floats reuse the ring."""
-    rows, stages = w8a8_wgmma_rows(), {64: WG8_STAGES_N64, 128: WG8_STAGES_N128}[nt]
+    rows, stages = w8a8_wgmma_rows(), {64: WG8_STAGES_N64, 128: WG8_STAGES_N128, 256: WG8_STAGES_N256}[nt]
     ring = stages * (rows + nt) * 128
     assert nt * (rows + 4) * 4 <= ring
     return 1024 + ring + stages * nt * 4

@@ -97,7 +97,7 @@ def test_w8a8_wgmma_wide_tile_every_row_count(lib, rng, scheme):
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("M,N,K,cluster", [(250, 1000, 1024, c) for c in fp8_build.W8A8_WGMMA_CLUSTERS] +
-                         [(129, 6144, 592, None), (256, 4096, 12288, None), (200, 24576, 4096, None)])
+                         [(129, 6144, 592, None), (256, 4096, 12288, None)])
 def test_w8a8_wgmma_wide_tile(lib, rng, scheme, cluster, M, N, K):
     bufs, recs, (x, q, s, b) = run_wgmma(lib, rng, scheme, M, N, K, "bfloat16" if N > 1000 else "float32", True,
                                          cluster, wide=True)
@@ -125,7 +125,7 @@ CASES = [  # rows, N, K, out dtype, bias: the Qwen3-8B shapes (qkv, o, gate_up, 
     (64, 4096, 4096, "float32", True),
     (100, 24576, 4096, "bfloat16", False),
     (256, 4096, 12288, "bfloat16", True),     # two 128-row slices
-    (65, 4096, 12288, "float32", False),
+    (65, 6144, 4096, "float32", False),
     (129, 1000, 592, "float32", True),        # N not a multiple of 128, K not of 128, a 1-row second slice
     (200, 1002, 576, "float32", False),
     (48, 136, 4096, "bfloat16", True),        # one tile, its second warpgroup mostly past N

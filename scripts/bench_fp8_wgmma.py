@@ -2,10 +2,12 @@
 shapes at 64 / 128 / 256 rows (device machine), against the CUTLASS W8A8 GEMM (what those rows run without
 fp8_w8a8_wgmma) and the bf16 kernels a bf16 decode plan picks for those rows (plan_linear, --lib). Each output
 poisoned with NaN and checked against torch float32 on the unquantized activations (err), then timed in a CUDA
-graph rotating over weight copies beyond L2; TB/s = weight bytes (e4m3: 1 B, bf16: 2 B a weight) / time. Rows:
-quantize_fp8 alone, then each GEMM alone, the wgmma kernel at its planned cluster and at every built one, both ring variants (`mb`: mbarriers), above 128 rows the n256 tile too; the last
-lines sum 36 layers per row count (GEMMs alone; + quantize where the plan launches it: 1 of 4 linears a layer
-with fp8_quantize_in_producer, o_proj).
+graph rotating over weight copies beyond L2; TB/s = weight bytes (e4m3: 1 B, bf16: 2 B a weight) / time. First
+pass, per shape and row count: quantize_fp8 alone, then each GEMM alone (the wgmma kernel as planned, CUTLASS
+W8A8, the bf16 plan's), and lines summing 36 layers per row count (GEMMs alone; + quantize where the plan
+launches it: 1 of 4 linears a layer with fp8_quantize_in_producer, o_proj); second pass: the wgmma kernel at
+every other built cluster size, the mbarrier ring (`mb`), above 128 rows the n256 tile, and the sums again with
+the best variant per shape.
 """
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ def bench_fp8_wgmma(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> Non
                 total[(scheme, M, "quantize_o")] = 36 * ms
         return ms
 
-    extras = []                                            # (scheme, name, M, variant, body, copies, ref, y)
+    extras, keep = [], []                                  # (scheme, name, M, variant, body, copies, ref, y)
     for scheme in schemes:
         for name in BATCHED_SHAPES:
             N, K = FP8_SHAPES[name]
@@ -107,6 +107,7 @@ def bench_fp8_wgmma(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> Non
                         ms = run(scheme, name, M, f"{rec.fn} (planned)", body, copies, N * K, ref, y, "wgmma")
                         best[(scheme, name, M)] = ms
                     else:                                  # timed after every shape's planned kernel
+                        keep.append((ws, x, xq, xs))           # the launches hold raw pointers into these
                         extras.append((scheme, name, M, rec.fn, body, copies, N * K, ref, y))
                 if so is not None:
                     cfg = FP8_CONFIG[(scheme, "bfloat16")]

@@ -16,6 +16,7 @@
 // quantizes its step's X tile in shared memory exactly as quantize_fp8 does (fp8_act_scale, e4m3x8_div), so the
 // quantize_fp8 kernel before the linear is not launched (xq / xq_scale stay unwritten).
 #include "fp8.cuh"
+#include "cluster.cuh"
 
 __device__ __forceinline__ uint4 sw8_lds16(u32 addr) {
     uint4 v;
@@ -41,19 +42,6 @@ __device__ __forceinline__ void mma_e4m3(float* d, u32 a0, u32 a1, u32 a2, u32 a
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ void cluster_barrier() {
-    asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
-}
-// The same shared-memory offset in the block of cluster rank `rank`, read as 4 floats.
-__device__ __forceinline__ float4 ld_cluster_v4(u32 local, u32 rank) {
-    u32 remote;
-    float4 v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(remote) : "memory");
-    return v;
-}
-
 // RT m16 weight tiles a warp: 2 (256 rows a block; 1, 128 rows, at 128 batch rows: the register budget).
 template <int MB, bool OUT_F32, bool BLK, int C, bool QX, int RT>
 __device__ __forceinline__ void skinny_w8a8_impl(const void* __restrict__ XIN, const float* __restrict__ XS,

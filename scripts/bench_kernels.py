@@ -7,6 +7,8 @@
   python3 scripts/bench_kernels.py fp8 [--lib PATH/libxserv_gemm.so] [--rows 1,2,16,64]   (scripts/bench_fp8.py)
   python3 scripts/bench_kernels.py fp8-batched [--lib PATH/libxserv_gemm.so] [--rows 16,32,64,128,256]
       [--both-schemes]   (old vs new FP8 decode linears, scripts/bench_fp8.py)
+  python3 scripts/bench_kernels.py fp8-wgmma [--lib PATH/libxserv_gemm.so] [--rows 64,128,256] [--both-schemes]
+      (the W8A8 wgmma GEMM vs CUTLASS W8A8 and the bf16 plan's kernels, scripts/bench_fp8_wgmma.py)
   python3 scripts/bench_kernels.py attn-few --batches 1,2 --contexts 128,512,4096
   python3 scripts/bench_kernels.py prefill-gemm --lib PATH/libxserv_gemm.so [--rows 2048,4096,8192]
   python3 scripts/bench_kernels.py prefill-elementwise [--rows 2048,4096,8192]
@@ -345,8 +347,8 @@ def bench_prefill(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["gemm", "attn", "attn-few", "prefill", "fp8", "fp8-batched", "prefill-gemm",
-                                     "prefill-elementwise"])
+    ap.add_argument("what", choices=["gemm", "attn", "attn-few", "prefill", "fp8", "fp8-batched", "fp8-wgmma",
+                                     "prefill-gemm", "prefill-elementwise"])
     ap.add_argument("--lib")
     ap.add_argument("--rows", default=None, help="gemm: 16,32,64,128,256; fp8: 1,2,16,64; "
                     "prefill-gemm, prefill-elementwise: 2048,4096,8192")
@@ -356,7 +358,7 @@ def main() -> None:
     ap.add_argument("--prompts", default="2048,4096,8192,4x1024", help="prefill: N x L or L (one seq)")
     ap.add_argument("--variants", default=None, help="prefill: comma list of attention_plan.PREFILL_ATTN_VARIANTS")
     args = ap.parse_args()
-    args.rows = args.rows or {"fp8": "1,2,16,64", "prefill-gemm": "2048,4096,8192",
+    args.rows = args.rows or {"fp8": "1,2,16,64", "fp8-wgmma": "64,128,256", "prefill-gemm": "2048,4096,8192",
                                "prefill-elementwise": "2048,4096,8192"}.get(args.what, "16,32,64,128,256")
     torch.cuda.init()
     if args.what == "prefill-gemm":
@@ -369,7 +371,7 @@ def main() -> None:
         from bench_attn_few import bench_attn_few
         return bench_attn_few(args)
     {"gemm": bench_gemm, "attn": bench_attn, "prefill": bench_prefill, "fp8": bench_fp8,
-     "fp8-batched": bench_fp8_batched}[args.what](args)
+     "fp8-batched": bench_fp8_batched, "fp8-wgmma": bench_fp8_wgmma}[args.what](args)
 
 
 def bench_fp8(args) -> None:
@@ -379,6 +381,11 @@ def bench_fp8(args) -> None:
 
 def bench_fp8_batched(args) -> None:
     from scripts.bench_fp8 import bench_fp8_batched as run
+    run(args, Kernels, time_graph, stream, rel_err, L2_BYTES)
+
+
+def bench_fp8_wgmma(args) -> None:
+    from scripts.bench_fp8_wgmma import bench_fp8_wgmma as run
     run(args, Kernels, time_graph, stream, rel_err, L2_BYTES)
 
 

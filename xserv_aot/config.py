@@ -191,6 +191,8 @@ class BuildConfig:
                                           # (W8A16), larger ones quantize them per token (W8A8), ops.linear_ops
     fp8_quantize_in_producer: bool = False  # fp8, CUDA: rmsnorm / add_rmsnorm / silu_mul also write the next
                                           # quantize_fp8's output (plan/fp8_build.producer_fuses_quantize)
+    fp8_w8a8_wgmma: bool = False          # fp8, CUDA: W8A8 linears of 33-256 rows on kernels/gemm_w8a8_wgmma.cu, not
+                                          # CUTLASS (plan/fp8_build.plan_w8a8)
 
     @property
     def prefill_chunk(self) -> int:
@@ -264,7 +266,8 @@ class BuildConfig:
                 or isinstance(self.fp8_w8a16_max_rows, bool):
             raise ConfigError(f"fp8_w8a16_max_rows {self.fp8_w8a16_max_rows!r} must be an integer in 2..64 (rows 1-2 "
                               f"are always W8A16 GEMVs; the W8A16 skinny kernels end at 64 rows)")
-        for name in ("gemm_library", "pdl", "quantize_lm_head", "gemm_residual", "fp8_quantize_in_producer"):
+        for name in ("gemm_library", "pdl", "quantize_lm_head", "gemm_residual", "fp8_quantize_in_producer",
+                     "fp8_w8a8_wgmma"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.decode_buckets = sorted(set(int(b) for b in self.decode_buckets))

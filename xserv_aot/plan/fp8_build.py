@@ -6,7 +6,8 @@ kernels/cutlass/gemm_sm90_fp8*.{h,cuh,cu}). Called by plan.kernel_build."""
 from __future__ import annotations
 
 from xserv_aot import fp8
-from xserv_aot.plan.kernel_constants import skinny_smem, skinny_w8a8_rows, skinny_w8a8_smem
+from xserv_aot.plan.kernel_constants import (skinny_smem, skinny_w8a8_rows, skinny_w8a8_smem, WG8_WGS,
+                                             w8a8_wgmma_rows, w8a8_wgmma_smem)
 from xserv_aot.plan.launch_records import i32, kernel, launch, library_call, ptr
 from xserv_aot.plan.linear_plan import GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS
 from xserv_aot.plan.nvrtc_build import KERNEL_DIR, KernelBuildError
@@ -29,6 +30,14 @@ W8A8_SKINNY_CLUSTERS = (1, 2, 4, 5, 8)    # blocks a cluster (splitting K) that 
 W8A8_QUANTIZE_IN_KERNEL = False           # block128 W8A8 skinny linears quantize their bf16 input themselves (blkq:
                                           # 0.65 - 0.91x of quantize_fp8 + GEMM on the H200, the IEEE divisions)
 W8A8_SKINNY_HALF = False                  # 33-64 rows: 128-row blocks (r1, no spills) instead of 256-row ones
+W8A8_WGMMA_MAX_ROWS = 256                 # build setting fp8_w8a8_wgmma: W8A8 linears of W8A8_SKINNY_MAX_ROWS + 1 ..
+                                          # this many rows on kernels/gemm_w8a8_wgmma.cu instead of CUTLASS
+W8A8_WGMMA_TILES = (64, 128)              # activation rows a wgmma N (more rows: slices of 128, grid x)
+W8A8_WGMMA_CLUSTERS = (1, 2, 4, 8)        # blocks a cluster (splitting K) that the kernel file instantiates
+W8A8_WGMMA_SMS = 132                      # one block an SM (its ring takes ~195 KB of shared memory)
+W8A8_WGMMA_MBAR = False                   # per-slot mbarriers instead of a block barrier a step (`mb` kernels)
+W8A8_WGMMA_WIDE = False                   # 129-256 rows as one 256-row tile (n256: two n128 halves on one weight
+                                          # tile, its bytes read once) instead of two 128-row slices
 
 
 def host_signatures() -> dict[str, list[dict]]:
@@ -43,14 +52,16 @@ def fp8_args(op: Linear, fused_silu_out: str | None = None) -> list:
     return head + [ptr(op.bias), ptr(op.out), i32(op.rows), i32(op.n), i32(op.k)]
 
 
-def plan_fp8_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: dict | None) -> KernelChoice:
-    """fuse_into: the silu_mul output buffer when the next op is silu_mul of this op's output (GEMV only)."""
+def plan_fp8_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: dict | None,
+                    wgmma: bool = False) -> KernelChoice:
+    """fuse_into: the silu_mul output buffer when the next op is silu_mul of this op's output (GEMV only); wgmma:
+    build setting fp8_w8a8_wgmma (plan_w8a8)."""
     rows, n, k, tag = op.rows, op.n, op.k, SCHEME_TAG[op.quant]
     suffix = "f32" if out_dtype == "float32" else "bf16"
     if k % 16 or n % 2:
         raise KernelBuildError(f"FP8 linear {op.weight}: n={n}, k={k} (FP8 kernels need k % 16 == 0, n even)")
     if op.inp_scale:
-        return plan_w8a8(op, out_dtype, cutlass)
+        return plan_w8a8(op, out_dtype, cutlass, wgmma)
     if rows <= GEMV_MAX_ROWS:
         mt = rows
         if fuse_into:
@@ -65,12 +76,14 @@ def plan_fp8_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: 
     return kernel(launch(f"skinny_fp8_{tag}{bn}_m{mt}_{suffix}", [-(-n // bn)], [256], skinny_smem(mt), fp8_args(op)))
 
 
-def plan_w8a8(op: Linear, out_dtype: str, cutlass: dict | None) -> KernelChoice:
-    """quantize_fp8's packed e4m3 rows and scales x the e4m3 weight, scales in the CUTLASS mainloop (block128) or
-    epilogue (channel)."""
+def plan_w8a8(op: Linear, out_dtype: str, cutlass: dict | None, wgmma: bool = False) -> KernelChoice:
+    """quantize_fp8's packed e4m3 rows and scales x the e4m3 weight: the skinny kernel (few rows), wgmma (33-256
+    rows where the build says so), else CUTLASS, scales in its mainloop (block128) or epilogue (channel)."""
     from xserv_aot.plan.cutlass_build import FP8_CONFIG, FP8_CONFIGS
-    if op.rows <= (W8A8_SKINNY_MAX_ROWS if cutlass is not None else W8A8_SKINNY_FALLBACK_ROWS):
+    if op.rows <= (W8A8_SKINNY_MAX_ROWS if cutlass is not None or wgmma else W8A8_SKINNY_FALLBACK_ROWS):
         return plan_w8a8_skinny(op, out_dtype)
+    if wgmma and op.rows <= W8A8_WGMMA_MAX_ROWS:
+        return plan_w8a8_wgmma(op, out_dtype)
     if cutlass is None:
         raise KernelBuildError(f"FP8 linear {op.weight} with {op.rows} rows is W8A8 and needs the CUTLASS GEMM "
                                f"library, which this build has not (enable gemm_library, or compile a plan whose "
@@ -132,6 +145,38 @@ def plan_w8a8_skinny(op: Linear, out_dtype: str, cluster: int | None = None, qua
         args = [ptr(op.inp), ptr(op.inp_scale), ptr(op.weight), ptr(op.weight_scale)]
     return kernel(launch(fn, [-(-op.n // rows), c, -(-op.rows // mt)], [256],
                          skinny_w8a8_smem(mt, bool(quantized_from), half), args + tail))
+
+
+def wgmma_cluster(tiles: int, steps: int) -> int:
+    """Blocks splitting K per (weight tile, activation slice), `tiles` of them: the largest built cluster size with
+    tiles x C <= W8A8_WGMMA_SMS (one wave), or with more tiles than SMs the one that wastes the least of the last
+    wave; never more blocks a cluster than 128-k steps."""
+    built = [c for c in W8A8_WGMMA_CLUSTERS if c <= steps] or [1]
+    if tiles <= W8A8_WGMMA_SMS:
+        return max(c for c in built if tiles * c <= W8A8_WGMMA_SMS or c == 1)
+    waste = {c: -(-tiles * c // W8A8_WGMMA_SMS) * W8A8_WGMMA_SMS / (tiles * c) for c in built}
+    return min(built, key=lambda c: (round(waste[c], 3), c))
+
+
+def plan_w8a8_wgmma(op: Linear, out_dtype: str, cluster: int | None = None, mbar: bool = W8A8_WGMMA_MBAR,
+                    wide: bool = W8A8_WGMMA_WIDE) -> KernelChoice:
+    """quantize_fp8's rows and scales x the e4m3 weight on wgmma e4m3, weights as the A operand (m64 tiles), the
+    activation rows as N (kernels/gemm_w8a8_wgmma.cu); cluster: force the K split (tests, bench), by default
+    wgmma_cluster; mbar: the mbarrier ring variant (not built for n256); wide: 129-256 rows on the n256 tile."""
+    if op.k % 16:
+        raise KernelBuildError(f"FP8 linear {op.weight}: k={op.k} (the W8A8 wgmma kernel needs k % 16 == 0)")
+    nt = 256 if wide and op.rows > W8A8_WGMMA_TILES[-1] else next(
+        (t for t in W8A8_WGMMA_TILES if t >= op.rows), W8A8_WGMMA_TILES[-1])
+    mbar = mbar and nt != 256
+    tiles, slices = -(-op.n // w8a8_wgmma_rows()), -(-op.rows // nt)
+    c = cluster or wgmma_cluster(tiles * slices, -(-op.k // 128))
+    if c not in W8A8_WGMMA_CLUSTERS:
+        raise KernelBuildError(f"W8A8 wgmma cluster {c} is not built (built: {W8A8_WGMMA_CLUSTERS})")
+    suffix = "f32" if out_dtype == "float32" else "bf16"
+    fn = f"w8a8_wgmma_{SCHEME_TAG[op.quant]}_n{nt}c{c}{'mb' if mbar else ''}_{suffix}"
+    args = [ptr(op.inp), ptr(op.inp_scale), ptr(op.weight), ptr(op.weight_scale), ptr(op.bias), ptr(op.out),
+            i32(op.rows), i32(op.n), i32(op.k)]
+    return kernel(launch(fn, [tiles * slices, c], [128 * WG8_WGS], w8a8_wgmma_smem(nt), args))
 
 
 def plan_quantize(op: QuantizeFp8) -> KernelChoice:

@@ -66,6 +66,7 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
     num_slots, block_size = kv_slots(kvc), kvc["shape"][3]
     arena = manifest["arena"]["buffers"]
     fuse_quantize = bool(manifest["build"].get("fp8_quantize_in_producer"))
+    fp8_wgmma = bool(manifest["build"].get("fp8_w8a8_wgmma"))
     row_threads = [min(ELEMWISE_THREADS, hidden // 8)]
     out: list[KernelChoice] = []
     for idx, op in enumerate(ops):
@@ -99,7 +100,7 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             fuse = nxt.out if isinstance(nxt, SiluMul) and nxt.inp == op.out else None
             res = (nxt.residual if isinstance(nxt, AddRmsNorm) and nxt.delta == op.out and nxt.rows == rows
                    and not read_later(ops, idx + 2, op.out) else None)
-            c = plan_linear(op, arena[op.out]["dtype"], fuse, cutlass, kind == "decode", res)
+            c = plan_linear(op, arena[op.out]["dtype"], fuse, cutlass, kind == "decode", res, fp8_wgmma)
         elif isinstance(op, QuantizeFp8):
             from xserv_aot.plan.fp8_build import plan_quantize, quantize_fuses_into
             if out[-1].kernel in QUANTIZING_PRODUCERS:

@@ -22,13 +22,19 @@ MK_TILE = 128           # ... keys an attention tile (two consumer threads a key
 MK_TRACE = 26           # ... trace stamps a block and layer (14 phase edges, 4 ring-wait sums, 4 barrier
                         #     arrivals, the producer's L2 prefetch count, 3 attention edges; mk_trace buffer)
 SW8_STAGES = 4          # ring of 128-k steps per W8A8 skinny block (256 weight lines + the X tile each)
+WG8_WGS = 2             # consumer warpgroups (m64 weight tiles) of a kernels/gemm_w8a8_wgmma.cu block
+WG8_STAGES_N64 = 8      # ... its ring of 128-k steps (64 WG8_WGS weight lines + the NT-row X tile each) at NT 64
+WG8_STAGES_N128 = 6     # ... and at NT 128 (both ~200 KB of shared memory)
+WG8_STAGES_N256 = 4     # ... and at NT 256 (two n128 halves on one weight tile, ~197 KB)
 
 KERNEL_DEFINES = {"P_KEYS": P_KEYS, "G_MAX": G_MAX, "NORM_NC": NORM_NC, "GEMM_BK": GEMM_BK, "GEMM_LDS": GEMM_LDS,
                   "GEMM_STAGES_128": GEMM_STAGES_128, "GEMM_STAGES_64": GEMM_STAGES_64, "SK_WARPS": SK_WARPS,
                   "SK_RT": SK_RT, "SK_STAGES": SK_STAGES, "MK_STAGE_BYTES": MK_STAGE_BYTES,
                   "MK_H_SEQ_BYTES": MK_H_SEQ_BYTES, "MK_PART_FLOATS": MK_PART_FLOATS,
                   "MK_CONSUMERS": MK_CONSUMERS, "MK_TILE": MK_TILE,
-                  "MK_TRACE": MK_TRACE, "SW8_STAGES": SW8_STAGES}
+                  "MK_TRACE": MK_TRACE, "SW8_STAGES": SW8_STAGES,
+                  "WG8_WGS": WG8_WGS, "WG8_STAGES_N64": WG8_STAGES_N64,
+                  "WG8_STAGES_N128": WG8_STAGES_N128, "WG8_STAGES_N256": WG8_STAGES_N256}
 
 
 def gemm_smem(tile: str) -> int:
@@ -57,6 +63,21 @@ def skinny_w8a8_smem(mt: int, qx: bool = False, half: bool = False) -> int:
     rows = skinny_w8a8_rows(mt, half)
     stage = rows * 128 + (mt * 256 if qx else mt * 128 + mt * 4)
     return max(SW8_STAGES * stage + (mt * 128 + mt * 4 if qx else 0), mt * (rows + 4) * 4)
+
+
+def w8a8_wgmma_rows() -> int:
+    """Weight rows a kernels/gemm_w8a8_wgmma.cu block: one m64 tile a consumer warpgroup."""
+    return 64 * WG8_WGS
+
+
+def w8a8_wgmma_smem(nt: int) -> int:
+    """Dynamic shared memory (bytes) of a kernels/gemm_w8a8_wgmma.cu block for nt activation rows: 1024 of alignment
+    slack, its ring of steps (the weight lines and nt e4m3 lines, 128 B each), then the ring's X scales (nt floats
+    a step); the partial sums [nt, rows + 4] floats reuse the ring."""
+    rows, stages = w8a8_wgmma_rows(), {64: WG8_STAGES_N64, 128: WG8_STAGES_N128, 256: WG8_STAGES_N256}[nt]
+    ring = stages * (rows + nt) * 128
+    assert nt * (rows + 4) * 4 <= ring
+    return 1024 + ring + stages * nt * 4
 
 
 def nvrtc_defines() -> list[tuple[str, str]]:

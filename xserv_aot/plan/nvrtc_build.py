@@ -25,7 +25,7 @@ KERNEL_SOURCES = ("elementwise.cu", "gemv.cu", "gemm_mma.cu", "gemm_skinny.cu", 
                   "attention_decode_batched.cu", "attention_decode_tc.cu", "attention_prefill.cu",
                   "attention_prefill_pipe.cu", "attention_prefill_wgmma.cu", "sample.cu", "collectives.cu", "gemv_fp8.cu",
                   "gemm_skinny_fp8.cu", "decode_megakernel.cu",
-                  "gemm_skinny_w8a8.cu")
+                  "gemm_skinny_w8a8.cu", "gemm_w8a8_wgmma.cu")
 SUPPORTED_TARGETS = ("sm_90a", "sm_90")
 
 
@@ -102,12 +102,13 @@ def compile_source(name: str, target: str) -> tuple[bytes, str, str]:
     return code, key, log.text
 
 
-def compile_all(out_dir: Path, target: str, progress=None) -> dict:
-    """Write out_dir/kernels/<stem>.cubin for every source. Returns {source: {file, hash (of the cubin), build_key, functions}}."""
+def compile_all(out_dir: Path, target: str, progress=None, sources: tuple[str, ...] = KERNEL_SOURCES) -> dict:
+    """Write out_dir/kernels/<stem>.cubin for every source (of `sources`: a subset, tests). Returns {source: {file,
+    hash (of the cubin), build_key, functions}}."""
     (out_dir / "kernels").mkdir(parents=True, exist_ok=True)
     import cuda.core  # noqa: F401  (import once here: concurrent first imports race)
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        results = dict(zip(KERNEL_SOURCES, pool.map(lambda n: compile_source(n, target), KERNEL_SOURCES)))
+        results = dict(zip(sources, pool.map(lambda n: compile_source(n, target), sources)))
     cubins = {}
     for name, (code, key, log) in results.items():
         rel = f"kernels/{Path(name).stem}.cubin"

@@ -25,11 +25,12 @@ class DeviceArray:
 
 
 class KernelLib:
-    def __init__(self, target: str = "sm_90a", device: Device | None = None):
-        from xserv_aot.plan.kernel_build import compile_all
+    def __init__(self, target: str = "sm_90a", device: Device | None = None, sources: tuple[str, ...] | None = None):
+        """sources: the kernels/*.cu files to build (default: all)."""
+        from xserv_aot.plan.kernel_build import KERNEL_SOURCES, compile_all
         self.dev = device or Device()
         self.tmp = Path(tempfile.mkdtemp(prefix="xserv-kernels-"))
-        cubins = compile_all(self.tmp, target)
+        cubins = compile_all(self.tmp, target, sources=sources or KERNEL_SOURCES)
         self.where = {fn: name for name, c in cubins.items() for fn in c["functions"]}
         self.modules = {name: self.dev.load_module((self.tmp / c["file"]).read_bytes()) for name, c in cubins.items()}
         self._funcs = {}

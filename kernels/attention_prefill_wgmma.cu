@@ -175,26 +175,39 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     auto turn_pass = [&](int kt) {
         if constexpr (PP) if (wg == 0 || kt < ntiles) asm volatile("bar.arrive %0, 256;" :: "r"(4 - wg) : "memory");
     };
-    auto step_overlap = [&](int kt) {                            // kt in 0..ntiles: S(kt) and PV(kt - 1) in flight
+    // kt in 0..ntiles: S(kt) and PV(kt - 1) in flight together. Each case is straight-line code from the first
+    // issue to the last wait: a branch in between makes ptxas wait for every group (or serialize every wgmma).
+    auto step_overlap = [&](int kt) {
         turn_wait();
-        if (kt < wtiles) {
+        if (kt > 0 && kt < wtiles) {
             issue_s(kt, qw);
-            if (kt > 0) issue_pv(kt - 1, o[0]);
-            turn_pass(kt);
-            if (kt > 0) wg_wait<1>();                            // S(kt) done, PV(kt - 1) may still run
-            else wg_wait<0>();
-            const bool moved = softmax(kt, m_r[0], l_r[0]);
-            wg_wait<0>();
+            issue_pv(kt - 1, o[0]);
+            if constexpr (PP) asm volatile("bar.arrive %0, 256;" :: "r"(4 - wg) : "memory");
+            wg_wait<1>();                                        // S(kt) done, PV(kt - 1) may still run
+            // PV(kt - 1) is waited for in both arms of the vote: a branch ptxas cannot hoist above the softmax
+            // (in one block it hoists the wait, and the P packing that waits on it, into the softmax).
+            if (__any_sync(0xffffffffu, softmax(kt, m_r[0], l_r[0]))) {
+                wg_wait<0>();
+                reg_fence(o[0]);
+                rescale_rows(o[0], corr);
+            } else {
+                wg_wait<0>();
+            }
             reg_fence(o[0]);
             reg_fence(pf);
-            rescale(o[0], corr, moved);
+            pack_p(s, pf);
+        } else if (kt == 0 && wtiles > 0) {
+            issue_s(0, qw);
+            wg_wait<0>();
+            turn_pass(kt);
+            softmax(0, m_r[0], l_r[0]);                          // o is still 0: nothing to rescale
             pack_p(s, pf);
         } else if (kt == wtiles && kt > 0) {
             issue_pv(kt - 1, o[0]);
-            turn_pass(kt);
             wg_wait<0>();
             reg_fence(o[0]);
             reg_fence(pf);
+            turn_pass(kt);
         } else {
             turn_pass(kt);
         }
@@ -301,3 +314,6 @@ PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, op, true, true, true, 384)
 PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 3, op, true, true, true, 384)
 PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 4, , false, true, false, 384)
 PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 3, , false, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, o, true, true, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, o, true, true, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, op, true, true, true, 384)

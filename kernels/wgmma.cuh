@@ -114,13 +114,14 @@ __device__ __forceinline__ bool softmax_tile(float (&s)[N], float (&m)[2], float
     return moved;
 }
 
-__device__ __forceinline__ void rescale(float (&o)[64], const float (&corr)[2], bool moved) {
-    if (__any_sync(0xffffffffu, moved)) {
+__device__ __forceinline__ void rescale_rows(float (&o)[64], const float (&corr)[2]) {
 #pragma unroll
-        for (int t = 0; t < 16; t++) {
-            o[4 * t] *= corr[0]; o[4 * t + 1] *= corr[0]; o[4 * t + 2] *= corr[1]; o[4 * t + 3] *= corr[1];
-        }
+    for (int t = 0; t < 16; t++) {
+        o[4 * t] *= corr[0]; o[4 * t + 1] *= corr[0]; o[4 * t + 2] *= corr[1]; o[4 * t + 3] *= corr[1];
     }
+}
+__device__ __forceinline__ void rescale(float (&o)[64], const float (&corr)[2], bool moved) {
+    if (__any_sync(0xffffffffu, moved)) rescale_rows(o, corr);
 }
 
 // P (fp32, the S accumulator layout) -> the bf16 A fragments of the N / 8 k16 steps of the PV product.

@@ -131,3 +131,16 @@ def test_the_cli_option_reaches_every_prefill_bucket_and_refuses_a_head_size_it_
     r = cli("compile", tmp_path / "c64.json", "-o", tmp_path / "plan64", *small)
     assert_one_line_error(r, "needs head_dim 128")
     assert not (tmp_path / "plan64").exists()
+
+
+def test_ptxas_keeps_every_wgmma_variant_asynchronous_and_spill_free():
+    """ptxas serializes every wgmma of a kernel (C7514) when it cannot follow the accumulators through the code
+    between an issue and its wait (the old ping-pong variants); the overlap variants depend on it not doing so."""
+    pytest.importorskip("cuda.core")
+    from xserv_aot.plan.nvrtc_build import compile_source, ptxas_summary
+    _, _, log = compile_source("attention_prefill_wgmma.cu", "sm_90a")
+    serialized = [line for line in log.splitlines() if "C7514" in line or "C7515" in line or "serialized" in line]
+    assert not serialized, serialized
+    resources = ptxas_summary(log)
+    assert set(resources) == {f"attn_prefill_{v}_hd128" for v in ap.PREFILL_ATTN_WGMMA}
+    assert not [fn for fn, r in resources.items() if "spill" in r], resources

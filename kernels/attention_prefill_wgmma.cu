@@ -53,7 +53,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     constexpr u32 HALF = KT * 128, TILE = 2 * HALF;              // bytes of 64 dims of a K (V) tile, of the tile
     static_assert(NWG % HG == 0 && HB % HG == 0 && (WS || !OV || STAGES >= 3) && (HPW == 1 || !OV),
                   "warpgroups per head; wg + o keeps 2 tiles live; heads in turn without the overlap");
-    static_assert(!PP || (WS && OV && NWG == 2), "turns: two consumer warpgroups of ws + o");
+    static_assert(!PP || (WS && OV), "turns: consumer warpgroups of ws + o");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     __shared__ __align__(8) u64 bars[2 * STAGES];               // ws: full[STAGES], empty[STAGES]
     const u32 q_s = (smem_addr(smem_raw) + 1023u) & ~1023u;      // swizzle atoms need 1024-byte alignment
@@ -146,11 +146,12 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
             wgmma_rs_n128_tb(o, pf[kk], sw128_desc(vs + kk * 16 * 128, HALF, 1024));
         wg_commit();
     };
-    auto softmax = [&](int kt, float (&m)[2], float (&l)[2]) {   // s -> P in place; corr; returns moved
+    // s -> P in place; corr; returns moved (the overlap variants branch around the causal mask)
+    auto softmax = [&](int kt, float (&m)[2], float (&l)[2]) {
         const int kb = kt * KT;
         const int lim[2] = {qpos[0] - kb - (lane & 3) * 2, qpos[1] - kb - (lane & 3) * 2};
         reg_fence(s);
-        return softmax_tile(s, m, l, corr, kb + KT - 1 > wpos_first, lim, sl2);
+        return softmax_tile<KT / 2, OV>(s, m, l, corr, kb + KT - 1 > wpos_first, lim, sl2);
     };
     auto step = [&](int kt) {                                    // tile kt, products one after the other
         if (kt >= wtiles) return;                                // every key is after this warpgroup's rows
@@ -167,13 +168,16 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
             reg_fence(pf);
         }
     };
-    // p: the two warpgroups take turns issuing their products (named barriers 3, 4), so that one's softmax runs while
-    // the other's products do; warpgroup 1 lets warpgroup 0 go first and skips its last pass (counts match).
+    // p: the warpgroups take turns issuing their products, 0, 1, .. NWG - 1, 0, .. (named barrier turn0 + w: w's
+    // turn, after 1 + w of the Q tiles), so that one's softmax runs while the others' products do; the last one
+    // lets warpgroup 0 go first and skips its last pass (counts match).
+    const int my_turn = 1 + NWG + wg, next_turn = 1 + NWG + (wg + 1) % NWG;
     auto turn_wait = [&]() {
-        if constexpr (PP) asm volatile("bar.sync %0, 256;" :: "r"(3 + wg) : "memory");
+        if constexpr (PP) asm volatile("bar.sync %0, 256;" :: "r"(my_turn) : "memory");
     };
     auto turn_pass = [&](int kt) {
-        if constexpr (PP) if (wg == 0 || kt < ntiles) asm volatile("bar.arrive %0, 256;" :: "r"(4 - wg) : "memory");
+        if constexpr (PP)
+            if (wg < NWG - 1 || kt < ntiles) asm volatile("bar.arrive %0, 256;" :: "r"(next_turn) : "memory");
     };
     // kt in 0..ntiles: S(kt) and PV(kt - 1) in flight together. Each case is straight-line code from the first
     // issue to the last wait: a branch in between makes ptxas wait for every group (or serialize every wgmma).
@@ -182,7 +186,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         if (kt > 0 && kt < wtiles) {
             issue_s(kt, qw);
             issue_pv(kt - 1, o[0]);
-            if constexpr (PP) asm volatile("bar.arrive %0, 256;" :: "r"(4 - wg) : "memory");
+            if constexpr (PP) asm volatile("bar.arrive %0, 256;" :: "r"(next_turn) : "memory");
             wg_wait<1>();                                        // S(kt) done, PV(kt - 1) may still run
             // PV(kt - 1) is waited for in both arms of the vote: a branch ptxas cannot hoist above the softmax
             // (in one block it hoists the wait, and the P packing that waits on it, into the softmax).
@@ -216,7 +220,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     if constexpr (WS) {
         // Tile kt waits for full[kt % S] (phase kt / S); a warp releases a slot (empty) when done with its tile:
         // after step kt, or after step_overlap kt + 1 (V of tile kt is read there).
-        if (PP && wg == 1) asm volatile("bar.arrive 3, 256;" ::: "memory");
+        if (PP && wg == NWG - 1) asm volatile("bar.arrive %0, 256;" :: "r"(next_turn) : "memory");
         for (int kt = 0; kt <= ntiles; kt++) {
             if (kt < ntiles) {
                 mbar_wait(full + 8 * (kt % STAGES), (kt / STAGES) & 1);
@@ -317,3 +321,5 @@ PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 3, , false, true, false, 384)
 PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, o, true, true, false, 512)
 PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, o, true, true, false, 512)
 PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, op, true, true, true, 384)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, op, true, true, true, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, op, true, true, true, 512)

@@ -75,11 +75,18 @@ __device__ __forceinline__ u32 sw128_offset(int r, int c, int rows) {
 
 // Online softmax of one S tile (64 rows x N / 2 keys) in place (S -> exp2 values P, unnormalised), rows e of
 // this thread: keys past lim[e] (relative to this thread's first column) masked when diag; m (log2 units,
-// scaled), l, corr per row.
-template <int N>
+// scaled), l, corr per row. BRANCH: the mask under a branch (no select instructions on the other tiles).
+template <int N, bool BRANCH = false>
 __device__ __forceinline__ bool softmax_tile(float (&s)[N], float (&m)[2], float (&l)[2], float (&corr)[2],
                                              bool diag, const int (&lim)[2], float sl2) {
     const float NEG_INF = -__int_as_float(0x7f800000);
+    if (BRANCH && diag) {
+#pragma unroll
+        for (int j = 0; j < N / 4; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                if (j * 8 + (i & 1) > lim[i >> 1]) s[4 * j + i] = NEG_INF;
+    }
     bool moved = false;
 #pragma unroll
     for (int e = 0; e < 2; e++) {
@@ -89,7 +96,7 @@ __device__ __forceinline__ bool softmax_tile(float (&s)[N], float (&m)[2], float
 #pragma unroll
             for (int c = 0; c < 2; c++) {
                 float& v = s[4 * j + 2 * e + c];
-                if (diag && j * 8 + c > lim[e]) v = NEG_INF;
+                if (!BRANCH && diag && j * 8 + c > lim[e]) v = NEG_INF;
                 mx = fmaxf(mx, v);
             }
         }

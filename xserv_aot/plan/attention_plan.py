@@ -28,7 +28,8 @@ PREFILL_ATTN_VARIANTS = ("v1", "w8m1k64s2", "w8m1k64s3", "w4m1k64s2", "w4m2k32s2
 PREFILL_ATTN_WGMMA = ("wg2h2k64s2", "wg3h1k64s2", "wg2h2k64s4o", "wg3h1k64s4o", "wg2h2k128s2", "ws2h2k64s3",
                       "ws2h2k64s4", "ws2h2k64s4o", "ws2h1k64s4o", "ws2h1k64s3o", "ws2h2k128s2", "ws2h2k128s3",
                       "ws2h1k128s2", "ws2h2k128s3o", "ws2h2k128s3op", "ws2h1k128s3op", "ws3h1k64s3", "ws3h1k64s4",
-                      "ws2h4k64s3", "ws2h4k64s4", "ws3h1k64s3o", "ws3h1k64s4o", "ws2h2k64s4op")
+                      "ws2h4k64s3", "ws2h4k64s4", "ws3h1k64s3o", "ws3h1k64s4o", "ws2h2k64s4op", "ws3h1k64s3op",
+                      "ws3h1k64s4op")
 PREFILL_ATTN_VARIANTS += PREFILL_ATTN_WGMMA
 PREFILL_ATTN_BOTH_HD = ("v1", "w8m1k64s2", "w4m2k32s2")
 # Defaults per head size, best first, for prefill buckets of >= PREFILL_ATTN_LONG_ROWS rows and for smaller ones: the

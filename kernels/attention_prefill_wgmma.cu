@@ -1,6 +1,6 @@
 // Hopper (sm_90a) causal prefill attention over the paged KV cache on warpgroup MMA (wgmma), same contract as
 // attention_prefill_pipe.cu (varlen by query_start_loc, queries at the end of each seq's context, GQA, seqs of
-// < min_rows rows skipped, rows no seq covers zeroed). attn_prefill_{wg|ws}{G}h{H}k{K}s{S}[o][p]_hd128: G consumer
+// < min_rows rows skipped, rows no seq covers zeroed). attn_prefill_{wg|ws}{G}h{H}k{K}s{S}[o][p][l]_hd128: G consumer
 // warpgroups of 64 query rows; H q heads of one KV head a block: H 1: consecutive rows of one q head, H 2: two q
 // heads (same rows), H 4 (2 warpgroups): two q heads a warpgroup, one after the other on each K/V tile.
 // K/V tiles of 64 keys go through the block table by cp.async (zero-fill past the block's last key) into an S-deep
@@ -9,7 +9,8 @@
 // mbarriers a slot (the consumer warpgroups drift apart).
 // S = Q K^T: 8 wgmma m64n64k16, Q and K from shared memory (K-major); online softmax in registers (exp2, scale
 // folded in); P to bf16 in registers as the A operand of O += P V: 4 wgmma m64n128k16, V MN-major (transposed by
-// the descriptor). o: the next tile's QK^T is issued with this tile's PV, and this tile's softmax runs while PV does.
+// the descriptor). o: QK^T of tile kt is issued with PV of tile kt - 1, and kt's softmax runs while that PV does;
+// p: the consumer warpgroups take turns issuing (round robin, named barriers); l: lazy softmax (wgmma.cuh).
 // Grid (nh / H, ceil(T / rows a block) + num_seqs): block y takes the y-th (seq, tile) pair, a seq's tiles in
 // reverse (longest rows first); every block zeroes uncovered rows r with r % gridDim.y == y.
 #include "wgmma.cuh"
@@ -39,7 +40,7 @@ __device__ __forceinline__ void copy_kv_tile(u32 dst, const bf16* kv_head, const
     }
 }
 
-template <int NWG, int HB, int KT, int STAGES, bool OV, bool WS, bool PP>
+template <int NWG, int HB, int KT, int STAGES, bool OV, bool WS, bool PP, bool LZ>
 __device__ __forceinline__ void attn_prefill_wgmma_impl(
         const bf16* __restrict__ q, const bf16* __restrict__ kv_layer, const int* __restrict__ qsl,
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables, bf16* __restrict__ out,
@@ -54,6 +55,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     static_assert(NWG % HG == 0 && HB % HG == 0 && (WS || !OV || STAGES >= 3) && (HPW == 1 || !OV),
                   "warpgroups per head; wg + o keeps 2 tiles live; heads in turn without the overlap");
     static_assert(!PP || (WS && OV), "turns: consumer warpgroups of ws + o");
+    static_assert(!LZ || OV, "the lazy softmax: overlap variants");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     __shared__ __align__(8) u64 bars[2 * STAGES];               // ws: full[STAGES], empty[STAGES]
     const u32 q_s = (smem_addr(smem_raw) + 1023u) & ~1023u;      // swizzle atoms need 1024-byte alignment
@@ -151,7 +153,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         const int kb = kt * KT;
         const int lim[2] = {qpos[0] - kb - (lane & 3) * 2, qpos[1] - kb - (lane & 3) * 2};
         reg_fence(s);
-        return softmax_tile<KT / 2, OV>(s, m, l, corr, kb + KT - 1 > wpos_first, lim, sl2);
+        return softmax_tile<KT / 2, OV, LZ>(s, m, l, corr, kb + KT - 1 > wpos_first, lim, sl2);
     };
     auto step = [&](int kt) {                                    // tile kt, products one after the other
         if (kt >= wtiles) return;                                // every key is after this warpgroup's rows
@@ -288,38 +290,42 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     }
 }
 
-#define PREFILL_WGMMA_KERNEL(MODE, NWG, HB, KEYS, S, SUFFIX, OV, WS, PP, THREADS)                           \
+#define PREFILL_WGMMA_KERNEL(MODE, NWG, HB, KEYS, S, SUFFIX, OV, WS, PP, LZ, THREADS)                       \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                  \
     attn_prefill_##MODE##NWG##h##HB##k##KEYS##s##S##SUFFIX##_hd128(                                         \
         const bf16* q, const bf16* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,     \
         bf16* out, int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots,        \
         float scale, int min_rows) {                                                                           \
-        attn_prefill_wgmma_impl<NWG, HB, KEYS, S, OV, WS, PP>(q, kv_layer, qsl, seq_lens, block_tables, out, T,  \
+        attn_prefill_wgmma_impl<NWG, HB, KEYS, S, OV, WS, PP, LZ>(q, kv_layer, qsl, seq_lens, block_tables, out, T,  \
                                                         num_seqs, nh, nkv, block_size, max_blocks, num_slots, scale, \
                                                         min_rows); }
 
-PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 2, , false, false, false, 256)
-PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 2, , false, false, false, 384)
-PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 4, o, true, false, false, 256)
-PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 4, o, true, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 3, , false, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, o, true, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 4, o, true, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 3, o, true, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, o, true, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 2, , false, true, false, 384)
-PREFILL_WGMMA_KERNEL(wg, 2, 2, 128, 2, , false, false, false, 256)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, , false, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, , false, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 2, , false, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, , false, true, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, , false, true, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, op, true, true, true, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 3, op, true, true, true, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 4, , false, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 3, , false, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, o, true, true, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, o, true, true, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, op, true, true, true, 384)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, op, true, true, true, 512)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, op, true, true, true, 512)
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 2, , false, false, false, false, 256)
+PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 2, , false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 4, o, true, false, false, false, 256)
+PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 4, o, true, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 3, , false, true, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, o, true, true, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 4, o, true, true, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 3, o, true, true, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, o, true, true, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 2, , false, true, false, false, 384)
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 128, 2, , false, false, false, false, 256)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, , false, true, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, , false, true, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 2, , false, true, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, , false, true, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, , false, true, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, op, true, true, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 3, op, true, true, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 4, , false, true, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 3, , false, true, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, o, true, true, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, o, true, true, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, op, true, true, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, op, true, true, true, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, op, true, true, true, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, ol, true, true, false, true, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, opl, true, true, true, true, 512)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, opl, true, true, true, true, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, opl, true, true, true, true, 384)

@@ -75,11 +75,15 @@ __device__ __forceinline__ u32 sw128_offset(int r, int c, int rows) {
 
 // Online softmax of one S tile (64 rows x N / 2 keys) in place (S -> exp2 values P, unnormalised), rows e of
 // this thread: keys past lim[e] (relative to this thread's first column) masked when diag; m (log2 units,
-// scaled), l, corr per row. BRANCH: the mask under a branch (no select instructions on the other tiles).
-template <int N, bool BRANCH = false>
+// scaled), l, corr per row. BRANCH: the mask under a branch (no select instructions on the other tiles). LAZY: a
+// row's m moves only when the tile's max passes it by more than SOFTMAX_LAZY_LOG2 (P <= 2^that, exact after the
+// final 1 / l; rescales become rare), and the row max / sum by four independent chains.
+constexpr float SOFTMAX_LAZY_LOG2 = 8.f;
+template <int N, bool BRANCH = false, bool LAZY = false>
 __device__ __forceinline__ bool softmax_tile(float (&s)[N], float (&m)[2], float (&l)[2], float (&corr)[2],
                                              bool diag, const int (&lim)[2], float sl2) {
     const float NEG_INF = -__int_as_float(0x7f800000);
+    constexpr int CH = LAZY ? 4 : 1;                             // independent max / sum chains a row
     if (BRANCH && diag) {
 #pragma unroll
         for (int j = 0; j < N / 4; j++)
@@ -90,32 +94,43 @@ __device__ __forceinline__ bool softmax_tile(float (&s)[N], float (&m)[2], float
     bool moved = false;
 #pragma unroll
     for (int e = 0; e < 2; e++) {
-        float mx = NEG_INF;
+        float mc[CH];
+#pragma unroll
+        for (int c = 0; c < CH; c++) mc[c] = NEG_INF;
 #pragma unroll
         for (int j = 0; j < N / 4; j++) {
 #pragma unroll
             for (int c = 0; c < 2; c++) {
                 float& v = s[4 * j + 2 * e + c];
                 if (!BRANCH && diag && j * 8 + c > lim[e]) v = NEG_INF;
-                mx = fmaxf(mx, v);
+                mc[(2 * j + c) % CH] = fmaxf(mc[(2 * j + c) % CH], v);
             }
         }
+        float mx = mc[0];
+#pragma unroll
+        for (int c = 1; c < CH; c++) mx = fmaxf(mx, mc[c]);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float nm = fmaxf(m[e], mx * sl2);                  // finite: key 0 is visible to every row
+        float nm = fmaxf(m[e], mx * sl2);                        // finite: key 0 is visible to every row
+        if (LAZY) nm = nm > m[e] + SOFTMAX_LAZY_LOG2 ? nm : m[e];  // (m = -inf: moves)
         corr[e] = nm != m[e] ? ex2_approx(m[e] - nm) : 1.f;
         moved |= nm != m[e];
         m[e] = nm;
-        float sum = 0.f;
+        float sc[CH];
+#pragma unroll
+        for (int c = 0; c < CH; c++) sc[c] = 0.f;
 #pragma unroll
         for (int j = 0; j < N / 4; j++) {
 #pragma unroll
             for (int c = 0; c < 2; c++) {
                 float& v = s[4 * j + 2 * e + c];
                 v = ex2_approx(fmaf(v, sl2, -nm));
-                sum += v;
+                sc[(2 * j + c) % CH] += v;
             }
         }
+        float sum = sc[0];
+#pragma unroll
+        for (int c = 1; c < CH; c++) sum += sc[c];
         l[e] = l[e] * corr[e] + sum;
     }
     return moved;

@@ -40,7 +40,7 @@ __device__ __forceinline__ void copy_kv_tile(u32 dst, const bf16* kv_head, const
     }
 }
 
-template <int NWG, int HB, int KT, int STAGES, bool OV, bool WS, bool PP, bool LZ>
+template <int NWG, int HB, int KT, int STAGES, bool OV, bool WS, bool PP, bool LZ, bool QR>
 __device__ __forceinline__ void attn_prefill_wgmma_impl(
         const bf16* __restrict__ q, const bf16* __restrict__ kv_layer, const int* __restrict__ qsl,
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables, bf16* __restrict__ out,
@@ -56,6 +56,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
                   "warpgroups per head; wg + o keeps 2 tiles live; heads in turn without the overlap");
     static_assert(!PP || (WS && OV), "turns: consumer warpgroups of ws + o");
     static_assert(!LZ || OV, "the lazy softmax: overlap variants");
+    static_assert(!QR || (WS && HPW == 1), "Q in registers: ws, one Q tile a warpgroup");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     __shared__ __align__(8) u64 bars[2 * STAGES];               // ws: full[STAGES], empty[STAGES]
     const u32 q_s = (smem_addr(smem_raw) + 1023u) & ~1023u;      // swizzle atoms need 1024-byte alignment
@@ -121,7 +122,14 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     const u32 qw = q_s + wg * HPW * WG_QTILE;                    // this warpgroup's first Q tile
     const float sl2 = scale * 1.4426950408889634f;
     float o[HPW][64], s[KT / 2], m_r[HPW][2], l_r[HPW][2], corr[2];   // o, m, l: one set per head in turn
-    u32 pf[KT / 16][4];
+    u32 pf[KT / 16][4], qf[QR ? HD / 16 : 1][4];                  // P (A of PV); qr: Q (A of QK^T)
+    if constexpr (QR) {                                          // warp wl's 16 rows, k-step k: ldmatrix x4
+#pragma unroll
+        for (int k = 0; k < HD / 16; k++) {
+            const int i = lane >> 3;
+            ldmatrix_x4_at(qf[k], qw + sw128_offset(wl * 16 + (i & 1) * 8 + (lane & 7), 2 * k + (i >> 1), 64));
+        }
+    }
 #pragma unroll
     for (int j = 0; j < HPW; j++) {
 #pragma unroll
@@ -134,9 +142,11 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         const u32 ks = slot_of(kt);
         wg_fence();
 #pragma unroll
-        for (int k = 0; k < HD / 16; k++)
-            wgmma_ss(s, sw128_desc(qw + (k >> 2) * (WG_QTILE / 2) + (k & 3) * 32, 16, 1024),
-                     sw128_desc(ks + (k >> 2) * HALF + (k & 3) * 32, 16, 1024), k > 0);
+        for (int k = 0; k < HD / 16; k++) {
+            const u64 kd = sw128_desc(ks + (k >> 2) * HALF + (k & 3) * 32, 16, 1024);
+            if constexpr (QR) wgmma_rs(s, qf[k], kd, k > 0);
+            else wgmma_ss(s, sw128_desc(qw + (k >> 2) * (WG_QTILE / 2) + (k & 3) * 32, 16, 1024), kd, k > 0);
+        }
         wg_commit();
     };
     auto issue_pv = [&](int kt, float (&o)[64]) {                // o += P V(kt), committed as one group
@@ -290,42 +300,45 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     }
 }
 
-#define PREFILL_WGMMA_KERNEL(MODE, NWG, HB, KEYS, S, SUFFIX, OV, WS, PP, LZ, THREADS)                       \
+#define PREFILL_WGMMA_KERNEL(MODE, NWG, HB, KEYS, S, SUFFIX, OV, WS, PP, LZ, QR, THREADS)                   \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                  \
     attn_prefill_##MODE##NWG##h##HB##k##KEYS##s##S##SUFFIX##_hd128(                                         \
         const bf16* q, const bf16* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,     \
         bf16* out, int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots,        \
         float scale, int min_rows) {                                                                           \
-        attn_prefill_wgmma_impl<NWG, HB, KEYS, S, OV, WS, PP, LZ>(q, kv_layer, qsl, seq_lens, block_tables, out, T,  \
-                                                        num_seqs, nh, nkv, block_size, max_blocks, num_slots, scale, \
-                                                        min_rows); }
+        attn_prefill_wgmma_impl<NWG, HB, KEYS, S, OV, WS, PP, LZ, QR>(q, kv_layer, qsl, seq_lens, block_tables,   \
+                                                                      out, T, num_seqs, nh, nkv, block_size,       \
+                                                                      max_blocks, num_slots, scale, min_rows); }
 
-PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 2, , false, false, false, false, 256)
-PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 2, , false, false, false, false, 384)
-PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 4, o, true, false, false, false, 256)
-PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 4, o, true, false, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 3, , false, true, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, o, true, true, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 4, o, true, true, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 3, o, true, true, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, o, true, true, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 2, , false, true, false, false, 384)
-PREFILL_WGMMA_KERNEL(wg, 2, 2, 128, 2, , false, false, false, false, 256)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, , false, true, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, , false, true, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 2, , false, true, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, , false, true, false, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, , false, true, false, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, op, true, true, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 3, op, true, true, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 4, , false, true, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 3, , false, true, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, o, true, true, false, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, o, true, true, false, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, op, true, true, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, op, true, true, true, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, op, true, true, true, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, ol, true, true, false, true, 512)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, opl, true, true, true, true, 512)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, opl, true, true, true, true, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, opl, true, true, true, true, 384)
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 2, , false, false, false, false, false, 256)
+PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 2, , false, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 4, o, true, false, false, false, false, 256)
+PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 4, o, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 3, , false, true, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, o, true, true, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 4, o, true, true, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 3, o, true, true, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, o, true, true, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 2, , false, true, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 128, 2, , false, false, false, false, false, 256)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, , false, true, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, , false, true, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 2, , false, true, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, , false, true, false, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, , false, true, false, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, op, true, true, true, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 3, op, true, true, true, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 4, , false, true, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 3, , false, true, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, o, true, true, false, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, o, true, true, false, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, op, true, true, true, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, op, true, true, true, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, op, true, true, true, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, ol, true, true, false, true, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, opl, true, true, true, true, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, opl, true, true, true, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, opl, true, true, true, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, oplq, true, true, true, true, true, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, oplq, true, true, true, true, true, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, q, false, true, false, false, true, 384)

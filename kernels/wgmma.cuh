@@ -68,6 +68,24 @@ __device__ __forceinline__ void wgmma_rs_n128_tb(float (&d)[64], const u32 (&a)[
                  : WG_ACC64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
+// d (64 x N f32) (+)= A (64 x 16 bf16, registers as above) * B (16 x N, smem, K-major), N = 2 x size of d.
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], u64 db, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" WG_REGS32 "}, {%32, %33, %34, %35}, %36, "
+                 "p, 1, 1, 0;\n}\n"
+                 : WG_ACC32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 db, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" WG_REGS64 "}, {%64, %65, %66, %67}, %68, "
+                 "p, 1, 1, 0;\n}\n"
+                 : WG_ACC64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
+__device__ __forceinline__ void ldmatrix_x4_at(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
 // Byte offset of 16-byte chunk c (of 16) of row r in a swizzled tile of `rows` rows of 128 dims.
 __device__ __forceinline__ u32 sw128_offset(int r, int c, int rows) {
     return (u32)((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));

@@ -34,11 +34,11 @@ PREFILL_ATTN_WGMMA = ("wg2h2k64s2", "wg3h1k64s2", "wg2h2k64s4o", "wg3h1k64s4o", 
                       "ws2h2k64s4oplq", "ws2h2k128s3oplq", "ws2h2k64s4q")
 PREFILL_ATTN_VARIANTS += PREFILL_ATTN_WGMMA
 PREFILL_ATTN_BOTH_HD = ("v1", "w8m1k64s2", "w4m2k32s2")
-# Defaults per head size, best first, for prefill buckets of >= PREFILL_ATTN_LONG_ROWS rows and for smaller ones: the
-# first whose q heads a block divide the model's q heads per KV head (the H200 sweep, docs/cuda-notes.md).
-PREFILL_ATTN_LONG_ROWS = 2048
-PREFILL_ATTN_KERNEL = {128: ("ws3h1k64s3",)}
-PREFILL_ATTN_SHORT = {128: ("ws2h4k64s4", "ws2h2k64s4", "w4m2k16s4")}
+# Defaults per head size, best first, by bucket rows: the first tier whose minimum rows the bucket reaches, in it the
+# first variant whose q heads a block divide the model's q heads per KV head (the H200 sweeps, docs/cuda-notes.md).
+PREFILL_ATTN_TIERS = ((4096, {128: ("ws3h1k64s4o",)}),
+                      (2048, {128: ("ws2h2k64s4oplq", "ws3h1k64s4o")}),
+                      (0, {128: ("ws2h4k64s4", "ws2h2k64s4", "w4m2k16s4")}))
 PREFILL_ATTN_OTHER_HD = "w8m1k64s2"         # head sizes without a sweep (hd 64: tested, not timed)
 _PIPE = re.compile(r"w(\d+)m(\d+)k(\d+)s(\d+)")
 _WGMMA = re.compile(r"w([gs])(\d)h(\d)k(\d+)s(\d)o?p?l?q?")
@@ -130,7 +130,7 @@ def prefill_tiles(variant: str) -> tuple[int, int, int]:
 def default_prefill_variant(m: dict, rows: int) -> str:
     """The default prefill attention variant for this model and a bucket of `rows` query rows."""
     hd, group = m["head_dim"], m["num_heads"] // m["num_kv_heads"]
-    table = PREFILL_ATTN_KERNEL if rows >= PREFILL_ATTN_LONG_ROWS else PREFILL_ATTN_SHORT
+    table = next(t for least, t in PREFILL_ATTN_TIERS if rows >= least)
     return next((v for v in table.get(hd, ()) if group % prefill_tiles(v)[1] == 0), PREFILL_ATTN_OTHER_HD)
 
 

@@ -1,6 +1,6 @@
 // Hopper (sm_90a) causal prefill attention over the paged KV cache on warpgroup MMA (wgmma), same contract as
 // attention_prefill_pipe.cu (varlen by query_start_loc, queries at the end of each seq's context, GQA, seqs of
-// < min_rows rows skipped, rows no seq covers zeroed). attn_prefill_{wg|ws}{G}h{H}k{K}s{S}[o][p][l]_hd128: G consumer
+// < min_rows rows skipped, rows no seq covers zeroed). attn_prefill_{wg|ws}{G}h{H}k{K}s{S}[o][p][l][q][e]_hd128: G
 // warpgroups of 64 query rows; H q heads of one KV head a block: H 1: consecutive rows of one q head, H 2: two q
 // heads (same rows), H 4 (2 warpgroups): two q heads a warpgroup, one after the other on each K/V tile.
 // K/V tiles of 64 keys go through the block table by cp.async (zero-fill past the block's last key) into an S-deep
@@ -10,7 +10,8 @@
 // S = Q K^T: 8 wgmma m64n64k16, Q and K from shared memory (K-major); online softmax in registers (exp2, scale
 // folded in); P to bf16 in registers as the A operand of O += P V: 4 wgmma m64n128k16, V MN-major (transposed by
 // the descriptor). o: QK^T of tile kt is issued with PV of tile kt - 1, and kt's softmax runs while that PV does;
-// p: the consumer warpgroups take turns issuing (round robin, named barriers); l: lazy softmax (wgmma.cuh).
+// p: the consumer warpgroups take turns issuing (round robin, named barriers); l: lazy softmax (wgmma.cuh); q: Q in
+// registers (QK^T as register-A wgmma); e: the lean producer copy and descriptors stepped by adds.
 // Grid (nh / H, ceil(T / rows a block) + num_seqs): block y takes the y-th (seq, tile) pair, a seq's tiles in
 // reverse (longest rows first); every block zeroes uncovered rows r with r % gridDim.y == y.
 #include "wgmma.cuh"
@@ -40,7 +41,31 @@ __device__ __forceinline__ void copy_kv_tile(u32 dst, const bf16* kv_head, const
     }
 }
 
-template <int NWG, int HB, int KT, int STAGES, bool OV, bool WS, bool PP, bool LZ, bool QR>
+// e: the producer warpgroup's copy with the per-thread constants hoisted: thread t always copies chunk t % 16 of rows
+// t / 16 + 8 i, so its swizzled offsets are off0 + 1024 i, and its K / V row addresses one 32 x 32 -> 64-bit
+// multiply-add each from bases that already hold the head and the chunk.
+template <int KT>
+__device__ __forceinline__ void copy_kv_tile_lean(u32 dst, const char* k_base, const char* v_base, const int* bt,
+                                                  int kt, int max_pos, int bs_log2, u32 row_bytes, int r0, u32 off0) {
+#pragma unroll
+    for (int i = 0; i < KT / 8; i++) {
+        const int p = kt * KT + r0 + 8 * i;
+        const bool ok = p <= max_pos;
+        const u32 slot = ok ? ((u32)bt[p >> bs_log2] << bs_log2) + (p & ((1 << bs_log2) - 1)) : 0u;
+        const u32 d = dst + off0 + 1024 * i;
+        cp_async16_zfill(d, k_base + (size_t)slot * row_bytes, ok ? 16 : 0);
+        cp_async16_zfill(d + KT * 256, v_base + (size_t)slot * row_bytes, ok ? 16 : 0);
+    }
+}
+
+// Low / high words of a 128B-swizzle descriptor (sw128_desc); a byte offset o (multiple of 16, inside shared memory)
+// moves it by o >> 4 in the low word.
+__device__ __forceinline__ u32 sw128_desc_lo(u32 addr, u32 lbo) {
+    return ((addr & 0x3FFFFu) >> 4) | ((lbo >> 4) << 16);
+}
+__device__ __forceinline__ u64 desc_at(u32 lo, u32 sbo) { return ((u64)((sbo >> 4) | (1u << 30)) << 32) | lo; }
+
+template <int NWG, int HB, int KT, int STAGES, bool OV, bool WS, bool PP, bool LZ, bool QR, bool LE>
 __device__ __forceinline__ void attn_prefill_wgmma_impl(
         const bf16* __restrict__ q, const bf16* __restrict__ kv_layer, const int* __restrict__ qsl,
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables, bf16* __restrict__ out,
@@ -57,6 +82,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     static_assert(!PP || (WS && OV), "turns: consumer warpgroups of ws + o");
     static_assert(!LZ || OV, "the lazy softmax: overlap variants");
     static_assert(!QR || (WS && HPW == 1), "Q in registers: ws, one Q tile a warpgroup");
+    static_assert(!LE || WS, "the lean producer: ws");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     __shared__ __align__(8) u64 bars[2 * STAGES];               // ws: full[STAGES], empty[STAGES]
     const u32 q_s = (smem_addr(smem_raw) + 1023u) & ~1023u;      // swizzle atoms need 1024-byte alignment
@@ -86,9 +112,16 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
 
     if (WS && tid >= NC) {                                       // the producer warpgroup
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(ws_producer_regs(NWG)));
+        const int t = tid - NC, ch = t & 15;
+        const char* k_base = reinterpret_cast<const char*>(kv_head + ch * 8);
+        const char* v_base = reinterpret_cast<const char*>(kv_head + v_off + ch * 8);
         for (int kt = 0; kt < ntiles; kt++) {
             if (kt >= STAGES) mbar_wait(empty + 8 * (kt % STAGES), (kt / STAGES - 1) & 1);
-            copy_kv_tile<KT, 128>(slot_of(kt), kv_head, bt, kt, max_pos, bs_log2, kv_stride, v_off, tid - NC);
+            if constexpr (LE)
+                copy_kv_tile_lean<KT>(slot_of(kt), k_base, v_base, bt, kt, max_pos, bs_log2, (u32)kv_stride * 2,
+                                      t >> 4, sw128_offset(t >> 4, ch, KT));
+            else
+                copy_kv_tile<KT, 128>(slot_of(kt), kv_head, bt, kt, max_pos, bs_log2, kv_stride, v_off, t);
             mbar_arrive_on_copies(full + 8 * (kt % STAGES));
         }
         cp_async_commit();
@@ -138,14 +171,18 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         l_r[j][0] = l_r[j][1] = 0.f;
     }
 
+    // 128B-swizzle descriptor of base + off (e: from the base's low word stepped by an add; the high word constant)
+    auto tile_desc = [&](u32 base, u32 off, u32 lbo) {
+        return LE ? desc_at(sw128_desc_lo(base, lbo) + (off >> 4), 1024) : sw128_desc(base + off, lbo, 1024);
+    };
     auto issue_s = [&](int kt, u32 qw) {                         // s = Q K(kt)^T, committed as one group
         const u32 ks = slot_of(kt);
         wg_fence();
 #pragma unroll
         for (int k = 0; k < HD / 16; k++) {
-            const u64 kd = sw128_desc(ks + (k >> 2) * HALF + (k & 3) * 32, 16, 1024);
+            const u64 kd = tile_desc(ks, (k >> 2) * HALF + (k & 3) * 32, 16);
             if constexpr (QR) wgmma_rs(s, qf[k], kd, k > 0);
-            else wgmma_ss(s, sw128_desc(qw + (k >> 2) * (WG_QTILE / 2) + (k & 3) * 32, 16, 1024), kd, k > 0);
+            else wgmma_ss(s, tile_desc(qw, (k >> 2) * (WG_QTILE / 2) + (k & 3) * 32, 16), kd, k > 0);
         }
         wg_commit();
     };
@@ -155,7 +192,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < KT / 16; kk++)
-            wgmma_rs_n128_tb(o, pf[kk], sw128_desc(vs + kk * 16 * 128, HALF, 1024));
+            wgmma_rs_n128_tb(o, pf[kk], tile_desc(vs, kk * 16 * 128, HALF));
         wg_commit();
     };
     // s -> P in place; corr; returns moved (the overlap variants branch around the causal mask)
@@ -300,45 +337,47 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     }
 }
 
-#define PREFILL_WGMMA_KERNEL(MODE, NWG, HB, KEYS, S, SUFFIX, OV, WS, PP, LZ, QR, THREADS)                   \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                  \
-    attn_prefill_##MODE##NWG##h##HB##k##KEYS##s##S##SUFFIX##_hd128(                                         \
-        const bf16* q, const bf16* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,     \
-        bf16* out, int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots,        \
-        float scale, int min_rows) {                                                                           \
-        attn_prefill_wgmma_impl<NWG, HB, KEYS, S, OV, WS, PP, LZ, QR>(q, kv_layer, qsl, seq_lens, block_tables,   \
-                                                                      out, T, num_seqs, nh, nkv, block_size,       \
+#define PREFILL_WGMMA_KERNEL(MODE, NWG, HB, KEYS, S, SUFFIX, OV, WS, PP, LZ, QR, LE, THREADS)                       \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                        \
+    attn_prefill_##MODE##NWG##h##HB##k##KEYS##s##S##SUFFIX##_hd128(                                                 \
+        const bf16* q, const bf16* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,          \
+        bf16* out, int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots,             \
+        float scale, int min_rows) {                                                                                \
+        attn_prefill_wgmma_impl<NWG, HB, KEYS, S, OV, WS, PP, LZ, QR, LE>(q, kv_layer, qsl, seq_lens, block_tables, \
+                                                                      out, T, num_seqs, nh, nkv, block_size,        \
                                                                       max_blocks, num_slots, scale, min_rows); }
 
-PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 2, , false, false, false, false, false, 256)
-PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 2, , false, false, false, false, false, 384)
-PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 4, o, true, false, false, false, false, 256)
-PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 4, o, true, false, false, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 3, , false, true, false, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, o, true, true, false, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 4, o, true, true, false, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 3, o, true, true, false, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, o, true, true, false, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 2, , false, true, false, false, false, 384)
-PREFILL_WGMMA_KERNEL(wg, 2, 2, 128, 2, , false, false, false, false, false, 256)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, , false, true, false, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, , false, true, false, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 2, , false, true, false, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, , false, true, false, false, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, , false, true, false, false, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, op, true, true, true, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 3, op, true, true, true, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 4, , false, true, false, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 3, , false, true, false, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, o, true, true, false, false, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, o, true, true, false, false, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, op, true, true, true, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, op, true, true, true, false, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, op, true, true, true, false, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, ol, true, true, false, true, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, opl, true, true, true, true, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, opl, true, true, true, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, opl, true, true, true, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, oplq, true, true, true, true, true, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, oplq, true, true, true, true, true, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, q, false, true, false, false, true, 384)
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 2, , false, false, false, false, false, false, 256)
+PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 2, , false, false, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 4, o, true, false, false, false, false, false, 256)
+PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 4, o, true, false, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 3, , false, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, o, true, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 4, o, true, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 3, o, true, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, o, true, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 2, , false, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 128, 2, , false, false, false, false, false, false, 256)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, , false, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, , false, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 2, , false, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, , false, true, false, false, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, , false, true, false, false, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, op, true, true, true, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 3, op, true, true, true, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 4, , false, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 3, , false, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, o, true, true, false, false, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, o, true, true, false, false, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, op, true, true, true, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, op, true, true, true, false, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, op, true, true, true, false, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, ol, true, true, false, true, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, opl, true, true, true, true, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, opl, true, true, true, true, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, opl, true, true, true, true, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, oplq, true, true, true, true, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, oplq, true, true, true, true, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, q, false, true, false, false, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, oe, true, true, false, false, false, true, 512)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, oplqe, true, true, true, true, true, true, 384)

@@ -23,48 +23,6 @@ constexpr u32 WG_QTILE = 64 * WG_HD * 2;                         // bytes of one
 __device__ constexpr int ws_producer_regs(int nwg) { return nwg == 2 ? 40 : 32; }
 __device__ constexpr int ws_consumer_regs(int nwg) { return nwg == 2 ? 232 : 160; }
 
-// Thread t of NTH copies its share of K/V tile kt of KT keys (rows past max_pos zero-filled) into the slot at dst
-// (K tile, then the V tile KT x 256 bytes later).
-template <int KT, int NTH>
-__device__ __forceinline__ void copy_kv_tile(u32 dst, const bf16* kv_head, const int* bt, int kt, int max_pos,
-                                             int bs_log2, size_t kv_stride, size_t v_off, int t) {
-#pragma unroll
-    for (int i = 0; i < (KT * 16 + NTH - 1) / NTH; i++) {
-        const int c = t + i * NTH, kr = c >> 4, ch = c & 15, p = kt * KT + kr;
-        if (KT * 16 % NTH != 0 && c >= KT * 16) break;
-        const bool ok = p <= max_pos;
-        const size_t slot = ok ? ((size_t)bt[p >> bs_log2] << bs_log2) + (p & ((1 << bs_log2) - 1)) : 0;
-        const bf16* kp = kv_head + slot * kv_stride + ch * 8;
-        const u32 off = sw128_offset(kr, ch, KT);
-        cp_async16_zfill(dst + off, kp, ok ? 16 : 0);
-        cp_async16_zfill(dst + KT * 256 + off, kp + v_off, ok ? 16 : 0);
-    }
-}
-
-// e: the producer warpgroup's copy with the per-thread constants hoisted: thread t always copies chunk t % 16 of rows
-// t / 16 + 8 i, so its swizzled offsets are off0 + 1024 i, and its K / V row addresses one 32 x 32 -> 64-bit
-// multiply-add each from bases that already hold the head and the chunk.
-template <int KT>
-__device__ __forceinline__ void copy_kv_tile_lean(u32 dst, const char* k_base, const char* v_base, const int* bt,
-                                                  int kt, int max_pos, int bs_log2, u32 row_bytes, int r0, u32 off0) {
-#pragma unroll
-    for (int i = 0; i < KT / 8; i++) {
-        const int p = kt * KT + r0 + 8 * i;
-        const bool ok = p <= max_pos;
-        const u32 slot = ok ? ((u32)bt[p >> bs_log2] << bs_log2) + (p & ((1 << bs_log2) - 1)) : 0u;
-        const u32 d = dst + off0 + 1024 * i;
-        cp_async16_zfill(d, k_base + (size_t)slot * row_bytes, ok ? 16 : 0);
-        cp_async16_zfill(d + KT * 256, v_base + (size_t)slot * row_bytes, ok ? 16 : 0);
-    }
-}
-
-// Low / high words of a 128B-swizzle descriptor (sw128_desc); a byte offset o (multiple of 16, inside shared memory)
-// moves it by o >> 4 in the low word.
-__device__ __forceinline__ u32 sw128_desc_lo(u32 addr, u32 lbo) {
-    return ((addr & 0x3FFFFu) >> 4) | ((lbo >> 4) << 16);
-}
-__device__ __forceinline__ u64 desc_at(u32 lo, u32 sbo) { return ((u64)((sbo >> 4) | (1u << 30)) << 32) | lo; }
-
 template <int NWG, int HB, int KT, int STAGES, bool OV, bool WS, bool PP, bool LZ, bool QR, bool LE>
 __device__ __forceinline__ void attn_prefill_wgmma_impl(
         const bf16* __restrict__ q, const bf16* __restrict__ kv_layer, const int* __restrict__ qsl,

@@ -1,6 +1,6 @@
 // Hopper (sm_90a) causal prefill attention over the paged KV cache on warpgroup MMA (wgmma), same contract as
 // attention_prefill_pipe.cu (varlen by query_start_loc, queries at the end of each seq's context, GQA, seqs of
-// < min_rows rows skipped, rows no seq covers zeroed). attn_prefill_{wg|ws}{G}h{H}k{K}s{S}[o][p]_hd128: G consumer
+// < min_rows rows skipped, rows no seq covers zeroed). attn_prefill_{wg|ws}{G}h{H}k{K}s{S}[o][p][l][q][e]_hd128: G
 // warpgroups of 64 query rows; H q heads of one KV head a block: H 1: consecutive rows of one q head, H 2: two q
 // heads (same rows), H 4 (2 warpgroups): two q heads a warpgroup, one after the other on each K/V tile.
 // K/V tiles of 64 keys go through the block table by cp.async (zero-fill past the block's last key) into an S-deep
@@ -9,7 +9,9 @@
 // mbarriers a slot (the consumer warpgroups drift apart).
 // S = Q K^T: 8 wgmma m64n64k16, Q and K from shared memory (K-major); online softmax in registers (exp2, scale
 // folded in); P to bf16 in registers as the A operand of O += P V: 4 wgmma m64n128k16, V MN-major (transposed by
-// the descriptor). o: the next tile's QK^T is issued with this tile's PV, and this tile's softmax runs while PV does.
+// the descriptor). o: QK^T of tile kt is issued with PV of tile kt - 1, and kt's softmax runs while that PV does;
+// p: the consumer warpgroups take turns issuing (round robin, named barriers); l: lazy softmax (wgmma.cuh); q: Q in
+// registers (QK^T as register-A wgmma); e: the lean producer copy and descriptors stepped by adds.
 // Grid (nh / H, ceil(T / rows a block) + num_seqs): block y takes the y-th (seq, tile) pair, a seq's tiles in
 // reverse (longest rows first); every block zeroes uncovered rows r with r % gridDim.y == y.
 #include "wgmma.cuh"
@@ -21,25 +23,7 @@ constexpr u32 WG_QTILE = 64 * WG_HD * 2;                         // bytes of one
 __device__ constexpr int ws_producer_regs(int nwg) { return nwg == 2 ? 40 : 32; }
 __device__ constexpr int ws_consumer_regs(int nwg) { return nwg == 2 ? 232 : 160; }
 
-// Thread t of NTH copies its share of K/V tile kt of KT keys (rows past max_pos zero-filled) into the slot at dst
-// (K tile, then the V tile KT x 256 bytes later).
-template <int KT, int NTH>
-__device__ __forceinline__ void copy_kv_tile(u32 dst, const bf16* kv_head, const int* bt, int kt, int max_pos,
-                                             int bs_log2, size_t kv_stride, size_t v_off, int t) {
-#pragma unroll
-    for (int i = 0; i < (KT * 16 + NTH - 1) / NTH; i++) {
-        const int c = t + i * NTH, kr = c >> 4, ch = c & 15, p = kt * KT + kr;
-        if (KT * 16 % NTH != 0 && c >= KT * 16) break;
-        const bool ok = p <= max_pos;
-        const size_t slot = ok ? ((size_t)bt[p >> bs_log2] << bs_log2) + (p & ((1 << bs_log2) - 1)) : 0;
-        const bf16* kp = kv_head + slot * kv_stride + ch * 8;
-        const u32 off = sw128_offset(kr, ch, KT);
-        cp_async16_zfill(dst + off, kp, ok ? 16 : 0);
-        cp_async16_zfill(dst + KT * 256 + off, kp + v_off, ok ? 16 : 0);
-    }
-}
-
-template <int NWG, int HB, int KT, int STAGES, bool OV, bool WS, bool PP>
+template <int NWG, int HB, int KT, int STAGES, bool OV, bool WS, bool PP, bool LZ, bool QR, bool LE>
 __device__ __forceinline__ void attn_prefill_wgmma_impl(
         const bf16* __restrict__ q, const bf16* __restrict__ kv_layer, const int* __restrict__ qsl,
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables, bf16* __restrict__ out,
@@ -53,7 +37,10 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     constexpr u32 HALF = KT * 128, TILE = 2 * HALF;              // bytes of 64 dims of a K (V) tile, of the tile
     static_assert(NWG % HG == 0 && HB % HG == 0 && (WS || !OV || STAGES >= 3) && (HPW == 1 || !OV),
                   "warpgroups per head; wg + o keeps 2 tiles live; heads in turn without the overlap");
-    static_assert(!PP || (WS && OV && NWG == 2), "turns: two consumer warpgroups of ws + o");
+    static_assert(!PP || (WS && OV), "turns: consumer warpgroups of ws + o");
+    static_assert(!LZ || OV, "the lazy softmax: overlap variants");
+    static_assert(!QR || (WS && HPW == 1), "Q in registers: ws, one Q tile a warpgroup");
+    static_assert(!LE || WS, "the lean producer: ws");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     __shared__ __align__(8) u64 bars[2 * STAGES];               // ws: full[STAGES], empty[STAGES]
     const u32 q_s = (smem_addr(smem_raw) + 1023u) & ~1023u;      // swizzle atoms need 1024-byte alignment
@@ -83,9 +70,16 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
 
     if (WS && tid >= NC) {                                       // the producer warpgroup
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(ws_producer_regs(NWG)));
+        const int t = tid - NC, ch = t & 15;
+        const char* k_base = reinterpret_cast<const char*>(kv_head + ch * 8);
+        const char* v_base = reinterpret_cast<const char*>(kv_head + v_off + ch * 8);
         for (int kt = 0; kt < ntiles; kt++) {
             if (kt >= STAGES) mbar_wait(empty + 8 * (kt % STAGES), (kt / STAGES - 1) & 1);
-            copy_kv_tile<KT, 128>(slot_of(kt), kv_head, bt, kt, max_pos, bs_log2, kv_stride, v_off, tid - NC);
+            if constexpr (LE)
+                copy_kv_tile_lean<KT>(slot_of(kt), k_base, v_base, bt, kt, max_pos, bs_log2, (u32)kv_stride * 2,
+                                      t >> 4, sw128_offset(t >> 4, ch, KT));
+            else
+                copy_kv_tile<KT, 128>(slot_of(kt), kv_head, bt, kt, max_pos, bs_log2, kv_stride, v_off, t);
             mbar_arrive_on_copies(full + 8 * (kt % STAGES));
         }
         cp_async_commit();
@@ -119,7 +113,14 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     const u32 qw = q_s + wg * HPW * WG_QTILE;                    // this warpgroup's first Q tile
     const float sl2 = scale * 1.4426950408889634f;
     float o[HPW][64], s[KT / 2], m_r[HPW][2], l_r[HPW][2], corr[2];   // o, m, l: one set per head in turn
-    u32 pf[KT / 16][4];
+    u32 pf[KT / 16][4], qf[QR ? HD / 16 : 1][4];                  // P (A of PV); qr: Q (A of QK^T)
+    if constexpr (QR) {                                          // warp wl's 16 rows, k-step k: ldmatrix x4
+#pragma unroll
+        for (int k = 0; k < HD / 16; k++) {
+            const int i = lane >> 3;
+            ldmatrix_x4_at(qf[k], qw + sw128_offset(wl * 16 + (i & 1) * 8 + (lane & 7), 2 * k + (i >> 1), 64));
+        }
+    }
 #pragma unroll
     for (int j = 0; j < HPW; j++) {
 #pragma unroll
@@ -128,13 +129,19 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         l_r[j][0] = l_r[j][1] = 0.f;
     }
 
+    // 128B-swizzle descriptor of base + off (e: from the base's low word stepped by an add; the high word constant)
+    auto tile_desc = [&](u32 base, u32 off, u32 lbo) {
+        return LE ? desc_at(sw128_desc_lo(base, lbo) + (off >> 4), 1024) : sw128_desc(base + off, lbo, 1024);
+    };
     auto issue_s = [&](int kt, u32 qw) {                         // s = Q K(kt)^T, committed as one group
         const u32 ks = slot_of(kt);
         wg_fence();
 #pragma unroll
-        for (int k = 0; k < HD / 16; k++)
-            wgmma_ss(s, sw128_desc(qw + (k >> 2) * (WG_QTILE / 2) + (k & 3) * 32, 16, 1024),
-                     sw128_desc(ks + (k >> 2) * HALF + (k & 3) * 32, 16, 1024), k > 0);
+        for (int k = 0; k < HD / 16; k++) {
+            const u64 kd = tile_desc(ks, (k >> 2) * HALF + (k & 3) * 32, 16);
+            if constexpr (QR) wgmma_rs(s, qf[k], kd, k > 0);
+            else wgmma_ss(s, tile_desc(qw, (k >> 2) * (WG_QTILE / 2) + (k & 3) * 32, 16), kd, k > 0);
+        }
         wg_commit();
     };
     auto issue_pv = [&](int kt, float (&o)[64]) {                // o += P V(kt), committed as one group
@@ -143,14 +150,15 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < KT / 16; kk++)
-            wgmma_rs_n128_tb(o, pf[kk], sw128_desc(vs + kk * 16 * 128, HALF, 1024));
+            wgmma_rs_n128_tb(o, pf[kk], tile_desc(vs, kk * 16 * 128, HALF));
         wg_commit();
     };
-    auto softmax = [&](int kt, float (&m)[2], float (&l)[2]) {   // s -> P in place; corr; returns moved
+    // s -> P in place; corr; returns moved (the overlap variants branch around the causal mask)
+    auto softmax = [&](int kt, float (&m)[2], float (&l)[2]) {
         const int kb = kt * KT;
         const int lim[2] = {qpos[0] - kb - (lane & 3) * 2, qpos[1] - kb - (lane & 3) * 2};
         reg_fence(s);
-        return softmax_tile(s, m, l, corr, kb + KT - 1 > wpos_first, lim, sl2);
+        return softmax_tile<KT / 2, OV, LZ>(s, m, l, corr, kb + KT - 1 > wpos_first, lim, sl2);
     };
     auto step = [&](int kt) {                                    // tile kt, products one after the other
         if (kt >= wtiles) return;                                // every key is after this warpgroup's rows
@@ -167,34 +175,50 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
             reg_fence(pf);
         }
     };
-    // p: the two warpgroups take turns issuing their products (named barriers 3, 4), so that one's softmax runs while
-    // the other's products do; warpgroup 1 lets warpgroup 0 go first and skips its last pass (counts match).
+    // p: the warpgroups take turns issuing their products, 0, 1, .. NWG - 1, 0, .. (named barrier turn0 + w: w's
+    // turn, after 1 + w of the Q tiles), so that one's softmax runs while the others' products do; the last one
+    // lets warpgroup 0 go first and skips its last pass (counts match).
+    const int my_turn = 1 + NWG + wg, next_turn = 1 + NWG + (wg + 1) % NWG;
     auto turn_wait = [&]() {
-        if constexpr (PP) asm volatile("bar.sync %0, 256;" :: "r"(3 + wg) : "memory");
+        if constexpr (PP) asm volatile("bar.sync %0, 256;" :: "r"(my_turn) : "memory");
     };
     auto turn_pass = [&](int kt) {
-        if constexpr (PP) if (wg == 0 || kt < ntiles) asm volatile("bar.arrive %0, 256;" :: "r"(4 - wg) : "memory");
+        if constexpr (PP)
+            if (wg < NWG - 1 || kt < ntiles) asm volatile("bar.arrive %0, 256;" :: "r"(next_turn) : "memory");
     };
-    auto step_overlap = [&](int kt) {                            // kt in 0..ntiles: S(kt) and PV(kt - 1) in flight
+    // kt in 0..ntiles: S(kt) and PV(kt - 1) in flight together. Each case is straight-line code from the first
+    // issue to the last wait: a branch in between makes ptxas wait for every group (or serialize every wgmma).
+    auto step_overlap = [&](int kt) {
         turn_wait();
-        if (kt < wtiles) {
+        if (kt > 0 && kt < wtiles) {
             issue_s(kt, qw);
-            if (kt > 0) issue_pv(kt - 1, o[0]);
-            turn_pass(kt);
-            if (kt > 0) wg_wait<1>();                            // S(kt) done, PV(kt - 1) may still run
-            else wg_wait<0>();
-            const bool moved = softmax(kt, m_r[0], l_r[0]);
-            wg_wait<0>();
+            issue_pv(kt - 1, o[0]);
+            if constexpr (PP) asm volatile("bar.arrive %0, 256;" :: "r"(next_turn) : "memory");
+            wg_wait<1>();                                        // S(kt) done, PV(kt - 1) may still run
+            // PV(kt - 1) is waited for in both arms of the vote: a branch ptxas cannot hoist above the softmax
+            // (in one block it hoists the wait, and the P packing that waits on it, into the softmax).
+            if (__any_sync(0xffffffffu, softmax(kt, m_r[0], l_r[0]))) {
+                wg_wait<0>();
+                reg_fence(o[0]);
+                rescale_rows(o[0], corr);
+            } else {
+                wg_wait<0>();
+            }
             reg_fence(o[0]);
             reg_fence(pf);
-            rescale(o[0], corr, moved);
+            pack_p(s, pf);
+        } else if (kt == 0 && wtiles > 0) {
+            issue_s(0, qw);
+            wg_wait<0>();
+            turn_pass(kt);
+            softmax(0, m_r[0], l_r[0]);                          // o is still 0: nothing to rescale
             pack_p(s, pf);
         } else if (kt == wtiles && kt > 0) {
             issue_pv(kt - 1, o[0]);
-            turn_pass(kt);
             wg_wait<0>();
             reg_fence(o[0]);
             reg_fence(pf);
+            turn_pass(kt);
         } else {
             turn_pass(kt);
         }
@@ -203,7 +227,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     if constexpr (WS) {
         // Tile kt waits for full[kt % S] (phase kt / S); a warp releases a slot (empty) when done with its tile:
         // after step kt, or after step_overlap kt + 1 (V of tile kt is read there).
-        if (PP && wg == 1) asm volatile("bar.arrive 3, 256;" ::: "memory");
+        if (PP && wg == NWG - 1) asm volatile("bar.arrive %0, 256;" :: "r"(next_turn) : "memory");
         for (int kt = 0; kt <= ntiles; kt++) {
             if (kt < ntiles) {
                 mbar_wait(full + 8 * (kt % STAGES), (kt / STAGES) & 1);
@@ -271,33 +295,47 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     }
 }
 
-#define PREFILL_WGMMA_KERNEL(MODE, NWG, HB, KEYS, S, SUFFIX, OV, WS, PP, THREADS)                           \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                  \
-    attn_prefill_##MODE##NWG##h##HB##k##KEYS##s##S##SUFFIX##_hd128(                                         \
-        const bf16* q, const bf16* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,     \
-        bf16* out, int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots,        \
-        float scale, int min_rows) {                                                                           \
-        attn_prefill_wgmma_impl<NWG, HB, KEYS, S, OV, WS, PP>(q, kv_layer, qsl, seq_lens, block_tables, out, T,  \
-                                                        num_seqs, nh, nkv, block_size, max_blocks, num_slots, scale, \
-                                                        min_rows); }
+#define PREFILL_WGMMA_KERNEL(MODE, NWG, HB, KEYS, S, SUFFIX, OV, WS, PP, LZ, QR, LE, THREADS)                       \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                        \
+    attn_prefill_##MODE##NWG##h##HB##k##KEYS##s##S##SUFFIX##_hd128(                                                 \
+        const bf16* q, const bf16* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,          \
+        bf16* out, int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots,             \
+        float scale, int min_rows) {                                                                                \
+        attn_prefill_wgmma_impl<NWG, HB, KEYS, S, OV, WS, PP, LZ, QR, LE>(q, kv_layer, qsl, seq_lens, block_tables, \
+                                                                      out, T, num_seqs, nh, nkv, block_size,        \
+                                                                      max_blocks, num_slots, scale, min_rows); }
 
-PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 2, , false, false, false, 256)
-PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 2, , false, false, false, 384)
-PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 4, o, true, false, false, 256)
-PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 4, o, true, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 3, , false, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, o, true, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 4, o, true, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 3, o, true, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, o, true, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 2, , false, true, false, 384)
-PREFILL_WGMMA_KERNEL(wg, 2, 2, 128, 2, , false, false, false, 256)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, , false, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, , false, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 2, , false, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, , false, true, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, , false, true, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, op, true, true, true, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 3, op, true, true, true, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 4, , false, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 3, , false, true, false, 384)
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 2, , false, false, false, false, false, false, 256)
+PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 2, , false, false, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 64, 4, o, true, false, false, false, false, false, 256)
+PREFILL_WGMMA_KERNEL(wg, 3, 1, 64, 4, o, true, false, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 3, , false, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, o, true, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 4, o, true, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 3, o, true, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, o, true, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 2, , false, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(wg, 2, 2, 128, 2, , false, false, false, false, false, false, 256)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, , false, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, , false, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 2, , false, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, , false, true, false, false, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, , false, true, false, false, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, op, true, true, true, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 3, op, true, true, true, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 4, , false, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 3, , false, true, false, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, o, true, true, false, false, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, o, true, true, false, false, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, op, true, true, true, false, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, op, true, true, true, false, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, op, true, true, true, false, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, ol, true, true, false, true, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, opl, true, true, true, true, false, false, 512)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, opl, true, true, true, true, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, opl, true, true, true, true, false, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, oplq, true, true, true, true, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, oplq, true, true, true, true, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, q, false, true, false, false, true, false, 384)
+PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, oe, true, true, false, false, false, true, 512)
+PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, oplqe, true, true, true, true, true, true, 384)

@@ -68,6 +68,24 @@ __device__ __forceinline__ void wgmma_rs_n128_tb(float (&d)[64], const u32 (&a)[
                  : WG_ACC64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
+// d (64 x N f32) (+)= A (64 x 16 bf16, registers as above) * B (16 x N, smem, K-major), N = 2 x size of d.
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], const u32 (&a)[4], u64 db, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" WG_REGS32 "}, {%32, %33, %34, %35}, %36, "
+                 "p, 1, 1, 0;\n}\n"
+                 : WG_ACC32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 db, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" WG_REGS64 "}, {%64, %65, %66, %67}, %68, "
+                 "p, 1, 1, 0;\n}\n"
+                 : WG_ACC64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
+__device__ __forceinline__ void ldmatrix_x4_at(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
 // Byte offset of 16-byte chunk c (of 16) of row r in a swizzled tile of `rows` rows of 128 dims.
 __device__ __forceinline__ u32 sw128_offset(int r, int c, int rows) {
     return (u32)((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
@@ -75,52 +93,75 @@ __device__ __forceinline__ u32 sw128_offset(int r, int c, int rows) {
 
 // Online softmax of one S tile (64 rows x N / 2 keys) in place (S -> exp2 values P, unnormalised), rows e of
 // this thread: keys past lim[e] (relative to this thread's first column) masked when diag; m (log2 units,
-// scaled), l, corr per row.
-template <int N>
+// scaled), l, corr per row. BRANCH: the mask under a branch (no select instructions on the other tiles). LAZY: a
+// row's m moves only when the tile's max passes it by more than SOFTMAX_LAZY_LOG2 (P <= 2^that, exact after the
+// final 1 / l; rescales become rare), and the row max / sum by four independent chains.
+constexpr float SOFTMAX_LAZY_LOG2 = 8.f;
+template <int N, bool BRANCH = false, bool LAZY = false>
 __device__ __forceinline__ bool softmax_tile(float (&s)[N], float (&m)[2], float (&l)[2], float (&corr)[2],
                                              bool diag, const int (&lim)[2], float sl2) {
     const float NEG_INF = -__int_as_float(0x7f800000);
+    constexpr int CH = LAZY ? 4 : 1;                             // independent max / sum chains a row
+    if (BRANCH && diag) {
+#pragma unroll
+        for (int j = 0; j < N / 4; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                if (j * 8 + (i & 1) > lim[i >> 1]) s[4 * j + i] = NEG_INF;
+    }
     bool moved = false;
 #pragma unroll
     for (int e = 0; e < 2; e++) {
-        float mx = NEG_INF;
+        float mc[CH];
+#pragma unroll
+        for (int c = 0; c < CH; c++) mc[c] = NEG_INF;
 #pragma unroll
         for (int j = 0; j < N / 4; j++) {
 #pragma unroll
             for (int c = 0; c < 2; c++) {
                 float& v = s[4 * j + 2 * e + c];
-                if (diag && j * 8 + c > lim[e]) v = NEG_INF;
-                mx = fmaxf(mx, v);
+                if (!BRANCH && diag && j * 8 + c > lim[e]) v = NEG_INF;
+                mc[(2 * j + c) % CH] = fmaxf(mc[(2 * j + c) % CH], v);
             }
         }
+        float mx = mc[0];
+#pragma unroll
+        for (int c = 1; c < CH; c++) mx = fmaxf(mx, mc[c]);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float nm = fmaxf(m[e], mx * sl2);                  // finite: key 0 is visible to every row
+        float nm = fmaxf(m[e], mx * sl2);                        // finite: key 0 is visible to every row
+        if (LAZY) nm = nm > m[e] + SOFTMAX_LAZY_LOG2 ? nm : m[e];  // (m = -inf: moves)
         corr[e] = nm != m[e] ? ex2_approx(m[e] - nm) : 1.f;
         moved |= nm != m[e];
         m[e] = nm;
-        float sum = 0.f;
+        float sc[CH];
+#pragma unroll
+        for (int c = 0; c < CH; c++) sc[c] = 0.f;
 #pragma unroll
         for (int j = 0; j < N / 4; j++) {
 #pragma unroll
             for (int c = 0; c < 2; c++) {
                 float& v = s[4 * j + 2 * e + c];
                 v = ex2_approx(fmaf(v, sl2, -nm));
-                sum += v;
+                sc[(2 * j + c) % CH] += v;
             }
         }
+        float sum = sc[0];
+#pragma unroll
+        for (int c = 1; c < CH; c++) sum += sc[c];
         l[e] = l[e] * corr[e] + sum;
     }
     return moved;
 }
 
-__device__ __forceinline__ void rescale(float (&o)[64], const float (&corr)[2], bool moved) {
-    if (__any_sync(0xffffffffu, moved)) {
+__device__ __forceinline__ void rescale_rows(float (&o)[64], const float (&corr)[2]) {
 #pragma unroll
-        for (int t = 0; t < 16; t++) {
-            o[4 * t] *= corr[0]; o[4 * t + 1] *= corr[0]; o[4 * t + 2] *= corr[1]; o[4 * t + 3] *= corr[1];
-        }
+    for (int t = 0; t < 16; t++) {
+        o[4 * t] *= corr[0]; o[4 * t + 1] *= corr[0]; o[4 * t + 2] *= corr[1]; o[4 * t + 3] *= corr[1];
     }
+}
+__device__ __forceinline__ void rescale(float (&o)[64], const float (&corr)[2], bool moved) {
+    if (__any_sync(0xffffffffu, moved)) rescale_rows(o, corr);
 }
 
 // P (fp32, the S accumulator layout) -> the bf16 A fragments of the N / 8 k16 steps of the PV product.
@@ -131,6 +172,48 @@ __device__ __forceinline__ void pack_p(const float (&s)[N], u32 (&pf)[N / 8][4])
 #pragma unroll
         for (int r = 0; r < 4; r++) pf[kk][r] = pack2_rn(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
 }
+
+// Thread t of NTH copies its share of K/V tile kt of KT keys (rows past max_pos zero-filled) into the slot at dst
+// (K tile, then the V tile KT x 256 bytes later).
+template <int KT, int NTH>
+__device__ __forceinline__ void copy_kv_tile(u32 dst, const bf16* kv_head, const int* bt, int kt, int max_pos,
+                                             int bs_log2, size_t kv_stride, size_t v_off, int t) {
+#pragma unroll
+    for (int i = 0; i < (KT * 16 + NTH - 1) / NTH; i++) {
+        const int c = t + i * NTH, kr = c >> 4, ch = c & 15, p = kt * KT + kr;
+        if (KT * 16 % NTH != 0 && c >= KT * 16) break;
+        const bool ok = p <= max_pos;
+        const size_t slot = ok ? ((size_t)bt[p >> bs_log2] << bs_log2) + (p & ((1 << bs_log2) - 1)) : 0;
+        const bf16* kp = kv_head + slot * kv_stride + ch * 8;
+        const u32 off = sw128_offset(kr, ch, KT);
+        cp_async16_zfill(dst + off, kp, ok ? 16 : 0);
+        cp_async16_zfill(dst + KT * 256 + off, kp + v_off, ok ? 16 : 0);
+    }
+}
+
+// e: the producer warpgroup's copy with the per-thread constants hoisted: thread t always copies chunk t % 16 of rows
+// t / 16 + 8 i, so its swizzled offsets are off0 + 1024 i, and its K / V row addresses one 32 x 32 -> 64-bit
+// multiply-add each from bases that already hold the head and the chunk.
+template <int KT>
+__device__ __forceinline__ void copy_kv_tile_lean(u32 dst, const char* k_base, const char* v_base, const int* bt,
+                                                  int kt, int max_pos, int bs_log2, u32 row_bytes, int r0, u32 off0) {
+#pragma unroll
+    for (int i = 0; i < KT / 8; i++) {
+        const int p = kt * KT + r0 + 8 * i;
+        const bool ok = p <= max_pos;
+        const u32 slot = ok ? ((u32)bt[p >> bs_log2] << bs_log2) + (p & ((1 << bs_log2) - 1)) : 0u;
+        const u32 d = dst + off0 + 1024 * i;
+        cp_async16_zfill(d, k_base + (size_t)slot * row_bytes, ok ? 16 : 0);
+        cp_async16_zfill(d + KT * 256, v_base + (size_t)slot * row_bytes, ok ? 16 : 0);
+    }
+}
+
+// Low / high words of a 128B-swizzle descriptor (sw128_desc); a byte offset o (multiple of 16, inside shared memory)
+// moves it by o >> 4 in the low word.
+__device__ __forceinline__ u32 sw128_desc_lo(u32 addr, u32 lbo) {
+    return ((addr & 0x3FFFFu) >> 4) | ((lbo >> 4) << 16);
+}
+__device__ __forceinline__ u64 desc_at(u32 lo, u32 sbo) { return ((u64)((sbo >> 4) | (1u << 30)) << 32) | lo; }
 
 // mbarriers (shared::cta): init, plain arrive, arrive when this thread's earlier cp.async copies land, wait for
 // the phase of the given parity to complete.

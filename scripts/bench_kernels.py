@@ -281,8 +281,8 @@ def bench_prefill(args) -> None:
     cases = [(c, len(c)) for c in cases] + [([640], 256)]
     print(f"prefill attention, Qwen3-8B shape (nh {nh}, nkv {nkv}, hd {hd}), block_size {bs}; ms per layer; "
           f"TFLOP/s = 4 * sum(keys attended) * hd * nh / t, vs 790 dense bf16; "
-          f"plan defaults: buckets >= {attention_plan.PREFILL_ATTN_LONG_ROWS} rows "
-          f"{attention_plan.PREFILL_ATTN_KERNEL[hd][0]}, smaller {attention_plan.PREFILL_ATTN_SHORT[hd][0]}")
+          "plan defaults: " + ", ".join(f"buckets >= {least} rows {t[hd][0]}"
+                                        for least, t in attention_plan.PREFILL_ATTN_TIERS))
     print(f"{'prompts':>10} {'S':>4} {'variant':13} {'ms':>8} {'TFLOP/s':>8} {'%790':>5} {'err':>8} {'fill TB/s':>9}")
     for lens_list, S in cases:
         T = sum(lens_list)

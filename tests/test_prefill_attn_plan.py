@@ -25,13 +25,15 @@ def op(rows, num_seqs, hd=128):
 def test_prefill_bucket_runs_the_default_variant_then_the_batched_decode_kernel():
     choice = ap.plan_attention(op(2048, 256), "prefill", MODEL, {"max_seq_len": 8192}, 16, 512, 640000)
     pre, dec = choice.launch
-    assert pre.fn == f"attn_prefill_{ap.PREFILL_ATTN_KERNEL[128][0]}_hd128"
-    short = ap.plan_attention(op(ap.PREFILL_ATTN_LONG_ROWS - 1, 16), "prefill", MODEL, {"max_seq_len": 8192}, 16, 512,
-                              640000)
-    assert short.launch[0].fn == f"attn_prefill_{ap.PREFILL_ATTN_SHORT[128][0]}_hd128"
-    defaults = {v for table in (ap.PREFILL_ATTN_KERNEL, ap.PREFILL_ATTN_SHORT) for vs in table.values() for v in vs}
+    tiers = dict(ap.PREFILL_ATTN_TIERS)
+    assert pre.fn == f"attn_prefill_{tiers[2048][128][0]}_hd128"
+    for rows, least in ((8192, 4096), (4096, 4096), (4095, 2048), (2047, 0), (16, 0)):
+        got = ap.plan_attention(op(rows, 16), "prefill", MODEL, {"max_seq_len": 8192}, 16, 512, 640000)
+        assert got.launch[0].fn == f"attn_prefill_{tiers[least][128][0]}_hd128", rows
+    assert [least for least, _ in ap.PREFILL_ATTN_TIERS] == sorted(tiers, reverse=True) and 0 in tiers
+    defaults = {v for _, table in ap.PREFILL_ATTN_TIERS for vs in table.values() for v in vs}
     assert defaults <= set(ap.PREFILL_ATTN_VARIANTS)
-    for table in (ap.PREFILL_ATTN_KERNEL, ap.PREFILL_ATTN_SHORT):
+    for _, table in ap.PREFILL_ATTN_TIERS:
         assert all(ap.prefill_tiles(vs[-1])[1] == 1 for vs in table.values()), "the last one fits any head groups"
     assert ap.PREFILL_ATTN_OTHER_HD in ap.PREFILL_ATTN_BOTH_HD, "unswept head sizes get a kernel built for hd 64"
     small = ap.plan_attention(op(256, 16, hd=64), "prefill", dict(MODEL, head_dim=64), {"max_seq_len": 8192}, 16, 512,
@@ -81,13 +83,16 @@ def test_grid_covers_every_query_tile_of_any_split_of_the_rows(variant, seed):
 
 
 def test_a_default_that_shares_kv_tiles_across_q_heads_gives_way_where_they_do_not_divide(monkeypatch):
-    monkeypatch.setitem(ap.PREFILL_ATTN_SHORT, 128, ("ws2h4k64s4", "ws2h2k64s4", "w4m2k16s4"))
+    monkeypatch.setattr(ap, "PREFILL_ATTN_TIERS", ((2048, {128: ("ws2h2k64s4oplq", "ws3h1k64s4o")}),
+                                                   (0, {128: ("ws2h4k64s4", "ws2h2k64s4", "w4m2k16s4")})))
     fn = {}
     for q_heads in (32, 16, 24):                             # 4, 2 and 3 q heads a KV head
         m = dict(MODEL, num_heads=q_heads)
-        fn[q_heads] = ap.plan_attention(op(512, 4), "prefill", m, {"max_seq_len": 8192}, 16, 512, 640000).launch[0].fn
-    assert fn == {32: "attn_prefill_ws2h4k64s4_hd128", 16: "attn_prefill_ws2h2k64s4_hd128",
-                  24: "attn_prefill_w4m2k16s4_hd128"}
+        fn[q_heads] = [ap.plan_attention(op(rows, 4), "prefill", m, {"max_seq_len": 8192}, 16, 512, 640000).launch[0].fn
+                       for rows in (512, 2048)]
+    assert fn == {32: ["attn_prefill_ws2h4k64s4_hd128", "attn_prefill_ws2h2k64s4oplq_hd128"],
+                  16: ["attn_prefill_ws2h2k64s4_hd128", "attn_prefill_ws2h2k64s4oplq_hd128"],
+                  24: ["attn_prefill_w4m2k16s4_hd128", "attn_prefill_ws3h1k64s4o_hd128"]}
 
 
 def test_the_build_config_selects_the_variant_and_wgmma_refuses_shapes_it_lacks():
@@ -131,3 +136,16 @@ def test_the_cli_option_reaches_every_prefill_bucket_and_refuses_a_head_size_it_
     r = cli("compile", tmp_path / "c64.json", "-o", tmp_path / "plan64", *small)
     assert_one_line_error(r, "needs head_dim 128")
     assert not (tmp_path / "plan64").exists()
+
+
+def test_ptxas_keeps_every_wgmma_variant_asynchronous_and_spill_free():
+    """ptxas serializes every wgmma of a kernel (C7514) when it cannot follow the accumulators through the code
+    between an issue and its wait (the old ping-pong variants); the overlap variants depend on it not doing so."""
+    pytest.importorskip("cuda.core")
+    from xserv_aot.plan.nvrtc_build import compile_source, ptxas_summary
+    _, _, log = compile_source("attention_prefill_wgmma.cu", "sm_90a")
+    serialized = [line for line in log.splitlines() if "C7514" in line or "C7515" in line or "serialized" in line]
+    assert not serialized, serialized
+    resources = ptxas_summary(log)
+    assert set(resources) == {f"attn_prefill_{v}_hd128" for v in ap.PREFILL_ATTN_WGMMA}
+    assert not [fn for fn, r in resources.items() if "spill" in r], resources

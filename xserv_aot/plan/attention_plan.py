@@ -21,24 +21,28 @@ BATCHED_ATTN_BLOCKS = 4 * 132  # splits per seq chosen so a full bucket launches
 # PREFILL_ATTN_BOTH_HD also for hd 64.
 PREFILL_ATTN_VARIANTS = ("v1", "w8m1k64s2", "w8m1k64s3", "w4m1k64s2", "w4m2k32s2", "w4m2k32s3", "w8m2k32s2",
                          "w4m2k16s3", "w4m2k16s4")
-# w{g|s}GhHkKsS[o][p] (attention_prefill_wgmma.cu, hd 128 only): G warpgroups of 64 rows on wgmma, H q heads of a
-# KV head a block (4: two a warpgroup, in turn), S-deep ring of K-key tiles copied by every thread (wg) or by a
-# producer warpgroup (ws), o: QK^T of the next tile overlaps this tile's softmax, p: the two warpgroups take turns
-# issuing their products (ping-pong).
+# w{g|s}GhHkKsS[o][p][l][q][e] (attention_prefill_wgmma.cu, hd 128 only): G warpgroups of 64 rows on wgmma, H q heads of
+# a KV head a block (4: two a warpgroup, in turn), S-deep ring of K-key tiles copied by every thread (wg) or by a
+# producer warpgroup (ws), o: a tile's softmax runs under the previous tile's PV product, p: the warpgroups take
+# turns issuing their products (ping-pong), l: lazy softmax (a row's max moves only by > 2^8; rare rescales), q: Q
+# in registers (QK^T reads only K from shared memory), e: lean producer copy and descriptors (fewer instructions a
+# tile; built after the last device round: not timed, off by default).
 PREFILL_ATTN_WGMMA = ("wg2h2k64s2", "wg3h1k64s2", "wg2h2k64s4o", "wg3h1k64s4o", "wg2h2k128s2", "ws2h2k64s3",
                       "ws2h2k64s4", "ws2h2k64s4o", "ws2h1k64s4o", "ws2h1k64s3o", "ws2h2k128s2", "ws2h2k128s3",
                       "ws2h1k128s2", "ws2h2k128s3o", "ws2h2k128s3op", "ws2h1k128s3op", "ws3h1k64s3", "ws3h1k64s4",
-                      "ws2h4k64s3", "ws2h4k64s4")
+                      "ws2h4k64s3", "ws2h4k64s4", "ws3h1k64s3o", "ws3h1k64s4o", "ws2h2k64s4op", "ws3h1k64s3op",
+                      "ws3h1k64s4op", "ws3h1k64s3ol", "ws3h1k64s3opl", "ws2h2k128s3opl", "ws2h2k64s4opl",
+                      "ws2h2k64s4oplq", "ws2h2k128s3oplq", "ws2h2k64s4q", "ws3h1k64s4oe", "ws2h2k64s4oplqe")
 PREFILL_ATTN_VARIANTS += PREFILL_ATTN_WGMMA
 PREFILL_ATTN_BOTH_HD = ("v1", "w8m1k64s2", "w4m2k32s2")
-# Defaults per head size, best first, for prefill buckets of >= PREFILL_ATTN_LONG_ROWS rows and for smaller ones: the
-# first whose q heads a block divide the model's q heads per KV head (the H200 sweep, docs/cuda-notes.md).
-PREFILL_ATTN_LONG_ROWS = 2048
-PREFILL_ATTN_KERNEL = {128: ("ws3h1k64s3",)}
-PREFILL_ATTN_SHORT = {128: ("ws2h4k64s4", "ws2h2k64s4", "w4m2k16s4")}
+# Defaults per head size, best first, by bucket rows: the first tier whose minimum rows the bucket reaches, in it the
+# first variant whose q heads a block divide the model's q heads per KV head (the H200 sweeps, docs/cuda-notes.md).
+PREFILL_ATTN_TIERS = ((4096, {128: ("ws3h1k64s4o",)}),
+                      (2048, {128: ("ws2h2k64s4oplq", "ws3h1k64s4o")}),
+                      (0, {128: ("ws2h4k64s4", "ws2h2k64s4", "w4m2k16s4")}))
 PREFILL_ATTN_OTHER_HD = "w8m1k64s2"         # head sizes without a sweep (hd 64: tested, not timed)
 _PIPE = re.compile(r"w(\d+)m(\d+)k(\d+)s(\d+)")
-_WGMMA = re.compile(r"w([gs])(\d)h(\d)k(\d+)s(\d)o?p?")
+_WGMMA = re.compile(r"w([gs])(\d)h(\d)k(\d+)s(\d)o?p?l?q?e?")
 FEW_ATTN_STAGES = 3          # fused few-seq kernel: tiles of 64 keys in its cp.async ring (2, 3, 4, 6 built)
 FEW_ATTN_MIN_TILES = 1       # ... a split holds >= this many tiles
 # ... and a sequence of <= stages - 1 tiles (all copied at once) is one split: no combine
@@ -127,7 +131,7 @@ def prefill_tiles(variant: str) -> tuple[int, int, int]:
 def default_prefill_variant(m: dict, rows: int) -> str:
     """The default prefill attention variant for this model and a bucket of `rows` query rows."""
     hd, group = m["head_dim"], m["num_heads"] // m["num_kv_heads"]
-    table = PREFILL_ATTN_KERNEL if rows >= PREFILL_ATTN_LONG_ROWS else PREFILL_ATTN_SHORT
+    table = next(t for least, t in PREFILL_ATTN_TIERS if rows >= least)
     return next((v for v in table.get(hd, ()) if group % prefill_tiles(v)[1] == 0), PREFILL_ATTN_OTHER_HD)
 
 

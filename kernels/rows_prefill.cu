@@ -14,6 +14,16 @@ __device__ __forceinline__ vec16 ld_once(const void* p) {
     return v;
 }
 
+// 16 bytes global -> shared, asynchronous (all of a thread's copies in flight until cp_async_wait).
+template <bool EF>
+__device__ __forceinline__ void cp_async_once(void* smem, const void* gmem) {
+    if (!EF) return cp_async16((u32)__cvta_generic_to_shared(smem), gmem);
+    u64 policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
+                 :: "r"((u32)__cvta_generic_to_shared(smem)), "l"(gmem), "l"(policy) : "memory");
+}
+
 // Row norms with K 16-byte chunks a lane. The one-chunk-a-thread kernel (elementwise.cu, norm_threads) has
 // W = ceil(H / 256) warps, chunk 32 w + lane each; here warp v of NW = blockDim / 32 plays its warps v, v + NW, ...
 // (W <= 32, W <= K * NW): each chunk's sum of squares, each warp sum and the sum over warp sums are added in the
@@ -157,10 +167,12 @@ __device__ __forceinline__ void qk_rope_rows_impl(const bf16* __restrict__ qkv, 
     const int chunks = (nh + 2 * nkv) * HD / 8, qc = nh * HD / 8, kc = nkv * HD / 8;
     const int pos = positions[r], slot = slot_mapping[r];
     const vec16* src = reinterpret_cast<const vec16*>(qkv + (size_t)r * (nh + 2 * nkv) * HD);
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) row_smem[c] = ld_once<EF>(src + c);
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) cp_async_once<EF>(row_smem + c, src + c);
     vec16* tables = row_smem + chunks;                         // cos then sin of pos: HD / 2 floats each
     for (int i = threadIdx.x; i < HD / 4; i += blockDim.x)
-        tables[i] = ld16((i < HD / 8 ? cos_t : sin_t) + (size_t)pos * (HD / 2) + (i % (HD / 8)) * 4);
+        cp_async_once<false>(tables + i, (i < HD / 8 ? cos_t : sin_t) + (size_t)pos * (HD / 2) + (i % (HD / 8)) * 4);
+    cp_async_commit();
+    cp_async_wait<0>();
     __syncthreads();
     bf16* sm = reinterpret_cast<bf16*>(row_smem);
     const float* cos_s = reinterpret_cast<const float*>(tables);

@@ -128,7 +128,7 @@ def bench_prefill_elementwise(args, kernels_cls, time_graph, stream) -> None:
             ncopy = max(1, -(-3 * L2_BYTES // nbytes))
             copies = [bufs] + [{k: v.clone() for k, v in bufs.items()} for _ in range(ncopy - 1)]
             first = None
-            for label, rec in launches_of(op, M + 64, rk.uses_rows("auto", M)):
+            for label, rec in launches_of(op, M + 64, rk.uses_rows("auto", "prefill", M)):
                 fn = kern.fn(source_of(rec.fn), rec.fn, rec.smem)
                 lns = [Launch(rec.fn, fn, rec.grid, rec.block, rec.smem,
                               packed(rec, b, b["kv"].data_ptr() if "kv" in b else 0), pdl=False) for b in copies]

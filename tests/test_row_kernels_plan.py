@@ -67,5 +67,5 @@ def test_norm_warps_cover_the_row():
     for hidden, k, warps in ((4096, 4, 4), (4096, 2, 8), (4096, 8, 2), (576, 2, 2), (8192, 8, 4), (256, 4, 1)):
         assert rk.norm_warps(hidden, k) == warps
     assert rk.norm_rows_fits(8192) and not rk.norm_rows_fits(8200)
-    assert rk.uses_rows("rows", rk.ROWS_FROM) and not rk.uses_rows("rows", rk.ROWS_FROM - 1)
-    assert not rk.uses_rows("v1", 8192)
+    assert rk.uses_rows("rows", "prefill", rk.ROWS_FROM) and not rk.uses_rows("rows", "prefill", rk.ROWS_FROM - 1)
+    assert not rk.uses_rows("v1", "prefill", 8192) and not rk.uses_rows("rows", "decode", 8192)

@@ -83,7 +83,7 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             quant = nxt if producer_fuses_quantize(op, nxt, after, fuse_quantize) else None
             summed = (isinstance(op, AddRmsNorm) and idx > 0 and out[-1].fused_residual == op.residual
                       and getattr(ops[idx - 1], "out", None) == op.delta)
-            if quant is None and row_kernels.uses_rows(row_choice, rows) and row_kernels.norm_rows_fits(hidden):
+            if quant is None and row_kernels.uses_rows(row_choice, kind, rows) and row_kernels.norm_rows_fits(hidden):
                 c = row_kernels.norm_rows_launch(op, hidden, residual_summed=summed)
             else:
                 c = norm_launch(op, hidden, residual_summed=summed, quant=quant)
@@ -96,7 +96,7 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
                 c = KernelChoice("fused_into_previous")
             elif producer_fuses_quantize(op, nxt, after, fuse_quantize):
                 c = silu_mul_launch(op, quant=nxt)
-            elif row_kernels.uses_rows(row_choice, rows):
+            elif row_kernels.uses_rows(row_choice, kind, rows):
                 c = row_kernels.silu_rows_launch(op)
             else:
                 c = silu_mul_launch(op)
@@ -117,7 +117,7 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
                 c = KernelChoice("fused_into_next") if quantize_fuses_into(op, nxt) else plan_quantize(op)
         elif isinstance(op, QkNormRopeCache) and isinstance(nxt, Attention) and fuses_rope(kind, op, nxt):
             c = KernelChoice("fused_into_next")
-        elif isinstance(op, QkNormRopeCache) and row_kernels.uses_rows(row_choice, rows):
+        elif isinstance(op, QkNormRopeCache) and row_kernels.uses_rows(row_choice, kind, rows):
             c = row_kernels.rope_rows_launch(op, hd, nh, nkv, num_slots)
         elif isinstance(op, QkNormRopeCache):
             c = qk_rope_launch(op, hd, nh, nkv, num_slots)

@@ -10,16 +10,17 @@ from xserv_aot.plan.op_records import AddRmsNorm, KernelChoice, QkNormRopeCache,
 
 ROW_KERNEL_CHOICES = ("auto", "v1", "rows")
 AUTO = "v1"                 # until the H200 measures "rows" faster
-ROWS_FROM = 1024            # decode buckets (<= 256 rows) never reach it
+ROWS_FROM = 1024            # rows of a prefill bucket from which the rows kernels run
 NORM_K, NORM_EF = 4, False  # 16-byte chunks a lane (H 4096: 4 warps a row); L2 evict-first loads of x and d
 SILU_U, SILU_THREADS, SILU_EF = 3, 256, False   # chunks of g (and of u) in flight a thread; block; evict-first
 ROPE_WARPS, ROPE_EF = 8, False                  # warps a row (one q / k head a warp at a time); evict-first
 NORM_KS, SILU_US = (2, 4, 8), (2, 3, 6)         # the compiled variants
 
 
-def uses_rows(choice: str, rows: int) -> bool:
-    """Whether a bucket op of `rows` rows gets a rows_prefill.cu kernel under the build's prefill_row_kernels."""
-    return (AUTO if choice == "auto" else choice) == "rows" and rows >= ROWS_FROM
+def uses_rows(choice: str, kind: str, rows: int) -> bool:
+    """Whether an op of `rows` rows in a bucket of this kind gets a rows_prefill.cu kernel under the build's
+    prefill_row_kernels (prefill buckets only: decode buckets keep their kernels whatever their size)."""
+    return (AUTO if choice == "auto" else choice) == "rows" and kind == "prefill" and rows >= ROWS_FROM
 
 
 def norm_warps(hidden: int, k: int) -> int:

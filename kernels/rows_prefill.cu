@@ -1,5 +1,6 @@
 // Prefill row kernels (1k - 8k rows): the same values as elementwise.cu's add_rmsnorm / rmsnorm / silu_mul and
-// rope_cache.cu's qk_norm_rope_cache, bit for bit, with more bytes in flight a thread and fewer, larger blocks.
+// rope_cache.cu's qk_norm_rope_cache, bit for bit, with more bytes in flight a thread, fewer and larger blocks and
+// one bf16 rounding an element where those round twice (the second rounding of a bf16 value changes nothing).
 // EF: the streams read once (the GEMM outputs, the residual) load with an L2 evict-first hint.
 #include "qk_rope.cuh"
 
@@ -11,6 +12,21 @@ __device__ __forceinline__ vec16 ld_once(const void* p) {
     vec16 v;
     asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
+    return v;
+}
+
+// pack8 of f2bf, by the hardware's round-to-nearest-even conversion (two floats an instruction); a NaN becomes
+// 0x7fc0 as f2bf makes it, so the bits are f2bf's for every input.
+__device__ __forceinline__ u32 pack2_rn(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    if (lo != lo) r = (r & 0xffff0000u) | 0x7fc0u;
+    if (hi != hi) r = (r & 0xffffu) | 0x7fc00000u;
+    return r;
+}
+__device__ __forceinline__ vec16 pack8_rn(const float* f) {
+    vec16 v;
+    v.x = pack2_rn(f[0], f[1]); v.y = pack2_rn(f[2], f[3]); v.z = pack2_rn(f[4], f[5]); v.w = pack2_rn(f[6], f[7]);
     return v;
 }
 
@@ -53,16 +69,16 @@ __device__ __forceinline__ void norm_rows_impl(bf16* __restrict__ residual, cons
         float ss = 0.f;
         if (c < H) {
             float f[8]; unpack8(xv[j], f);
-            if (ADD) {
+            if (ADD) {                                         // f = round_bf(x + d), rounded once
                 float g[8]; unpack8(dv[j], g);
 #pragma unroll
-                for (int i = 0; i < 8; i++) { f[i] = round_bf(f[i] + g[i]); ss += f[i] * f[i]; }
-                xv[j] = pack8(f);
+                for (int i = 0; i < 8; i++) f[i] = f[i] + g[i];
+                xv[j] = pack8_rn(f);
+                unpack8(xv[j], f);
                 st16(residual + row + c, xv[j]);
-            } else {
-#pragma unroll
-                for (int i = 0; i < 8; i++) ss += f[i] * f[i];
             }
+#pragma unroll
+            for (int i = 0; i < 8; i++) ss += f[i] * f[i];
         }
         part[j] = ss;
     }
@@ -88,8 +104,8 @@ __device__ __forceinline__ void norm_rows_impl(bf16* __restrict__ residual, cons
         if (c < H) {
             float f[8], g[8]; unpack8(xv[j], f); unpack8(wv[j], g);
 #pragma unroll
-            for (int i = 0; i < 8; i++) f[i] = round_bf(f[i] * inv * g[i]);
-            st16(out + row + c, pack8(f));
+            for (int i = 0; i < 8; i++) f[i] = f[i] * inv * g[i];
+            st16(out + row + c, pack8_rn(f));
         }
     }
 }
@@ -132,7 +148,7 @@ __device__ __forceinline__ void silu_rows_impl(const bf16* __restrict__ inp, bf1
                 unpack8(gv[k], g); unpack8(uv[k], u);
 #pragma unroll
                 for (int i = 0; i < 8; i++) g[i] = silu(g[i]) * u[i];
-                st16(o_row + 8 * c, pack8(g));
+                st16(o_row + 8 * c, pack8_rn(g));
             }
         }
     }

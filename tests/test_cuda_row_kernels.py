@@ -70,6 +70,38 @@ def test_silu_rows_bit_identical(lib, rng, rows, inter, threads, u, ef):
     check(got.numpy(), ref.silu_mul(x))
 
 
+def wide_bf16(rng, shape, max_exp: int) -> np.ndarray:
+    """bf16 values (as float32) of random sign, mantissa and biased exponent 0..max_exp (0: subnormals), a few
+    infinities and NaNs: the roundings of the hardware conversion and of f2bf meet subnormals, overflow and NaN."""
+    e = rng.integers(0, max_exp + 1, shape).astype(np.uint32)
+    b = (rng.integers(0, 2, shape).astype(np.uint32) << 15) | (e << 7) | rng.integers(0, 128, shape).astype(np.uint32)
+    flat = b.reshape(-1)
+    flat[rng.integers(0, flat.size, 3)] = 0x7F80                           # +inf
+    flat[rng.integers(0, flat.size, 2)] = 0x7FC0                           # NaN
+    return (b << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("max_exp", [254, 140])
+def test_rows_kernels_bit_identical_on_extreme_values(lib, rng, max_exp):
+    T, H, I, eps = 12, 4096, 1536, 1e-6
+    x, d, w = wide_bf16(rng, (T, H), max_exp), wide_bf16(rng, (T, H), max_exp), bf(1 + 0.2 * rng.standard_normal(H))
+    dw, dd = lib.to_device(w, "bfloat16"), lib.to_device(d, "bfloat16")
+    args = lambda *p: [("ptr", a) for a in p] + [("i32", H), ("f32", eps)]  # noqa: E731
+    res_old, res_new = lib.to_device(x, "bfloat16"), lib.to_device(x, "bfloat16")
+    want, got = lib.empty((T, H), "bfloat16"), lib.empty((T, H), "bfloat16")
+    lib.launch("add_rmsnorm", [T], [norm_threads(H, T, few_from=0)], args(res_old, dd, dw, want))
+    rec = rk.norm_rows_launch(AddRmsNorm(T, residual="x", delta="d", weight="w", out="o", eps=eps), H).launch[0]
+    lib.launch(rec.fn, rec.grid, rec.block, args(res_new, dd, dw, got))
+    np.testing.assert_array_equal(bits(res_new), bits(res_old))
+    np.testing.assert_array_equal(bits(got), bits(want))
+    g = lib.to_device(wide_bf16(rng, (T, 2 * I), max_exp), "bfloat16")
+    want, got = lib.empty((T, I), "bfloat16"), lib.empty((T, I), "bfloat16")
+    lib.launch("silu_mul", [(T * I // 8 + 255) // 256], [256], [("ptr", g), ("ptr", want), ("i32", T), ("i32", I)])
+    rec = rk.silu_rows_launch(SiluMul(T, inp="x", out="o", inter=I)).launch[0]
+    lib.launch(rec.fn, rec.grid, rec.block, [("ptr", g), ("ptr", got), ("i32", I)])
+    np.testing.assert_array_equal(bits(got), bits(want))
+
+
 @pytest.mark.parametrize("ef", [False, True])
 @pytest.mark.parametrize("warps", [8, 4, 1])
 @pytest.mark.parametrize("hd,nh,nkv,norm", [(128, 32, 8, True), (64, 9, 3, False), (256, 4, 2, True)])

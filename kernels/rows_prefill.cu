@@ -30,6 +30,10 @@ __device__ __forceinline__ vec16 pack8_rn(const float* f) {
     return v;
 }
 
+// HW false: the software f2bf of common.cuh (the same bits; kept to time the conversion's share).
+template <bool HW>
+__device__ __forceinline__ vec16 pack8_as(const float* f) { return HW ? pack8_rn(f) : pack8(f); }
+
 // 16 bytes global -> shared, asynchronous (all of a thread's copies in flight until cp_async_wait).
 template <bool EF>
 __device__ __forceinline__ void cp_async_once(void* smem, const void* gmem) {
@@ -44,7 +48,7 @@ __device__ __forceinline__ void cp_async_once(void* smem, const void* gmem) {
 // W = ceil(H / 256) warps, chunk 32 w + lane each; here warp v of NW = blockDim / 32 plays its warps v, v + NW, ...
 // (W <= 32, W <= K * NW): each chunk's sum of squares, each warp sum and the sum over warp sums are added in the
 // same order as block_sum, so inv and the output are the same bits. x (and d) loads all issued before any use.
-template <int K, bool ADD, bool EF>
+template <int K, bool ADD, bool EF, bool HW = true>
 __device__ __forceinline__ void norm_rows_impl(bf16* __restrict__ residual, const bf16* __restrict__ delta,
                                                const bf16* __restrict__ w, bf16* __restrict__ out, int H,
                                                float eps) {
@@ -73,7 +77,7 @@ __device__ __forceinline__ void norm_rows_impl(bf16* __restrict__ residual, cons
                 float g[8]; unpack8(dv[j], g);
 #pragma unroll
                 for (int i = 0; i < 8; i++) f[i] = f[i] + g[i];
-                xv[j] = pack8_rn(f);
+                xv[j] = pack8_as<HW>(f);
                 unpack8(xv[j], f);
                 st16(residual + row + c, xv[j]);
             }
@@ -105,7 +109,7 @@ __device__ __forceinline__ void norm_rows_impl(bf16* __restrict__ residual, cons
             float f[8], g[8]; unpack8(xv[j], f); unpack8(wv[j], g);
 #pragma unroll
             for (int i = 0; i < 8; i++) f[i] = f[i] * inv * g[i];
-            st16(out + row + c, pack8_rn(f));
+            st16(out + row + c, pack8_as<HW>(f));
         }
     }
 }
@@ -124,10 +128,14 @@ NORM_ROWS(8, false, )
 NORM_ROWS(2, true, _ef)
 NORM_ROWS(4, true, _ef)
 NORM_ROWS(8, true, _ef)
+extern "C" __global__ void add_rmsnorm_rows_k4_sw(bf16* residual, const bf16* delta, const bf16* w, bf16* out, int H,
+                                                  float eps) {
+    norm_rows_impl<4, true, false, false>(residual, delta, w, out, H, eps);
+}
 
 // out[r, j] = silu(inp[r, j]) * inp[r, I + j]: one block a row, U chunks of g and of u loaded a thread before the
 // first use (the same float math as silu_mul_impl).
-template <int U, bool EF>
+template <int U, bool EF, bool HW = true>
 __device__ __forceinline__ void silu_rows_impl(const bf16* __restrict__ inp, bf16* __restrict__ out, int I) {
     pdl_entry();
     const int chunks = I / 8;
@@ -148,7 +156,7 @@ __device__ __forceinline__ void silu_rows_impl(const bf16* __restrict__ inp, bf1
                 unpack8(gv[k], g); unpack8(uv[k], u);
 #pragma unroll
                 for (int i = 0; i < 8; i++) g[i] = silu(g[i]) * u[i];
-                st16(o_row + 8 * c, pack8_rn(g));
+                st16(o_row + 8 * c, pack8_as<HW>(g));
             }
         }
     }
@@ -164,6 +172,9 @@ SILU_ROWS(6, false, )
 SILU_ROWS(2, true, _ef)
 SILU_ROWS(3, true, _ef)
 SILU_ROWS(6, true, _ef)
+extern "C" __global__ void silu_mul_rows_u3_sw(const bf16* inp, bf16* out, int I) {
+    silu_rows_impl<3, false, false>(inp, out, I);
+}
 
 // QK-norm + RoPE + KV write, one block a row: the row's (nh + 2 nkv) heads and its cos / sin rows come in through
 // shared memory with 16-byte loads (dynamic smem: (nh + 2 nkv) * HD bf16 + HD floats), one warp a q / k head computes exactly as qk_rope_impl

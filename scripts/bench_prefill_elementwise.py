@@ -5,6 +5,8 @@ kernel: every q row and KV slot written, finite), timed in a CUDA graph. GB/s co
 once, against the 4.28 TB/s copy ceiling (read + write) of docs/cuda-notes.md."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from xserv_aot.plan import kernel_build as kb
@@ -92,10 +94,15 @@ def launches_of(op, num_slots: int, rows_plan: bool):
     if isinstance(op, (AddRmsNorm, RmsNorm)):
         recs = [kb.norm_launch(op, H, few_from=f).launch[0] for f in NORM_VARIANTS]
         recs += [rk.norm_rows_launch(op, H, k=k, ef=ef).launch[0] for k, ef in ROWS_NORM]
+        if isinstance(op, AddRmsNorm):                  # the software f2bf twin (the conversion's share)
+            rec = rk.norm_rows_launch(op, H, k=4, ef=False).launch[0]
+            recs.append(replace(rec, fn=rec.fn + "_sw"))
         plan = rk.norm_rows_launch(op, H).launch[0] if rows_plan else kb.norm_launch(op, H).launch[0]
     elif isinstance(op, SiluMul):
         recs = [kb.silu_mul_launch(op, cap).launch[0] for cap in SILU_VARIANTS]
         recs += [rk.silu_rows_launch(op, u, t, ef).launch[0] for u, t, ef in ROWS_SILU]
+        rec = rk.silu_rows_launch(op, 3, 256, False).launch[0]
+        recs.append(replace(rec, fn=rec.fn + "_sw"))
         plan = rk.silu_rows_launch(op).launch[0] if rows_plan else kb.silu_mul_launch(op).launch[0]
     else:
         recs = [kb.qk_rope_launch(op, HD, NH, NKV, num_slots, fn, w).launch[0] for fn, w in ROPE_VARIANTS]

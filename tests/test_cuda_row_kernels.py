@@ -87,19 +87,23 @@ def test_rows_kernels_bit_identical_on_extreme_values(lib, rng, max_exp):
     x, d, w = wide_bf16(rng, (T, H), max_exp), wide_bf16(rng, (T, H), max_exp), bf(1 + 0.2 * rng.standard_normal(H))
     dw, dd = lib.to_device(w, "bfloat16"), lib.to_device(d, "bfloat16")
     args = lambda *p: [("ptr", a) for a in p] + [("i32", H), ("f32", eps)]  # noqa: E731
-    res_old, res_new = lib.to_device(x, "bfloat16"), lib.to_device(x, "bfloat16")
-    want, got = lib.empty((T, H), "bfloat16"), lib.empty((T, H), "bfloat16")
+    res_old = lib.to_device(x, "bfloat16")
+    want = lib.empty((T, H), "bfloat16")
     lib.launch("add_rmsnorm", [T], [norm_threads(H, T, few_from=0)], args(res_old, dd, dw, want))
-    rec = rk.norm_rows_launch(AddRmsNorm(T, residual="x", delta="d", weight="w", out="o", eps=eps), H).launch[0]
-    lib.launch(rec.fn, rec.grid, rec.block, args(res_new, dd, dw, got))
-    np.testing.assert_array_equal(bits(res_new), bits(res_old))
-    np.testing.assert_array_equal(bits(got), bits(want))
+    rec = rk.norm_rows_launch(AddRmsNorm(T, residual="x", delta="d", weight="w", out="o", eps=eps), H, k=4).launch[0]
+    for fn in (rec.fn, rec.fn + "_sw"):                       # the hardware conversion, f2bf
+        res_new, got = lib.to_device(x, "bfloat16"), lib.empty((T, H), "bfloat16")
+        lib.launch(fn, rec.grid, rec.block, args(res_new, dd, dw, got))
+        np.testing.assert_array_equal(bits(res_new), bits(res_old))
+        np.testing.assert_array_equal(bits(got), bits(want))
     g = lib.to_device(wide_bf16(rng, (T, 2 * I), max_exp), "bfloat16")
-    want, got = lib.empty((T, I), "bfloat16"), lib.empty((T, I), "bfloat16")
+    want = lib.empty((T, I), "bfloat16")
     lib.launch("silu_mul", [(T * I // 8 + 255) // 256], [256], [("ptr", g), ("ptr", want), ("i32", T), ("i32", I)])
-    rec = rk.silu_rows_launch(SiluMul(T, inp="x", out="o", inter=I)).launch[0]
-    lib.launch(rec.fn, rec.grid, rec.block, [("ptr", g), ("ptr", got), ("i32", I)])
-    np.testing.assert_array_equal(bits(got), bits(want))
+    rec = rk.silu_rows_launch(SiluMul(T, inp="x", out="o", inter=I), u=3).launch[0]
+    for fn in (rec.fn, rec.fn + "_sw"):
+        got = lib.empty((T, I), "bfloat16")
+        lib.launch(fn, rec.grid, rec.block, [("ptr", g), ("ptr", got), ("i32", I)])
+        np.testing.assert_array_equal(bits(got), bits(want))
 
 
 @pytest.mark.parametrize("ef", [False, True])

@@ -9,10 +9,12 @@ from xserv_aot.plan.launch_records import f32, i32, kernel, kv, launch, ptr
 from xserv_aot.plan.op_records import AddRmsNorm, KernelChoice, QkNormRopeCache, RmsNorm, SiluMul
 
 ROW_KERNEL_CHOICES = ("auto", "v1", "rows")
-AUTO = "v1"                 # until the H200 measures "rows" faster
-ROWS_FROM = 1024            # rows of a prefill bucket from which the rows kernels run
-NORM_K, NORM_EF = 4, False  # 16-byte chunks a lane (H 4096: 4 warps a row); L2 evict-first loads of x and d
-SILU_U, SILU_THREADS, SILU_EF = 3, 256, False   # chunks of g (and of u) in flight a thread; block; evict-first
+# Defaults from the H200 (docs/cuda-notes.md "The prefill row kernels at the copy rate", round 1): the rows plan's
+# prefill_4096 step 103.2-103.5 ms against 105.5 ms (v1, twice); evict-first measured no faster anywhere.
+AUTO = "rows"
+ROWS_FROM = 512             # rows of a prefill bucket from which the rows kernels run (faster from 512, measured)
+NORM_K, NORM_EF = 2, False  # 16-byte chunks a lane (H 4096: 8 warps a row); L2 evict-first loads of x and d
+SILU_U, SILU_THREADS, SILU_EF = 3, 512, False   # chunks of g (and of u) in flight a thread; block; evict-first
 ROPE_WARPS, ROPE_EF = 8, False                  # warps a row (one q / k head a warp at a time); evict-first
 NORM_KS, SILU_US = (2, 4, 8), (2, 3, 6)         # the compiled variants
 

@@ -85,7 +85,7 @@ NORM_VARIANTS = [0, 1]                  # norm_threads few_from: 0 one chunk a t
 SILU_VARIANTS = [4096, 1056, None]      # silu_mul grid caps (None: one chunk a thread)
 ROWS_NORM = [(k, ef) for ef in (False, True) for k in rk.NORM_KS]           # rows_prefill.cu variants
 ROWS_SILU = [(u, t, ef) for ef in (False, True) for u, t in ((2, 256), (3, 256), (6, 256), (3, 512), (6, 128))]
-ROWS_ROPE = [(w, ef) for ef in (False, True) for w in (4, 8, 16)]
+ROWS_ROPE = [(w, ef, 1) for ef in (False, True) for w in (4, 8, 16)] + [(w, False, r) for r in (2, 4) for w in (4, 8)]
 
 
 def launches_of(op, num_slots: int, rows_plan: bool):
@@ -106,7 +106,7 @@ def launches_of(op, num_slots: int, rows_plan: bool):
         plan = rk.silu_rows_launch(op).launch[0] if rows_plan else kb.silu_mul_launch(op).launch[0]
     else:
         recs = [kb.qk_rope_launch(op, HD, NH, NKV, num_slots, fn, w).launch[0] for fn, w in ROPE_VARIANTS]
-        recs += [rk.rope_rows_launch(op, HD, NH, NKV, num_slots, w, ef).launch[0] for w, ef in ROWS_ROPE]
+        recs += [rk.rope_rows_launch(op, HD, NH, NKV, num_slots, w, ef, r).launch[0] for w, ef, r in ROWS_ROPE]
         plan = (rk.rope_rows_launch(op, HD, NH, NKV, num_slots).launch[0] if rows_plan
                 else kb.qk_rope_launch(op, HD, NH, NKV, num_slots).launch[0])
     recs = [plan] + [r for r in recs if r != plan]
@@ -120,7 +120,8 @@ def source_of(fn: str) -> str:
 
 def bench_prefill_elementwise(args, kernels_cls, time_graph, stream) -> None:
     """Each variant's output (and the residual / KV it writes) is compared bit for bit with the first launch's
-    (the plan's kernel): `same` 1 = identical. Timing rotates over enough copies of the inputs to exceed L2 3x."""
+    (the plan's kernel): `same` 1 = identical. Timing rotates over enough copies of the inputs to exceed L2 3x.
+    args.variants: only the cases with a variant whose label holds one of these comma-separated substrings."""
     rows = [int(r) for r in args.rows.split(",")]
     torch.zeros(1, device="cuda")                      # torch's context current before the modules load
     kern = kernels_cls("elementwise.cu", "rope_cache.cu", "rows_prefill.cu")
@@ -135,7 +136,13 @@ def bench_prefill_elementwise(args, kernels_cls, time_graph, stream) -> None:
             ncopy = max(1, -(-3 * L2_BYTES // nbytes))
             copies = [bufs] + [{k: v.clone() for k, v in bufs.items()} for _ in range(ncopy - 1)]
             first = None
-            for label, rec in launches_of(op, M + 64, rk.uses_rows("auto", "prefill", M)):
+            variants = launches_of(op, M + 64, rk.uses_rows("auto", "prefill", M))
+            if args.variants:                          # the plan's launch, then the variants named (substrings)
+                keep = [v for v in variants[1:] if any(w in v[0] for w in args.variants.split(","))]
+                if not keep:
+                    continue
+                variants = variants[:1] + keep
+            for label, rec in variants:
                 fn = kern.fn(source_of(rec.fn), rec.fn, rec.smem)
                 lns = [Launch(rec.fn, fn, rec.grid, rec.block, rec.smem,
                               packed(rec, b, b["kv"].data_ptr() if "kv" in b else 0), pdl=False) for b in copies]

@@ -176,32 +176,33 @@ extern "C" __global__ void silu_mul_rows_u3_sw(const bf16* inp, bf16* out, int I
     silu_rows_impl<3, false, false>(inp, out, I);
 }
 
-// QK-norm + RoPE + KV write, R rows a block (R 1: one block a row): a row's (nh + 2 nkv) heads and its cos / sin
-// rows come into shared memory by cp.async (16 bytes a copy; a stage = (nh + 2 nkv) * HD bf16 + HD floats, two
-// stages for R > 1, so row k + 1 loads while row k computes), one warp a q / k head computes exactly as
-// qk_rope_impl (qk_norm_rope_head, lane + 32 e), and 16-byte stores write q, k and v (v through f2bf: NaN made
-// canonical, as qk_rope_impl's copy does).
+// QK-norm + RoPE + KV write, one block a row: the row's (nh + 2 nkv) heads and its cos / sin rows come in through
+// shared memory with 16-byte loads (dynamic smem: (nh + 2 nkv) * HD bf16 + HD floats), one warp a q / k head computes exactly as qk_rope_impl
+// (qk_norm_rope_head, lane + 32 e), and 16-byte stores write q, k and v (v through f2bf: NaN made canonical, as
+// qk_rope_impl's copy does).
 template <int HD, bool EF>
-__device__ __forceinline__ void rope_stage(vec16* stage, const bf16* __restrict__ qkv, const float* __restrict__ cos_t,
-                                           const float* __restrict__ sin_t, int r, int pos, int chunks) {
-    const vec16* src = reinterpret_cast<const vec16*>(qkv) + (size_t)r * chunks;
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) cp_async_once<EF>(stage + c, src + c);
-    vec16* tables = stage + chunks;                            // cos then sin of pos: HD / 2 floats each
+__device__ __forceinline__ void qk_rope_rows_impl(const bf16* __restrict__ qkv, const int* __restrict__ positions,
+                                                  const int* __restrict__ slot_mapping,
+                                                  const bf16* __restrict__ q_norm, const bf16* __restrict__ k_norm,
+                                                  const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                                  bf16* __restrict__ q_out, bf16* __restrict__ kv_layer, int nh,
+                                                  int nkv, float eps, int num_slots) {
+    pdl_entry();
+    extern __shared__ vec16 row_smem[];
+    constexpr int E = HD / 32;
+    const int r = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const int chunks = (nh + 2 * nkv) * HD / 8, qc = nh * HD / 8, kc = nkv * HD / 8;
+    const int pos = positions[r], slot = slot_mapping[r];
+    const vec16* src = reinterpret_cast<const vec16*>(qkv + (size_t)r * (nh + 2 * nkv) * HD);
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) cp_async_once<EF>(row_smem + c, src + c);
+    vec16* tables = row_smem + chunks;                         // cos then sin of pos: HD / 2 floats each
     for (int i = threadIdx.x; i < HD / 4; i += blockDim.x)
         cp_async_once<false>(tables + i, (i < HD / 8 ? cos_t : sin_t) + (size_t)pos * (HD / 2) + (i % (HD / 8)) * 4);
     cp_async_commit();
-}
-
-// Row r from its (complete, visible) stage: q / k heads in place, then the stores; ends with the block in sync.
-template <int HD>
-__device__ __forceinline__ void rope_finish(vec16* stage, int r, int slot, const bf16* __restrict__ q_norm,
-                                            const bf16* __restrict__ k_norm, bf16* __restrict__ q_out,
-                                            bf16* __restrict__ kv_layer, int nh, int nkv, float eps, int num_slots) {
-    constexpr int E = HD / 32;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    const int chunks = (nh + 2 * nkv) * HD / 8, qc = nh * HD / 8, kc = nkv * HD / 8;
-    bf16* sm = reinterpret_cast<bf16*>(stage);
-    const float* cos_s = reinterpret_cast<const float*>(stage + chunks);
+    cp_async_wait<0>();
+    __syncthreads();
+    bf16* sm = reinterpret_cast<bf16*>(row_smem);
+    const float* cos_s = reinterpret_cast<const float*>(tables);
     for (int head = warp; head < nh + nkv; head += nwarps) {
         if (head >= nh && slot < 0) continue;
         float x[E], cs[E / 2], sn[E / 2], y[E];
@@ -216,7 +217,7 @@ __device__ __forceinline__ void rope_finish(vec16* stage, int r, int slot, const
     bf16* k_dst = kv_layer + (size_t)slot * nkv * HD;
     bf16* v_dst = kv_layer + ((size_t)num_slots + slot) * nkv * HD;
     for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-        vec16 v = stage[c];
+        vec16 v = row_smem[c];
         if (c < qc) {
             st16(q_out + (size_t)r * nh * HD + 8 * c, v);
         } else if (slot >= 0) {
@@ -229,39 +230,6 @@ __device__ __forceinline__ void rope_finish(vec16* stage, int r, int slot, const
             }
         }
     }
-    __syncthreads();                                           // the stage may be refilled after this
-}
-
-template <int HD, int R, bool EF>
-__device__ __forceinline__ void qk_rope_rows_impl(const bf16* __restrict__ qkv, const int* __restrict__ positions,
-                                                  const int* __restrict__ slot_mapping,
-                                                  const bf16* __restrict__ q_norm, const bf16* __restrict__ k_norm,
-                                                  const float* __restrict__ cos_t, const float* __restrict__ sin_t,
-                                                  bf16* __restrict__ q_out, bf16* __restrict__ kv_layer, int nh,
-                                                  int nkv, float eps, int num_slots, int rows) {
-    pdl_entry();
-    extern __shared__ vec16 row_smem[];
-    const int chunks = (nh + 2 * nkv) * HD / 8, stride = chunks + HD / 4, r0 = blockIdx.x * R;
-    int pos[R], slot[R];
-#pragma unroll
-    for (int k = 0; k < R; k++) {
-        pos[k] = r0 + k < rows ? positions[r0 + k] : 0;
-        slot[k] = r0 + k < rows ? slot_mapping[r0 + k] : -1;
-    }
-    rope_stage<HD, EF>(row_smem, qkv, cos_t, sin_t, r0, pos[0], chunks);
-#pragma unroll
-    for (int k = 0; k < R; k++) {
-        if (r0 + k >= rows) break;                             // the same for the whole block
-        if (k + 1 < R && r0 + k + 1 < rows) {
-            rope_stage<HD, EF>(row_smem + ((k + 1) & 1) * stride, qkv, cos_t, sin_t, r0 + k + 1, pos[k + 1], chunks);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        rope_finish<HD>(row_smem + (k & 1) * stride, r0 + k, slot[k], q_norm, k_norm, q_out, kv_layer, nh, nkv, eps,
-                        num_slots);
-    }
 }
 
 #define ROPE_ROWS(HD, EF, SFX)                                                                               \
@@ -269,16 +237,8 @@ __device__ __forceinline__ void qk_rope_rows_impl(const bf16* __restrict__ qkv, 
         const bf16* qkv, const int* positions, const int* slot_mapping, const bf16* q_norm,                  \
         const bf16* k_norm, const float* cos_t, const float* sin_t, bf16* q_out, bf16* kv_layer,             \
         int nh, int nkv, float eps, int num_slots) {                                                         \
-        qk_rope_rows_impl<HD, 1, EF>(qkv, positions, slot_mapping, q_norm, k_norm, cos_t, sin_t, q_out,      \
-                                     kv_layer, nh, nkv, eps, num_slots, gridDim.x); }
-// R rows a block, pipelined: the row count comes last.
-#define ROPE_ROWS_R(HD, R)                                                                                   \
-    extern "C" __global__ void qk_norm_rope_cache_rows_r##R##_hd##HD(                                        \
-        const bf16* qkv, const int* positions, const int* slot_mapping, const bf16* q_norm,                  \
-        const bf16* k_norm, const float* cos_t, const float* sin_t, bf16* q_out, bf16* kv_layer,             \
-        int nh, int nkv, float eps, int num_slots, int rows) {                                               \
-        qk_rope_rows_impl<HD, R, false>(qkv, positions, slot_mapping, q_norm, k_norm, cos_t, sin_t, q_out,   \
-                                        kv_layer, nh, nkv, eps, num_slots, rows); }
+        qk_rope_rows_impl<HD, EF>(qkv, positions, slot_mapping, q_norm, k_norm, cos_t, sin_t, q_out,         \
+                                  kv_layer, nh, nkv, eps, num_slots); }
 
 ROPE_ROWS(64, false, )
 ROPE_ROWS(128, false, )
@@ -286,9 +246,3 @@ ROPE_ROWS(256, false, )
 ROPE_ROWS(64, true, _ef)
 ROPE_ROWS(128, true, _ef)
 ROPE_ROWS(256, true, _ef)
-ROPE_ROWS_R(64, 2)
-ROPE_ROWS_R(128, 2)
-ROPE_ROWS_R(256, 2)
-ROPE_ROWS_R(64, 4)
-ROPE_ROWS_R(128, 4)
-ROPE_ROWS_R(256, 4)

@@ -85,7 +85,7 @@ NORM_VARIANTS = [0, 1]                  # norm_threads few_from: 0 one chunk a t
 SILU_VARIANTS = [4096, 1056, None]      # silu_mul grid caps (None: one chunk a thread)
 ROWS_NORM = [(k, ef) for ef in (False, True) for k in rk.NORM_KS]           # rows_prefill.cu variants
 ROWS_SILU = [(u, t, ef) for ef in (False, True) for u, t in ((2, 256), (3, 256), (6, 256), (3, 512), (6, 128))]
-ROWS_ROPE = [(w, ef, 1) for ef in (False, True) for w in (4, 8, 16)] + [(w, False, r) for r in (2, 4) for w in (4, 8)]
+ROWS_ROPE = [(w, ef) for ef in (False, True) for w in (4, 8, 16)]
 
 
 def launches_of(op, num_slots: int, rows_plan: bool):
@@ -106,7 +106,7 @@ def launches_of(op, num_slots: int, rows_plan: bool):
         plan = rk.silu_rows_launch(op).launch[0] if rows_plan else kb.silu_mul_launch(op).launch[0]
     else:
         recs = [kb.qk_rope_launch(op, HD, NH, NKV, num_slots, fn, w).launch[0] for fn, w in ROPE_VARIANTS]
-        recs += [rk.rope_rows_launch(op, HD, NH, NKV, num_slots, w, ef, r).launch[0] for w, ef, r in ROWS_ROPE]
+        recs += [rk.rope_rows_launch(op, HD, NH, NKV, num_slots, w, ef).launch[0] for w, ef in ROWS_ROPE]
         plan = (rk.rope_rows_launch(op, HD, NH, NKV, num_slots).launch[0] if rows_plan
                 else kb.qk_rope_launch(op, HD, NH, NKV, num_slots).launch[0])
     recs = [plan] + [r for r in recs if r != plan]

@@ -106,12 +106,11 @@ def test_rows_kernels_bit_identical_on_extreme_values(lib, rng, max_exp):
         np.testing.assert_array_equal(bits(got), bits(want))
 
 
-@pytest.mark.parametrize("ef,r", [(False, 1), (True, 1), (False, 2), (False, 4)])
+@pytest.mark.parametrize("ef", [False, True])
 @pytest.mark.parametrize("warps", [8, 4, 1])
 @pytest.mark.parametrize("hd,nh,nkv,norm", [(128, 32, 8, True), (64, 9, 3, False), (256, 4, 2, True)])
-def test_rope_rows_bit_identical(lib, rng, hd, nh, nkv, norm, warps, ef, r):
-    """q, the KV slots written and the slots left alone; row 2 writes no KV (slot -1); r rows a block (11 rows:
-    the last block of r 2 / 4 is partial)."""
+def test_rope_rows_bit_identical(lib, rng, hd, nh, nkv, norm, warps, ef):
+    """q, the KV slots written and the slots left alone; row 2 writes no KV (slot -1)."""
     T, num_slots, eps = 11, 64, 1e-6
     qkv = bf(rng.standard_normal((T, (nh + 2 * nkv) * hd)) * 2)
     pos = rng.integers(0, 256, T).astype(np.int32)
@@ -127,12 +126,10 @@ def test_rope_rows_bit_identical(lib, rng, hd, nh, nkv, norm, warps, ef, r):
                          q_out="q", kv_cache="kv", layer=0, num_heads=nh, num_kv_heads=nkv, head_dim=hd, eps=eps)
     outs = []
     for rec in (qk_rope_launch(op, hd, nh, nkv, num_slots).launch[0],
-                rk.rope_rows_launch(op, hd, nh, nkv, num_slots, warps=warps, ef=ef, rows_per_block=r).launch[0]):
+                rk.rope_rows_launch(op, hd, nh, nkv, num_slots, warps=warps, ef=ef).launch[0]):
         q, dkv = lib.empty((T, nh, hd), "bfloat16"), lib.to_device(kv, "bfloat16")
-        tail = [("i32", T)] if rec.fn.startswith("qk_norm_rope_cache_rows_r") else []
         lib.launch(rec.fn, rec.grid, rec.block, [("ptr", a) for a in common] + [
-            ("ptr", q), ("ptr", dkv), ("i32", nh), ("i32", nkv), ("f32", eps), ("i32", num_slots)] + tail,
-            smem=rec.smem)
+            ("ptr", q), ("ptr", dkv), ("i32", nh), ("i32", nkv), ("f32", eps), ("i32", num_slots)], smem=rec.smem)
         outs.append((q, dkv))
     (q_old, kv_old), (q_new, kv_new) = outs
     np.testing.assert_array_equal(bits(q_new), bits(q_old))

@@ -16,8 +16,7 @@ ROWS_FROM = 512             # rows of a prefill bucket from which the rows kerne
 NORM_K, NORM_EF = 2, False  # 16-byte chunks a lane (H 4096: 8 warps a row); L2 evict-first loads of x and d
 SILU_U, SILU_THREADS, SILU_EF = 3, 512, False   # chunks of g (and of u) in flight a thread; block; evict-first
 ROPE_WARPS, ROPE_EF = 8, False                  # warps a row (one q / k head a warp at a time); evict-first
-ROPE_ROWS = 1               # rows a rope block (> 1: pipelined, the next row's loads under this row's math)
-NORM_KS, SILU_US, ROPE_RS = (2, 4, 8), (2, 3, 6), (1, 2, 4)   # the compiled variants (ROPE_RS > 1: no _ef)
+NORM_KS, SILU_US = (2, 4, 8), (2, 3, 6)         # the compiled variants
 
 
 def uses_rows(choice: str, kind: str, rows: int) -> bool:
@@ -60,20 +59,16 @@ def silu_rows_launch(op: SiluMul, u: int | None = None, threads: int | None = No
 
 
 def rope_rows_launch(op: QkNormRopeCache, hd: int, nh: int, nkv: int, num_slots: int, warps: int | None = None,
-                     ef: bool | None = None, rows_per_block: int | None = None) -> KernelChoice:
-    """rows_per_block rows a block (default ROPE_ROWS), each row's (nh + 2 nkv) heads staged in dynamic shared
-    memory (two stages when > 1); nh / nkv: this rank's heads."""
-    warps, ef, r = warps or ROPE_WARPS, ROPE_EF if ef is None else ef, rows_per_block or ROPE_ROWS
-    args = [ptr(op.qkv), ptr(op.positions), ptr(op.slot_mapping), ptr(op.q_norm), ptr(op.k_norm), ptr(op.cos),
-            ptr(op.sin), ptr(op.q_out), kv(op.layer), i32(nh), i32(nkv), f32(op.eps), i32(num_slots)]
-    if r == 1:
-        return kernel(launch(f"qk_norm_rope_cache_rows{'_ef' if ef else ''}_hd{hd}", [op.rows], [32 * warps],
-                             rope_rows_smem(hd, nh, nkv), args))
-    assert not ef, "the pipelined rope kernels have no evict-first variant"
-    return kernel(launch(f"qk_norm_rope_cache_rows_r{r}_hd{hd}", [-(-op.rows // r)], [32 * warps],
-                         rope_rows_smem(hd, nh, nkv, r), args + [i32(op.rows)]))
+                     ef: bool | None = None) -> KernelChoice:
+    """One block a row, its (nh + 2 nkv) heads staged in dynamic shared memory; nh / nkv: this rank's heads."""
+    warps, ef = warps or ROPE_WARPS, ROPE_EF if ef is None else ef
+    return kernel(launch(f"qk_norm_rope_cache_rows{'_ef' if ef else ''}_hd{hd}", [op.rows], [32 * warps],
+                         rope_rows_smem(hd, nh, nkv),
+                         [ptr(op.qkv), ptr(op.positions), ptr(op.slot_mapping), ptr(op.q_norm), ptr(op.k_norm),
+                          ptr(op.cos), ptr(op.sin), ptr(op.q_out), kv(op.layer), i32(nh), i32(nkv), f32(op.eps),
+                          i32(num_slots)]))
 
 
-def rope_rows_smem(hd: int, nh: int, nkv: int, rows_per_block: int = 1) -> int:
-    """A stage: the row's heads (bf16) and its cos / sin rows (hd / 2 floats each); two when pipelined."""
-    return (1 if rows_per_block == 1 else 2) * ((nh + 2 * nkv) * hd * 2 + hd * 4)
+def rope_rows_smem(hd: int, nh: int, nkv: int) -> int:
+    """The row's heads (bf16) and its cos / sin rows (hd / 2 floats each)."""
+    return (nh + 2 * nkv) * hd * 2 + hd * 4

@@ -11,7 +11,7 @@
       (the W8A8 wgmma GEMM vs CUTLASS W8A8 and the bf16 plan's kernels, scripts/bench_fp8_wgmma.py)
   python3 scripts/bench_kernels.py attn-few --batches 1,2 --contexts 128,512,4096
   python3 scripts/bench_kernels.py prefill-gemm --lib PATH/libxserv_gemm.so [--rows 2048,4096,8192]
-  python3 scripts/bench_kernels.py prefill-elementwise [--rows 2048,4096,8192]
+  python3 scripts/bench_kernels.py prefill-elementwise [--rows 2048,4096,8192] [--variants rows_r,u3]
 
 gemm: every decode linear shape of Qwen3-8B (qkv, o, gate_up, down, lm_head) x rows: the CUTLASS swap-AB
 stream-K / split-K configs, the NVRTC skinny kernel (rows <= 64) and the CUTLASS tile configs (rows >= 128);
@@ -356,7 +356,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64,128,256")
     ap.add_argument("--contexts", default="256,1024,4096,8192")
     ap.add_argument("--prompts", default="2048,4096,8192,4x1024", help="prefill: N x L or L (one seq)")
-    ap.add_argument("--variants", default=None, help="prefill: comma list of attention_plan.PREFILL_ATTN_VARIANTS")
+    ap.add_argument("--variants", default=None, help="prefill: comma list of attention_plan.PREFILL_ATTN_VARIANTS; "
+                    "prefill-elementwise: label substrings of the variants to time (and the plan's)")
     args = ap.parse_args()
     args.rows = args.rows or {"fp8": "1,2,16,64", "fp8-wgmma": "64,128,256", "prefill-gemm": "2048,4096,8192",
                                "prefill-elementwise": "2048,4096,8192"}.get(args.what, "16,32,64,128,256")

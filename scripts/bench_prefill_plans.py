@@ -32,7 +32,7 @@ def main() -> None:
         plan = Plan.load(path)
         b = plan.build
         print(f"== {path}: gemm_residual={b.gemm_residual} gemm_configs={b.gemm_configs} "
-              f"prefill buckets {b.prefill_buckets}", flush=True)
+              f"prefill_row_kernels={b.prefill_row_kernels} prefill buckets {b.prefill_buckets}", flush=True)
         runner = CudaRunner(plan, log=lambda m: None)
         try:
             row = {"plan": Path(path).name}

@@ -76,6 +76,8 @@ def compile(
     quantize_lm_head: Optional[bool] = typer.Option(None, help="fp8: the lm_head too (default: it stays bf16)"),
     prefill_attention: Optional[str] = typer.Option(None, help="prefill attention kernel variant (auto: the "
                                                     "H200 default; see docs/cuda-notes.md)"),
+    prefill_row_kernels: Optional[str] = typer.Option(None, help="v1 | rows | auto: the norm / silu_mul / rope "
+                                                      "kernels of prefill buckets (plan/row_kernels.py)"),
     dummy_weights: bool = typer.Option(False, help="random weights from the config alone (benchmarks)"),
     seed: int = typer.Option(0, help="seed for --dummy-weights"),
     force: bool = typer.Option(False, help="replace an existing plan"),
@@ -90,7 +92,7 @@ def compile(
                  max_seq_len=max_seq_len, block_size=block_size, num_blocks=num_blocks, dtype=dtype, target=target,
                  gemm_library=gemm_library, pdl=pdl, gemm_residual=gemm_residual, tensor_parallel=tensor_parallel,
                  quantization=quantization, fp8_scheme=fp8_scheme, quantize_lm_head=quantize_lm_head,
-                 prefill_attention=prefill_attention)
+                 prefill_attention=prefill_attention, prefill_row_kernels=prefill_row_kernels)
     run_compile(model, out, base, given, kv_memory_gib, dummy_weights, seed, force, generation_config)
 
 

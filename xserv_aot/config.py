@@ -187,6 +187,8 @@ class BuildConfig:
     fp8_scheme: str = "auto"              # fp8: channel | block128 | auto (block128 where N and K divide by 128)
     quantize_lm_head: bool = False        # fp8: the lm_head too (embedding and norms always stay in dtype)
     prefill_attention: str = "auto"       # CUDA: a prefill attention variant (plan/attention_plan.py), auto: the default
+    prefill_row_kernels: str = "auto"     # CUDA: v1 | rows | auto: the norms / silu_mul / rope kernels of prefill
+                                          # buckets (plan/row_kernels.py)
     fp8_w8a16_max_rows: int = FP8_W8A16_MAX_ROWS  # fp8: linears of at most this many rows read bf16 activations
                                           # (W8A16), larger ones quantize them per token (W8A8), ops.linear_ops
     fp8_quantize_in_producer: bool = False  # fp8, CUDA: rmsnorm / add_rmsnorm / silu_mul also write the next
@@ -262,6 +264,10 @@ class BuildConfig:
         if self.prefill_attention != "auto" and self.prefill_attention not in PREFILL_ATTN_VARIANTS:
             raise ConfigError(f"prefill_attention {self.prefill_attention!r} is not auto or one of "
                               f"{', '.join(PREFILL_ATTN_VARIANTS)}")
+        from xserv_aot.plan.row_kernels import ROW_KERNEL_CHOICES
+        if self.prefill_row_kernels not in ROW_KERNEL_CHOICES:
+            raise ConfigError(f"prefill_row_kernels {self.prefill_row_kernels!r} is not one of "
+                              f"{', '.join(ROW_KERNEL_CHOICES)}")
         if not (isinstance(self.fp8_w8a16_max_rows, int) and 2 <= self.fp8_w8a16_max_rows <= FP8_W8A16_MAX_ROWS) \
                 or isinstance(self.fp8_w8a16_max_rows, bool):
             raise ConfigError(f"fp8_w8a16_max_rows {self.fp8_w8a16_max_rows!r} must be an integer in 2..64 (rows 1-2 "

@@ -23,6 +23,7 @@ from xserv_aot.plan.megakernel_plan import add_megakernels
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
 from xserv_aot.plan import nccl_records
+from xserv_aot.plan import row_kernels
 from xserv_aot.plan.op_records import (COLLECTIVES, AddRmsNorm, ApplyTokenBitmask, Attention, Embedding, GatherRows,
                                        KernelChoice, Linear, Op, QkNormRopeCache, QuantizeFp8, ResolveInputIds,
                                        RmsNorm, Sample, SiluMul, op_from_dict)
@@ -67,6 +68,7 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
     arena = manifest["arena"]["buffers"]
     fuse_quantize = bool(manifest["build"].get("fp8_quantize_in_producer"))
     fp8_wgmma = bool(manifest["build"].get("fp8_w8a8_wgmma"))
+    row_choice = manifest["build"].get("prefill_row_kernels", "auto")
     row_threads = [min(ELEMWISE_THREADS, hidden // 8)]
     out: list[KernelChoice] = []
     for idx, op in enumerate(ops):
@@ -82,7 +84,10 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             quant = nxt if producer_fuses_quantize(op, nxt, after, fuse_quantize) else None
             summed = (isinstance(op, AddRmsNorm) and idx > 0 and out[-1].fused_residual == op.residual
                       and getattr(ops[idx - 1], "out", None) == op.delta)
-            c = norm_launch(op, hidden, residual_summed=summed, quant=quant)
+            if quant is None and row_kernels.uses_rows(row_choice, kind, rows) and row_kernels.norm_rows_fits(hidden):
+                c = row_kernels.norm_rows_launch(op, hidden, residual_summed=summed)
+            else:
+                c = norm_launch(op, hidden, residual_summed=summed, quant=quant)
         elif isinstance(op, GatherRows):
             c = kernel(launch("gather_rows", [rows], row_threads, 0,
                               [ptr(op.inp), ptr(op.indices), ptr(op.out), i32(hidden), i32(arena[op.inp]["shape"][0])]))
@@ -90,8 +95,12 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             prev, prev_choice = (ops[idx - 1], out[-1]) if idx else (None, None)
             if prev_choice and prev_choice.fused_silu_out == op.out and getattr(prev, "out", None) == op.inp:
                 c = KernelChoice("fused_into_previous")
+            elif producer_fuses_quantize(op, nxt, after, fuse_quantize):
+                c = silu_mul_launch(op, quant=nxt)
+            elif row_kernels.uses_rows(row_choice, kind, rows):
+                c = row_kernels.silu_rows_launch(op)
             else:
-                c = silu_mul_launch(op, quant=nxt if producer_fuses_quantize(op, nxt, after, fuse_quantize) else None)
+                c = silu_mul_launch(op)
         elif isinstance(op, Linear) and idx and out[-1].kernel == "fused_into_next" and isinstance(ops[idx - 1],
                                                                                                  QuantizeFp8):
             from xserv_aot.plan.fp8_build import plan_w8a8_skinny
@@ -109,6 +118,8 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
                 c = KernelChoice("fused_into_next") if quantize_fuses_into(op, nxt) else plan_quantize(op)
         elif isinstance(op, QkNormRopeCache) and isinstance(nxt, Attention) and fuses_rope(kind, op, nxt):
             c = KernelChoice("fused_into_next")
+        elif isinstance(op, QkNormRopeCache) and row_kernels.uses_rows(row_choice, kind, rows):
+            c = row_kernels.rope_rows_launch(op, hd, nh, nkv, num_slots)
         elif isinstance(op, QkNormRopeCache):
             c = qk_rope_launch(op, hd, nh, nkv, num_slots)
         elif isinstance(op, Attention):

@@ -1,0 +1,74 @@
+"""Prefill row kernels (kernels/rows_prefill.cu): add_rmsnorm / rmsnorm / silu_mul / qk_norm_rope_cache of the
+buckets with at least ROWS_FROM rows, the same bits as elementwise.cu's / rope_cache.cu's kernels with more bytes in
+flight a thread. The build's `prefill_row_kernels` picks "v1" (those kernels in every bucket), "rows" (these from
+ROWS_FROM rows on) or "auto" (AUTO: what the H200 measured faster). Geometry below; every choice lands in the launch
+records. Timed by `scripts/bench_kernels.py prefill-elementwise`; docs/cuda-notes.md "row kernels"."""
+from __future__ import annotations
+
+from xserv_aot.plan.launch_records import f32, i32, kernel, kv, launch, ptr
+from xserv_aot.plan.op_records import AddRmsNorm, KernelChoice, QkNormRopeCache, RmsNorm, SiluMul
+
+ROW_KERNEL_CHOICES = ("auto", "v1", "rows")
+# Defaults from the H200 (docs/cuda-notes.md "The prefill row kernels at the copy rate", round 1): the rows plan's
+# prefill_4096 step 103.2-103.5 ms against 105.5 ms (v1, twice); evict-first measured no faster anywhere.
+AUTO = "rows"
+ROWS_FROM = 512             # rows of a prefill bucket from which the rows kernels run (faster from 512, measured)
+NORM_K, NORM_EF = 2, False  # 16-byte chunks a lane (H 4096: 8 warps a row); L2 evict-first loads of x and d
+SILU_U, SILU_THREADS, SILU_EF = 3, 512, False   # chunks of g (and of u) in flight a thread; block; evict-first
+ROPE_WARPS, ROPE_EF = 8, False                  # warps a row (one q / k head a warp at a time); evict-first
+NORM_KS, SILU_US = (2, 4, 8), (2, 3, 6)         # the compiled variants
+
+
+def uses_rows(choice: str, kind: str, rows: int) -> bool:
+    """Whether an op of `rows` rows in a bucket of this kind gets a rows_prefill.cu kernel under the build's
+    prefill_row_kernels (prefill buckets only: decode buckets keep their kernels whatever their size)."""
+    return (AUTO if choice == "auto" else choice) == "rows" and kind == "prefill" and rows >= ROWS_FROM
+
+
+def norm_warps(hidden: int, k: int) -> int:
+    """Warps of a row-norm block: the W = ceil(hidden / 256) warps of the one-chunk-a-thread kernel, k a warp."""
+    warps = -(-hidden // 256)
+    return -(-warps // k)
+
+
+def norm_rows_fits(hidden: int) -> bool:
+    """The rows norms replay block_sum over at most 32 warp sums: hidden <= 8192."""
+    return hidden % 8 == 0 and -(-hidden // 256) <= 32
+
+
+def norm_rows_launch(op: RmsNorm | AddRmsNorm, hidden: int, residual_summed: bool = False, k: int | None = None,
+                     ef: bool | None = None) -> KernelChoice:
+    """One block a row of norm_warps(hidden, k) warps; as kernel_build.norm_launch without the quantize tail."""
+    k, ef = k or NORM_K, NORM_EF if ef is None else ef
+    sfx = f"_k{k}" + ("_ef" if ef else "")
+    geometry = ([op.rows], [32 * norm_warps(hidden, k)], 0)
+    if isinstance(op, RmsNorm) or residual_summed:
+        inp = op.inp if isinstance(op, RmsNorm) else op.residual
+        return kernel(launch(f"rmsnorm_rows{sfx}", *geometry, [ptr(inp), ptr(op.weight), ptr(op.out), i32(hidden),
+                                                                f32(op.eps)]))
+    return kernel(launch(f"add_rmsnorm_rows{sfx}", *geometry, [ptr(op.residual), ptr(op.delta), ptr(op.weight),
+                                                                ptr(op.out), i32(hidden), f32(op.eps)]))
+
+
+def silu_rows_launch(op: SiluMul, u: int | None = None, threads: int | None = None,
+                     ef: bool | None = None) -> KernelChoice:
+    """One block a row, u chunks of g and u in flight a thread."""
+    u, threads, ef = u or SILU_U, threads or SILU_THREADS, SILU_EF if ef is None else ef
+    return kernel(launch(f"silu_mul_rows_u{u}" + ("_ef" if ef else ""), [op.rows], [threads], 0,
+                         [ptr(op.inp), ptr(op.out), i32(op.inter)]))
+
+
+def rope_rows_launch(op: QkNormRopeCache, hd: int, nh: int, nkv: int, num_slots: int, warps: int | None = None,
+                     ef: bool | None = None) -> KernelChoice:
+    """One block a row, its (nh + 2 nkv) heads staged in dynamic shared memory; nh / nkv: this rank's heads."""
+    warps, ef = warps or ROPE_WARPS, ROPE_EF if ef is None else ef
+    return kernel(launch(f"qk_norm_rope_cache_rows{'_ef' if ef else ''}_hd{hd}", [op.rows], [32 * warps],
+                         rope_rows_smem(hd, nh, nkv),
+                         [ptr(op.qkv), ptr(op.positions), ptr(op.slot_mapping), ptr(op.q_norm), ptr(op.k_norm),
+                          ptr(op.cos), ptr(op.sin), ptr(op.q_out), kv(op.layer), i32(nh), i32(nkv), f32(op.eps),
+                          i32(num_slots)]))
+
+
+def rope_rows_smem(hd: int, nh: int, nkv: int) -> int:
+    """The row's heads (bf16) and its cos / sin rows (hd / 2 floats each)."""
+    return (nh + 2 * nkv) * hd * 2 + hd * 4

@@ -85,6 +85,10 @@ def test_max_context_adds_megakernel_copies_chosen_by_context(tmp_path):
     assert plan.bucket_for(16, 1, 16).kind == "prefill"
     reloaded = Plan.load(plan.dir, verify="none")
     assert [(b.name, b.max_context) for b in reloaded.buckets] == [(b.name, b.max_context) for b in plan.buckets]
+    from xserv_aot.plan.inspect import describe
+    rows = {ln.split()[0]: ln for ln in describe(plan.dir).splitlines() if ln.startswith("  decode_")}
+    assert rows["decode_1_mk"].endswith(f"[{kernel_name(1, 4)}]  [steps with contexts <= 300]")
+    assert "[" not in rows["decode_1"] and "[" not in rows["decode_4"]
 
 
 @pytest.mark.parametrize("scheme, suffix", [("block128", "_f8b"), ("channel", "_f8c")])

@@ -9,6 +9,7 @@ from pathlib import Path
 from xserv_aot.dtypes import ITEMSIZE
 from xserv_aot.errors import UsageError
 from xserv_aot.plan.manifest import Plan
+from xserv_aot.plan.megakernel_plan import MK_PREFIX
 from xserv_aot.plan.roofline import ceilings_for, format_roofline
 
 
@@ -50,8 +51,11 @@ def describe(plan_dir: Path, ops_bucket: str | None = None, roofline: bool = Fal
     lines += ["", "buckets:"]
     for bk in plan.buckets:
         kinds = Counter(op.op for op in bk.ops)
+        mk = next((op.cuda.kernel for op in bk.ops if op.cuda and op.cuda.kernel.startswith(MK_PREFIX)), None)
         lines.append(f"  {bk.name:<14} {bk.kind:<8} tokens {bk.num_tokens:>5} seqs {bk.num_seqs:>4}  {len(bk.ops)} ops"
-                     f"  ({', '.join(f'{k} x{v}' for k, v in kinds.items())})")
+                     f"  ({', '.join(f'{k} x{v}' for k, v in kinds.items())})"
+                     + (f"  [{mk}]" if mk else "")
+                     + (f"  [steps with contexts <= {bk.max_context}]" if bk.max_context else ""))
     lines += fp8_lines(plan, mib)
     lines += ["", f"bytes read per decode step (batch 1{', one rank' if tp > 1 else ''}):"]
     bw = ceilings_for(b.target).read_bytes_per_s

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from tests.cuda_fixtures import bf, lib, rng  # noqa: F401  (fixtures)
-from tests.test_cuda_fp8 import (SCHEMES, W8A8_STEP_TOL, check_w8a8, cuda_vs_numpy, make_weight, ref_weight_real,
-                                 rel_err, to_dev_fp8)
+from tests.test_cuda_fp8 import (SCHEMES, W8A8_STEP_TOL, assert_replay_equals_eager, check_w8a8, cuda_vs_numpy,
+                                 make_weight, ref_weight_real, rel_err, to_dev_fp8)
 from xserv_aot import fp8
 from xserv_aot.plan import fp8_build
 from xserv_aot.plan.kernel_build import plan_linear
@@ -131,15 +131,8 @@ def test_w8a8_skinny_half_width_blocks(lib, rng, M, N, K, cluster):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_w8a8_skinny_graph_replay_equals_eager(lib, rng, scheme):
     bufs, recs, _ = run_w8a8_skinny(lib, rng, scheme, 64, 2048, 4096, "bfloat16", True)
-    eager = {k: bufs[k].numpy().copy() for k in ("out", "xq", "xs")}
-    for k in eager:
-        lib.dev.memset(bufs[k].ptr, 0x7F, bufs[k].nbytes)
-    gexec = lib.dev.capture(lambda stream: [lib.launch_record(r, bufs, sync=False) for r in recs])
-    lib.dev.graph_launch(gexec)
-    lib.dev.sync()
-    for k, v in eager.items():
-        assert np.isfinite(v.astype(np.float32)).all()
-        np.testing.assert_array_equal(bufs[k].numpy(), v, err_msg=k)
+    assert_replay_equals_eager(lib, bufs, ("out", "xq", "xs"),
+                               lambda stream: [lib.launch_record(r, bufs, sync=False) for r in recs])
 
 
 @pytest.mark.gpu

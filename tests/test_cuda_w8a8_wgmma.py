@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.cuda_fixtures import bf, rng  # noqa: F401  (fixtures)
-from tests.test_cuda_fp8 import SCHEMES, check_w8a8, make_weight, to_dev_fp8
+from tests.test_cuda_fp8 import SCHEMES, assert_replay_equals_eager, check_w8a8, make_weight, to_dev_fp8
 from xserv_aot import fp8
 from xserv_aot.plan import fp8_build
 from xserv_aot.plan.kernel_build import plan_linear
@@ -109,15 +109,8 @@ def test_w8a8_wgmma_wide_tile(lib, rng, scheme, cluster, M, N, K):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_w8a8_wgmma_graph_replay_equals_eager(lib, rng, scheme):
     bufs, recs, _ = run_wgmma(lib, rng, scheme, 160, 2048, 4096, "bfloat16", True)
-    eager = {k: bufs[k].numpy().copy() for k in ("out", "xq", "xs")}
-    for k in eager:
-        lib.dev.memset(bufs[k].ptr, 0x7F, bufs[k].nbytes)
-    gexec = lib.dev.capture(lambda stream: [lib.launch_record(r, bufs, sync=False) for r in recs])
-    lib.dev.graph_launch(gexec)
-    lib.dev.sync()
-    for k, v in eager.items():
-        assert np.isfinite(v.astype(np.float32)).all()
-        np.testing.assert_array_equal(bufs[k].numpy(), v, err_msg=k)
+    assert_replay_equals_eager(lib, bufs, ("out", "xq", "xs"),
+                               lambda stream: [lib.launch_record(r, bufs, sync=False) for r in recs])
 
 
 CASES = [  # rows, N, K, out dtype, bias: the Qwen3-8B shapes (qkv, o, gate_up, down) and tails

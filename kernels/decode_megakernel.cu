@@ -118,9 +118,8 @@ __device__ __forceinline__ int slot_rows(int K) {
 // from src2 (the up rows of a gate_up slot) from slot row `up` on. Unpadded slots: one piece of all the rows.
 struct Chunk { const char* src; const char* src2; u32 rows, bytes, pitch, up; };
 
-// FP8 through the tensor cores (TC): slot rows padded by MK_ROW_PAD bytes, so the 8 rows' u32 reads of one k offset
-// fall in 8 different bank groups (an unpadded row is a multiple of 128 B).
-#define MK_ROW_PAD 16
+// FP8 through the tensor cores (TC): slot rows padded by MK_ROW_PAD bytes (plan/kernel_constants.py), so the 8 rows'
+// u32 reads of one k offset fall in 8 different bank groups (an unpadded row is a multiple of 128 B).
 template <int Q, bool TC>
 __device__ __forceinline__ int row_pitch(int K) { return K * Wt<Q>::WB + (TC ? MK_ROW_PAD : 0); }
 // Warps that share one row (each sums its part of K): TC every consumer warp takes K / MK_CONSUMERS of every row.
@@ -133,6 +132,29 @@ __device__ __forceinline__ u64 now_ns() {
     u64 t;
     asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
     return t;
+}
+
+// Slot row sr of the slot that starts at global row j (gate_up: `step` gate rows, then their up rows): pair = its
+// index among the slot's rows of one kind, grow its global row, lr its local row in part[] (plain j - r0 + pair;
+// gate_up 2 (j - r0 + pair) + up).
+struct SlotRow { int pair, grow, lr; };
+__device__ __forceinline__ SlotRow slot_row(int sr, int j, int r0, int step, bool gate, int up_off) {
+    const bool up = gate && sr >= step;
+    const int pair = up ? sr - step : sr;
+    return {pair, (up ? up_off : 0) + j + pair, gate ? 2 * (j - r0 + pair) + (up ? 1 : 0) : j - r0 + pair};
+}
+
+// The ring slot the consumers read next, once its copies landed (wait_ns: add the wait); release: all warps done.
+__device__ __forceinline__ const char* slot_acquire(Ring& r, u64* wait_ns) {
+    const u64 t0 = wait_ns ? now_ns() : 0;
+    mbar_wait(&r.full[r.stage], r.phase);
+    if (wait_ns) *wait_ns += now_ns() - t0;
+    return r.slots + (size_t)r.stage * MK_STAGE_BYTES;
+}
+__device__ __forceinline__ void slot_release(Ring& r) {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(&r.empty[r.stage]);
+    ring_next(r);
 }
 
 // Dot products of this lane's chunks of one slot row with the M inputs in hs: acc[m] (fp32). FP8 block scales
@@ -179,30 +201,23 @@ __device__ __forceinline__ void consume(Ring& r, const bf16* hs, float* part, in
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, row = warp / wpr, wp = warp % wpr;
     for (int j = r0; j < r1; j += step) {
         const int n = min(step, r1 - j);
-        const u64 t0 = wait_ns ? now_ns() : 0;
-        mbar_wait(&r.full[r.stage], r.phase);
-        if (wait_ns) *wait_ns += now_ns() - t0;
-        const bool up = gate && row >= step;
-        const int pair = up ? row - step : row;
-        if (pair < n) {
-            const char* w = r.slots + (size_t)r.stage * MK_STAGE_BYTES + (size_t)row * K * Wt<Q>::WB;
-            const int grow = (up ? up_off : 0) + j + pair;
-            const float* srow = Q == 2 ? sc + (size_t)(grow >> 7) * (K >> 7) : nullptr;
-            const float sch = Q == 1 ? sc[grow] : 1.f;
+        const char* slot = slot_acquire(r, wait_ns);
+        const SlotRow sr = slot_row(row, j, r0, step, gate, up_off);
+        if (sr.pair < n) {
+            const char* w = slot + (size_t)row * K * Wt<Q>::WB;
+            const float* srow = Q == 2 ? sc + (size_t)(sr.grow >> 7) * (K >> 7) : nullptr;
+            const float sch = Q == 1 ? sc[sr.grow] : 1.f;
             float acc[M];
 #pragma unroll
             for (int m = 0; m < M; m++) acc[m] = 0.f;
             row_dots<M, Q>(w, hs, K, wp * 32 + lane, wpr * 32, srow, acc);
-            const int lr = gate ? 2 * (j - r0 + pair) + (up ? 1 : 0) : j - r0 + pair;
 #pragma unroll
             for (int m = 0; m < M; m++) {
                 const float s = warp_sum(acc[m]);
-                if (lane == 0) part[(lr * wpr + wp) * M + m] = Q == 1 ? s * sch : s;
+                if (lane == 0) part[(sr.lr * wpr + wp) * M + m] = Q == 1 ? s * sch : s;
             }
         }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&r.empty[r.stage]);
-        ring_next(r);
+        slot_release(r);
     }
 }
 
@@ -217,21 +232,17 @@ __device__ __forceinline__ void consume_tc(Ring& r, const bf16* hs, float* part,
     const int rc = slot_rows<Q>(K), step = gate ? rc / 2 : rc, pitch = row_pitch<Q, true>(K);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int kw = K / MK_CONSUMERS, k0 = warp * kw;
-    // slot row sr -> its global row and local (part) row, for the lane's B row g and C columns 2t, 2t + 1
-    auto grow_of = [&](int j, int sr) { return gate && sr >= step ? up_off + j + sr - step : j + sr; };
-    auto live_of = [&](int n, int sr) { return sr < rc && (gate && sr >= step ? sr - step : sr) < n; };
     for (int j = r0; j < r1; j += step) {
         const int n = min(step, r1 - j);
-        const u64 t0 = wait_ns ? now_ns() : 0;
-        mbar_wait(&r.full[r.stage], r.phase);
-        if (wait_ns) *wait_ns += now_ns() - t0;
-        const char* slot = r.slots + (size_t)r.stage * MK_STAGE_BYTES;
-        const bool bl = live_of(n, g);
+        const char* slot = slot_acquire(r, wait_ns);
+        // the lane's B row g and its C columns, slot rows 2t and 2t + 1
+        const SlotRow rb = slot_row(g, j, r0, step, gate, up_off), r0c = slot_row(2 * t, j, r0, step, gate, up_off),
+                      r1c = slot_row(2 * t + 1, j, r0, step, gate, up_off);
+        const bool bl = g < rc && rb.pair < n, c0 = 2 * t < rc && r0c.pair < n, c1 = 2 * t + 1 < rc && r1c.pair < n;
         const char* wrow = slot + (size_t)g * pitch;
         const bf16* xrow = hs + (size_t)(g < M ? g : 0) * K;
-        const bool c0 = live_of(n, 2 * t), c1 = live_of(n, 2 * t + 1);      // this lane's C columns are rows
-        const float* s0 = Q == 2 && c0 ? sc + (size_t)(grow_of(j, 2 * t) >> 7) * (K >> 7) : nullptr;
-        const float* s1 = Q == 2 && c1 ? sc + (size_t)(grow_of(j, 2 * t + 1) >> 7) * (K >> 7) : nullptr;
+        const float* s0 = Q == 2 && c0 ? sc + (size_t)(r0c.grow >> 7) * (K >> 7) : nullptr;
+        const float* s1 = Q == 2 && c1 ? sc + (size_t)(r1c.grow >> 7) * (K >> 7) : nullptr;
         float acc0 = 0.f, acc1 = 0.f;
         for (int kb = k0; kb < k0 + kw; kb += 128) {
             float d[4] = {0.f, 0.f, 0.f, 0.f};
@@ -261,18 +272,14 @@ __device__ __forceinline__ void consume_tc(Ring& r, const bf16* hs, float* part,
         if (g < M) {                                  // C[g][2t], C[g][2t + 1]: slot rows 2t, 2t + 1, input g
 #pragma unroll
             for (int c = 0; c < 2; c++) {
-                const int sr = 2 * t + c;
+                const SlotRow& sr = c ? r1c : r0c;
                 if (c ? c1 : c0) {
-                    const int lr = gate ? 2 * (j - r0 + (sr >= step ? sr - step : sr)) + (sr >= step ? 1 : 0)
-                                        : j - r0 + sr;
                     const float v = (c ? acc1 : acc0) * FP8_BF16_UNSCALE;
-                    part[(lr * MK_CONSUMERS + warp) * M + g] = Q == 1 ? v * sc[grow_of(j, sr)] : v;
+                    part[(sr.lr * MK_CONSUMERS + warp) * M + g] = Q == 1 ? v * sc[sr.grow] : v;
                 }
             }
         }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&r.empty[r.stage]);
-        ring_next(r);
+        slot_release(r);
     }
 }
 

@@ -13,7 +13,7 @@ pytest.importorskip("cuda.core")
 from xserv_aot.config import BuildConfig, ConfigError  # noqa: E402
 from xserv_aot.plan.kernel_constants import MK_H_SEQ_BYTES, MK_PART_FLOATS, MK_STAGE_BYTES, MK_TRACE  # noqa: E402
 from xserv_aot.plan.manifest import Plan  # noqa: E402
-from xserv_aot.plan.megakernel_plan import FUSED, MK_PREFIX, MK_THREADS, kernel_name  # noqa: E402
+from xserv_aot.plan.megakernel_plan import FUSED, MK_PREFIX, block_threads, kernel_name  # noqa: E402
 
 CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 1000, "hidden_size": 512,
           "intermediate_size": 1024, "num_hidden_layers": 3, "num_attention_heads": 16, "num_key_value_heads": 4,
@@ -50,7 +50,7 @@ def test_decode_1_and_2_run_one_persistent_launch(tmp_path):
         assert kernels[first + 1 + 3 * 9] == "gather_rows"
         assert all(not op.cuda.launch for op in ops[first + 1:first + 1 + 3 * 9])
         rec = ops[first].cuda.launch[0]
-        assert rec.grid == (132, 1, 1) and rec.block == (MK_THREADS, 1, 1) and rec.smem <= 227 * 1024
+        assert rec.grid == (132, 1, 1) and rec.block == (block_threads(), 1, 1) and rec.smem <= 227 * 1024
         args = {i: a for i, a in enumerate(rec.args)}
         assert args[6] == ("ptr", "layers.0.qkv") and args[12] == ("ptr", "layers.0.down")
         stride = args[18][1]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from xserv_aot.plan.kernel_constants import (MK_CONSUMERS, MK_H_SEQ_BYTES, MK_PART_FLOATS, MK_SMEM_MAX,
+from xserv_aot.plan.kernel_constants import (MK_CONSUMERS, MK_H_SEQ_BYTES, MK_PART_FLOATS, MK_ROW_PAD, MK_SMEM_MAX,
                                               MK_STAGE_BYTES, MK_TILE, MK_TRACE)
 from xserv_aot.plan.launch_records import f32, i32, kernel, kv, launch, ptr
 from xserv_aot.plan.op_records import (AddRmsNorm, Attention, KernelChoice, Linear, Op, QkNormRopeCache, RmsNorm,
@@ -25,18 +25,21 @@ MK_PRODUCER_WARPS = 4            # the weight-stream producer: one warp, or a wa
 MK_FP8_SEQS = (2,)               # bucket sizes whose FP8 plans take the megakernel (H200: decode_2 4.13 vs 4.38 ms
                                  # per-op; decode_1 3.37 vs 3.20: the e4m3 conversions bind the consumer warps)
 MK_FP8_TC = False                # FP8 decode_1 through the tensor cores (_f8ct / _f8bt: padded slot rows, mma.sync)
-MK_ROW_PAD = 16                  # the kernel's MK_ROW_PAD: bytes after each slot row of the tensor-core variant
 MK_KV_PREFETCH = 0               # the layer-start KV prefetch: 0 per 128-B line, 1 per 256-B row by the copy engine
-MK_THREADS = (MK_CONSUMERS + MK_PRODUCER_WARPS) * 32     # of the default variant
 
 MK_MAX_STAGES = 5                # H200, decode_1: 6 slots measured 0.1 ms slower than 5 (docs/cuda-notes.md)
-MK_L2_AHEAD = 0                  # ring slots the producer prefetches into L2 ahead of its copies (H200: 4, 8,
-                                 # 16 each slower than 0, docs/cuda-notes.md)
+MK_L2_AHEAD = 0                  # ring slots the producer prefetches into L2 while every slot holds landed rows
+                                 # (H200: 4 / 8 no gain at ctx <= 1024, slower for decode_2 at 4096; cuda-notes)
 FUSED = "fused_into_megakernel"
 MK_PREFIX = "decode_mk_"
 LAYER_OPS = (Linear, QkNormRopeCache, Attention, Linear, AddRmsNorm, Linear, SiluMul, Linear)
 QUANT_SUFFIX = {None: "", "fp8_channel": "_f8c", "fp8_block128": "_f8b"}    # instantiated weight formats
 WEIGHT_BYTES = {None: 2, "fp8_channel": 1, "fp8_block128": 1}
+
+
+def block_threads() -> int:
+    """Threads a block of the chosen variant: the consumer warps and the producer warp(s)."""
+    return (MK_CONSUMERS + MK_PRODUCER_WARPS) * 32
 
 
 def tensor_cores(seqs: int, quant: str | None) -> bool:
@@ -210,7 +213,7 @@ def plan_megakernel(kind: str, ops: list[Op], choices: list[KernelChoice], manif
             i32(m["hidden_size"]), i32(m["intermediate_size"]), i32(m["num_heads"]), i32(m["num_kv_heads"]),
             i32(manifest["kv_cache"]["shape"][3]), i32(max_blocks), i32(num_slots), i32(smax),
             i32(stages), i32(MK_L2_AHEAD), i32(MK_KV_PREFETCH), f32(final.eps), f32(attn.scale)]
-    rec = launch(fn, [sms], [(MK_CONSUMERS + MK_PRODUCER_WARPS) * 32], smem, args)
+    rec = launch(fn, [sms], [block_threads()], smem, args)
     out = list(choices)
     out[start] = kernel(rec)
     for i in range(start + 1, end + 1):

@@ -142,6 +142,19 @@ def test_gemm_splitk(lib, rng, M, N, K, splits, out_dtype):
     check(out.numpy(), ref.linear(x, w, b))
 
 
+def rope_inputs(rng, T, num_slots, hd, nh, nkv, norm, qkv_scale=1.0):
+    """Fresh inputs of a qk_norm_rope_cache launch: qkv [T, (nh + 2 nkv) hd], positions < 256, distinct KV slots
+    (row 2 writes none: slot -1), QK-norm weights (None without norm), RoPE tables, the KV layer [2, slots, nkv, hd]."""
+    qkv = bf(rng.standard_normal((T, (nh + 2 * nkv) * hd)) * qkv_scale)
+    pos = rng.integers(0, 256, T).astype(np.int32)
+    slots = rng.permutation(num_slots)[:T].astype(np.int32)
+    slots[2] = -1
+    qn, kn = (bf(1 + 0.2 * rng.standard_normal(hd)), bf(1 + 0.2 * rng.standard_normal(hd))) if norm else (None, None)
+    cos, sin = rope_tables(256, hd)
+    kv = bf(rng.standard_normal((2, num_slots, nkv, hd)))
+    return qkv, pos, slots, qn, kn, cos, sin, kv
+
+
 def rope_tables(max_len, hd, theta=10000.0):
     inv = 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
     ang = np.arange(max_len)[:, None] * inv[None, :]
@@ -154,13 +167,7 @@ def rope_tables(max_len, hd, theta=10000.0):
 def test_qk_norm_rope_cache(lib, rng, hd, nh, nkv, norm, fn, warps):
     """The scalar-lane kernel and the vector-lane variant (kernel_build.ROPE_KERNEL picks), several block sizes."""
     T, num_slots, eps = 6, 64, 1e-6
-    qkv = bf(rng.standard_normal((T, (nh + 2 * nkv) * hd)))
-    pos = rng.integers(0, 256, T).astype(np.int32)
-    slots = rng.permutation(num_slots)[:T].astype(np.int32)
-    slots[2] = -1
-    qn, kn = (bf(1 + 0.2 * rng.standard_normal(hd)), bf(1 + 0.2 * rng.standard_normal(hd))) if norm else (None, None)
-    cos, sin = rope_tables(256, hd)
-    kv = bf(rng.standard_normal((2, num_slots, nkv, hd)))
+    qkv, pos, slots, qn, kn, cos, sin, kv = rope_inputs(rng, T, num_slots, hd, nh, nkv, norm)
     dkv = lib.to_device(kv, "bfloat16")
     q = lib.empty((T, nh, hd), "bfloat16")
     lib.launch(f"{fn}_hd{hd}", [T, -(-(nh + 2 * nkv) // warps)], [32 * warps],

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.cuda_fixtures import bf, lib, rng  # noqa: F401  (fixtures)
-from tests.test_cuda_kernels import check, rope_tables
+from tests.test_cuda_kernels import check, rope_inputs, rope_tables
 from xserv_aot.plan import row_kernels as rk
 from xserv_aot.plan.kernel_build import norm_threads, qk_rope_launch
 from xserv_aot.plan.op_records import AddRmsNorm, QkNormRopeCache, RmsNorm, SiluMul
@@ -112,13 +112,7 @@ def test_rows_kernels_bit_identical_on_extreme_values(lib, rng, max_exp):
 def test_rope_rows_bit_identical(lib, rng, hd, nh, nkv, norm, warps, ef):
     """q, the KV slots written and the slots left alone; row 2 writes no KV (slot -1)."""
     T, num_slots, eps = 11, 64, 1e-6
-    qkv = bf(rng.standard_normal((T, (nh + 2 * nkv) * hd)) * 2)
-    pos = rng.integers(0, 256, T).astype(np.int32)
-    slots = rng.permutation(num_slots)[:T].astype(np.int32)
-    slots[2] = -1
-    qn, kn = (bf(1 + 0.2 * rng.standard_normal(hd)), bf(1 + 0.2 * rng.standard_normal(hd))) if norm else (None, None)
-    cos, sin = rope_tables(256, hd)
-    kv = bf(rng.standard_normal((2, num_slots, nkv, hd)))
+    qkv, pos, slots, qn, kn, cos, sin, kv = rope_inputs(rng, T, num_slots, hd, nh, nkv, norm, qkv_scale=2)
     common = [lib.to_device(qkv, "bfloat16"), lib.to_device(pos), lib.to_device(slots),
               lib.to_device(qn, "bfloat16") if norm else 0, lib.to_device(kn, "bfloat16") if norm else 0,
               lib.to_device(cos), lib.to_device(sin)]

@@ -328,6 +328,32 @@ def test_graph_replay_equals_eager(lib, gemm, rng, scheme):
     assert_replay_equals_eager(lib, bufs, ("out", "xq", "xs", "y1", "y2"), lambda stream: [c(stream) for c in calls])
 
 
+def w8a8_op(rows, n, k, scheme, bias=False):
+    """The W8A8 linear of run_w8a8's buffers: xq / xs (quantize_fp8 of x) times w / w.scale, + b, into out."""
+    return Linear(rows=rows, n=n, k=k, inp="xq", inp_scale="xs", weight="w", bias="b" if bias else None, out="out",
+                  weight_scale="w.scale", quant=scheme)
+
+
+def run_w8a8(lib, rng, scheme, M, N, K, out_dtype, bias, choose):
+    """quantize_fp8 (device) + the W8A8 kernel choose(op) picks, on fresh inputs (x rows over 4 e-folds of scale)
+    with the output poisoned (NaN); -> (bufs, records, (x, q, s, b), the choice)."""
+    q, s = make_weight(rng, N, K, scheme)
+    x = bf(rng.standard_normal((M, K), dtype=np.float32) * np.exp(rng.uniform(-2, 2, (M, 1))).astype(np.float32))
+    b = bf(rng.standard_normal(N)) if bias else None
+    group = fp8.act_group(scheme, K)
+    qop = QuantizeFp8(rows=M, inp="x", out="xq", scale="xs", k=K, group=group)
+    choice = choose(w8a8_op(M, N, K, scheme, bias))
+    bufs = {"x": lib.to_device(x, "bfloat16"), "w": to_dev_fp8(lib, q), "w.scale": lib.to_device(s),
+            "b": lib.to_device(b, "bfloat16") if bias else None,
+            "xq": lib.empty((M, K), "float8_e4m3fn"), "xs": lib.empty((M, fp8.groups(K, group)), "float32"),
+            "out": lib.empty((M, N), out_dtype)}
+    lib.dev.memset(bufs["out"].ptr, 0xFF, bufs["out"].nbytes)          # NaN in bf16 and f32
+    recs = [*fp8_build.plan_quantize(qop).launch, *choice.launch]
+    for rec in recs:
+        lib.launch_record(rec, bufs)
+    return bufs, recs, (x, q, s, b), choice
+
+
 def assert_replay_equals_eager(lib, bufs, keys, enqueue) -> None:
     """bufs[keys] hold an eager run's outputs: they are poisoned, enqueue(stream) is captured as a graph and replayed,
     and every output must come back finite and bit for bit the same."""

@@ -11,36 +11,23 @@ import pytest
 
 from tests.cuda_fixtures import bf, lib, rng  # noqa: F401  (fixtures)
 from tests.test_cuda_fp8 import (SCHEMES, W8A8_STEP_TOL, assert_replay_equals_eager, check_w8a8, cuda_vs_numpy,
-                                 make_weight, ref_weight_real, rel_err, to_dev_fp8)
+                                 make_weight, ref_weight_real, rel_err, run_w8a8, to_dev_fp8)
 from xserv_aot import fp8
 from xserv_aot.plan import fp8_build
 from xserv_aot.plan.kernel_build import plan_linear
-from xserv_aot.plan.op_records import Linear, QuantizeFp8
+from xserv_aot.plan.op_records import Linear
 from xserv_aot.runtime import numpy_ops
 
 
 def run_w8a8_skinny(lib, rng, scheme, M, N, K, out_dtype, bias, cluster=None, half=False):
     """quantize_fp8 (device) + the W8A8 skinny kernel; -> (bufs, records, (x, q, s, b))."""
-    q, s = make_weight(rng, N, K, scheme)
-    x = bf(rng.standard_normal((M, K), dtype=np.float32) * np.exp(rng.uniform(-2, 2, (M, 1))).astype(np.float32))
-    b = bf(rng.standard_normal(N)) if bias else None
-    group = fp8.act_group(scheme, K)
-    qop = QuantizeFp8(rows=M, inp="x", out="xq", scale="xs", k=K, group=group)
-    op = Linear(rows=M, n=N, k=K, inp="xq", inp_scale="xs", weight="w", bias="b" if bias else None, out="out",
-                weight_scale="w.scale", quant=scheme)
     direct = cluster or half or M > fp8_build.W8A8_SKINNY_MAX_ROWS        # 128-row tiles: bench only, not routed
-    choice = (fp8_build.plan_w8a8_skinny(op, out_dtype, cluster, half=half) if direct else
-              plan_linear(op, out_dtype, None, None, decode=True))
+    bufs, recs, inputs, choice = run_w8a8(
+        lib, rng, scheme, M, N, K, out_dtype, bias,
+        lambda op: (fp8_build.plan_w8a8_skinny(op, out_dtype, cluster, half=half) if direct else
+                    plan_linear(op, out_dtype, None, None, decode=True)))
     assert choice.kernel.startswith(f"skinny_w8a8_{fp8_build.SCHEME_TAG[scheme]}_"), choice.kernel
-    bufs = {"x": lib.to_device(x, "bfloat16"), "w": to_dev_fp8(lib, q), "w.scale": lib.to_device(s),
-            "b": lib.to_device(b, "bfloat16") if bias else None,
-            "xq": lib.empty((M, K), "float8_e4m3fn"), "xs": lib.empty((M, fp8.groups(K, group)), "float32"),
-            "out": lib.empty((M, N), out_dtype)}
-    lib.dev.memset(bufs["out"].ptr, 0xFF, bufs["out"].nbytes)          # NaN in bf16 and f32
-    recs = [*fp8_build.plan_quantize(qop).launch, *choice.launch]
-    for rec in recs:
-        lib.launch_record(rec, bufs)
-    return bufs, recs, (x, q, s, b)
+    return bufs, recs, inputs
 
 
 

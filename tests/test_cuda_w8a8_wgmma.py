@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 from tests.cuda_fixtures import bf, rng  # noqa: F401  (fixtures)
-from tests.test_cuda_fp8 import SCHEMES, assert_replay_equals_eager, check_w8a8, make_weight, to_dev_fp8
+from tests.test_cuda_fp8 import SCHEMES, assert_replay_equals_eager, check_w8a8, run_w8a8, w8a8_op
 from xserv_aot import fp8
 from xserv_aot.plan import fp8_build
 from xserv_aot.plan.kernel_build import plan_linear
-from xserv_aot.plan.op_records import Linear, QuantizeFp8
 
 
 @pytest.fixture(scope="module")
@@ -27,34 +26,18 @@ def lib():
     return KernelLib(sources=("gemv_fp8.cu", "gemm_w8a8_wgmma.cu"))
 
 
-def w8a8_op(rows, n, k, scheme, bias=False):
-    return Linear(rows=rows, n=n, k=k, inp="xq", inp_scale="xs", weight="w", bias="b" if bias else None, out="out",
-                  weight_scale="w.scale", quant=scheme)
-
-
 def run_wgmma(lib, rng, scheme, M, N, K, out_dtype, bias, cluster=None, mbar=None, wide=None):
     """quantize_fp8 (device) + the W8A8 wgmma kernel as the plan routes it (fp8_w8a8_wgmma), or at a forced
     cluster size / ring variant (mbar) / 256-row tile (wide); -> (bufs, records, (x, q, s, b))."""
-    q, s = make_weight(rng, N, K, scheme)
-    x = bf(rng.standard_normal((M, K), dtype=np.float32) * np.exp(rng.uniform(-2, 2, (M, 1))).astype(np.float32))
-    b = bf(rng.standard_normal(N)) if bias else None
-    group = fp8.act_group(scheme, K)
-    qop = QuantizeFp8(rows=M, inp="x", out="xq", scale="xs", k=K, group=group)
-    op = w8a8_op(M, N, K, scheme, bias)
     forced = cluster or mbar is not None or wide is not None
-    choice = (fp8_build.plan_w8a8_wgmma(op, out_dtype, cluster, fp8_build.W8A8_WGMMA_MBAR if mbar is None else mbar,
-                                        fp8_build.W8A8_WGMMA_WIDE if wide is None else wide)
-              if forced else plan_linear(op, out_dtype, None, {}, decode=True, fp8_wgmma=True))
+    bufs, recs, inputs, choice = run_w8a8(
+        lib, rng, scheme, M, N, K, out_dtype, bias,
+        lambda op: (fp8_build.plan_w8a8_wgmma(op, out_dtype, cluster,
+                                              fp8_build.W8A8_WGMMA_MBAR if mbar is None else mbar,
+                                              fp8_build.W8A8_WGMMA_WIDE if wide is None else wide)
+                    if forced else plan_linear(op, out_dtype, None, {}, decode=True, fp8_wgmma=True)))
     assert choice.kernel.startswith(f"w8a8_wgmma_{fp8_build.SCHEME_TAG[scheme]}_"), choice.kernel
-    bufs = {"x": lib.to_device(x, "bfloat16"), "w": to_dev_fp8(lib, q), "w.scale": lib.to_device(s),
-            "b": lib.to_device(b, "bfloat16") if bias else None,
-            "xq": lib.empty((M, K), "float8_e4m3fn"), "xs": lib.empty((M, fp8.groups(K, group)), "float32"),
-            "out": lib.empty((M, N), out_dtype)}
-    lib.dev.memset(bufs["out"].ptr, 0xFF, bufs["out"].nbytes)          # NaN in bf16 and f32
-    recs = [*fp8_build.plan_quantize(qop).launch, *choice.launch]
-    for rec in recs:
-        lib.launch_record(rec, bufs)
-    return bufs, recs, (x, q, s, b)
+    return bufs, recs, inputs
 
 
 @pytest.mark.gpu

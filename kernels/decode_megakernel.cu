@@ -18,6 +18,9 @@
 #define MK_THREADS_4 ((MK_CONSUMERS + 4) * 32)
 #define MK_REGS_CONSUMER 240
 #define MK_REGS_PRODUCER 24
+// setmaxnreg moves registers inside the block's launch allotment (ptxas: 168 a thread for 12 warps): the consumers'
+// increase must fit what the producer warpgroup gives up, or setmaxnreg.inc waits forever (32 here hung the kernel)
+static_assert(MK_CONSUMERS * (MK_REGS_CONSUMER - 168) <= 4 * (168 - MK_REGS_PRODUCER), "setmaxnreg pool");
 #define MK_CTHREADS (MK_CONSUMERS * 32)
 // MK_STAGE_BYTES (a ring slot), MK_H_SEQ_BYTES (GEMV input a sequence / attention scratch), MK_PART_FLOATS
 // (partial sums), MK_CONSUMERS (consumer warps; warp MK_CONSUMERS is the producer), MK_TILE (keys an attention
@@ -137,11 +140,20 @@ __device__ __forceinline__ u64 now_ns() {
 // Slot row sr of the slot that starts at global row j (gate_up: `step` gate rows, then their up rows): pair = its
 // index among the slot's rows of one kind, grow its global row, lr its local row in part[] (plain j - r0 + pair;
 // gate_up 2 (j - r0 + pair) + up).
-struct SlotRow { int pair, grow, lr; };
+struct SlotRow { int pair, grow, lr; bool up; };
 __device__ __forceinline__ SlotRow slot_row(int sr, int j, int r0, int step, bool gate, int up_off) {
     const bool up = gate && sr >= step;
     const int pair = up ? sr - step : sr;
-    return {pair, (up ? up_off : 0) + j + pair, gate ? 2 * (j - r0 + pair) + (up ? 1 : 0) : j - r0 + pair};
+    return {pair, (up ? up_off : 0) + j + pair, gate ? 2 * (j - r0 + pair) + (up ? 1 : 0) : j - r0 + pair, up};
+}
+
+// FP8 scales of one GEMV phase in shared memory (stage_scales): lo the block's rows (gate_up: its gate rows), up its
+// up rows; base: the first row (Q 1) or 128-row block (Q 2) each holds. scale_row: the scales of global row grow.
+struct ScaleView { const float *lo, *up; int base_lo, base_up; };
+template <int Q>
+__device__ __forceinline__ const float* scale_row(const ScaleView& v, const SlotRow& sr, int K) {
+    const int i = (Q == 2 ? sr.grow >> 7 : sr.grow) - (sr.up ? v.base_up : v.base_lo);
+    return (sr.up ? v.up : v.lo) + (Q == 2 ? i * (K >> 7) : i);
 }
 
 // The ring slot the consumers read next, once its copies landed (wait_ns: add the wait); release: all warps done.
@@ -196,7 +208,7 @@ __device__ __forceinline__ void row_dots(const char* wrow, const bf16* hs, int K
 // sc: the matrix's scales (Q > 0); rows j of the slot are global rows j (plain) or j and up_off + j (gate_up).
 template <int M, int Q>
 __device__ __forceinline__ void consume(Ring& r, const bf16* hs, float* part, int r0, int r1, int K, bool gate,
-                                        const float* sc, int up_off, u64* wait_ns = nullptr) {
+                                        const ScaleView& sc, int up_off, u64* wait_ns = nullptr) {
     const int rc = slot_rows<Q>(K), step = gate ? rc / 2 : rc, wpr = MK_CONSUMERS / rc;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, row = warp / wpr, wp = warp % wpr;
     for (int j = r0; j < r1; j += step) {
@@ -205,8 +217,8 @@ __device__ __forceinline__ void consume(Ring& r, const bf16* hs, float* part, in
         const SlotRow sr = slot_row(row, j, r0, step, gate, up_off);
         if (sr.pair < n) {
             const char* w = slot + (size_t)row * K * Wt<Q>::WB;
-            const float* srow = Q == 2 ? sc + (size_t)(sr.grow >> 7) * (K >> 7) : nullptr;
-            const float sch = Q == 1 ? sc[sr.grow] : 1.f;
+            const float* srow = Q ? scale_row<Q>(sc, sr, K) : nullptr;
+            const float sch = Q == 1 ? *srow : 1.f;
             float acc[M];
 #pragma unroll
             for (int m = 0; m < M; m++) acc[m] = 0.f;
@@ -221,66 +233,87 @@ __device__ __forceinline__ void consume(Ring& r, const bf16* hs, float* part, in
     }
 }
 
-// FP8 rows through the tensor cores (M = 1 .. 2): a slot's rc rows (pitch row_pitch) are the n8 side of mma.sync
-// m16n8k16 (n = lane / 4; rows past the slot's zero), the inputs the m16 side (rows lane / 4 < M, the rest zero).
-// Every warp takes K / MK_CONSUMERS of every row, in 128-k blocks (one block scale each). Inside 16 k the
-// fragments' logical k (2t, 2t + 1) and (2t + 8, 2t + 9) (t = lane % 4) are physical k 4t .. 4t + 3 of both
-// operands (one u32 of e4m3, one uint2 of bf16). e4m3 -> bf16 carrying value * 2^-112 (exact), undone in fp32.
-template <int M, int Q>
-__device__ __forceinline__ void consume_tc(Ring& r, const bf16* hs, float* part, int r0, int r1, int K, bool gate,
-                                           const float* sc, int up_off, u64* wait_ns) {
-    const int rc = slot_rows<Q>(K), step = gate ? rc / 2 : rc, pitch = row_pitch<Q, true>(K);
+// FP8 rows through the tensor cores (one sequence). A slot's rc rows (pitch row_pitch) are the m16 side of mma.sync
+// m16n8k16: A row m = (slot row m % rc, block slot m / rc); the input's 128-k blocks are the n8 side (column s:
+// block slot s), so C[m][m / rc] are the dot products and the rest is discarded (every mma moves 256 weights).
+// Warp w takes the 128-k blocks w + 8 j (j < K / 1024) of every row, TC_G = 16 / rc of them an iteration (at most
+// two). Inside 16 k the fragments' logical k (2t, 2t + 1) / (2t + 8, 2t + 9) (t = lane % 4) are physical
+// k 4t .. 4t + 3 of both operands (one u32 of e4m3, one uint2 of f16); block slot s visits its eight 16-k chunks
+// rotated by tc_rot(rc) s, so the eight A rows of a load hit eight bank groups. f16 operands: e4m3 -> f16 exactly,
+// the input x 2^-4 in f16 (norm_to_smem / copy_to_smem <M, true>), undone in fp32.
+__device__ __forceinline__ int tc_rot(int rc) { return rc == 8 ? 2 : rc; }
+
+// f0 / f1: the scales of this lane's C entries e 0 (A row g) / 1 (g + 8) in iteration 0, f2 / f3 in iteration 1;
+// 0 where the entry is not this lane's, its row is past the slot or its block past K. ch: the row's channel scale.
+struct TcScales { float f0, f1, f2, f3, ch; };
+template <int Q, int RC>
+__device__ __forceinline__ TcScales tc_scales(const ScaleView& sc, int j, int r0, int r1, int step, bool gate,
+                                              int up_off, int K, int row, int s0, int s1, bool e0, bool e1) {
+    const int G = 16 / RC, nb = K / (MK_CONSUMERS * 128), warp = threadIdx.x >> 5;
+    const SlotRow sr = slot_row(row, j, r0, step, gate, up_off);
+    const bool ok = sr.pair < min(step, r1 - j);
+    const float* srow = ok ? scale_row<Q>(sc, sr, K) + (Q == 2 ? warp : 0) : nullptr;
+    auto f = [&](bool e, int jj) { return ok && e && jj < nb ? (Q == 2 ? srow[8 * jj] : 1.f) : 0.f; };
+    return {f(e0, s0), f(e1, s1), f(e0, G + s0), f(e1, G + s1), Q == 1 && ok ? *srow : 1.f};
+}
+
+template <int Q, int RC>
+__device__ __forceinline__ void consume_tc_rc(Ring& r, const bf16* hs, float* part, int r0, int r1, int K, bool gate,
+                                              const ScaleView& sc, int up_off, u64* wait_ns) {
+    constexpr int rc = RC;
+    const int step = gate ? rc / 2 : rc, pitch = row_pitch<Q, true>(K);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int kw = K / MK_CONSUMERS, k0 = warp * kw;
+    const int G = 16 / rc, nb = K / (MK_CONSUMERS * 128), rs = tc_rot(rc);
+    const int row = g % rc, s0 = g / rc, s1 = (g + 8) / rc, sb = g % G;
+    const bool e0 = (s0 >> 1) == t, e1 = (s1 >> 1) == t;     // C[g][s0] is c[s0 & 1], C[g + 8][s1] c[2 + (s1 & 1)]
     for (int j = r0; j < r1; j += step) {
-        const int n = min(step, r1 - j);
+        const TcScales f = tc_scales<Q, RC>(sc, j, r0, r1, step, gate, up_off, K, row, s0, s1, e0, e1);
         const char* slot = slot_acquire(r, wait_ns);
-        // the lane's B row g and its C columns, slot rows 2t and 2t + 1
-        const SlotRow rb = slot_row(g, j, r0, step, gate, up_off), r0c = slot_row(2 * t, j, r0, step, gate, up_off),
-                      r1c = slot_row(2 * t + 1, j, r0, step, gate, up_off);
-        const bool bl = g < rc && rb.pair < n, c0 = 2 * t < rc && r0c.pair < n, c1 = 2 * t + 1 < rc && r1c.pair < n;
-        const char* wrow = slot + (size_t)g * pitch;
-        const bf16* xrow = hs + (size_t)(g < M ? g : 0) * K;
-        const float* s0 = Q == 2 && c0 ? sc + (size_t)(r0c.grow >> 7) * (K >> 7) : nullptr;
-        const float* s1 = Q == 2 && c1 ? sc + (size_t)(r1c.grow >> 7) * (K >> 7) : nullptr;
-        float acc0 = 0.f, acc1 = 0.f;
-        for (int kb = k0; kb < k0 + kw; kb += 128) {
-            float d[4] = {0.f, 0.f, 0.f, 0.f};
+        const char* wrow = slot + (size_t)row * pitch + 4 * t;
+        float v = 0.f;
 #pragma unroll
-            for (int kk = kb; kk < kb + 128; kk += 16) {
-                u32 b0 = 0, b1 = 0, a0 = 0, a2 = 0;
-                if (bl) {
-                    const u32 w4 = *(const u32*)(wrow + kk + 4 * t);
-                    b0 = f16x2_bf16x2_scaled(e4m3x2_f16x2(w4 & 0xffffu));
-                    b1 = f16x2_bf16x2_scaled(e4m3x2_f16x2(w4 >> 16));
+        for (int it = 0; it < 2; it++) {
+            if (it * G < nb) {
+                const char* w0 = wrow + 128 * (warp + 8 * min(it * G + s0, nb - 1));
+                const char* w1 = wrow + 128 * (warp + 8 * min(it * G + s1, nb - 1));
+                const bf16* xb = hs + 4 * t + 128 * (warp + 8 * min(it * G + sb, nb - 1));
+                float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int q = 0; q < 8; q++) {
+                    const u32 wa = *(const u32*)(w0 + 16 * ((q + rs * s0) & 7));
+                    const u32 wb = *(const u32*)(w1 + 16 * ((q + rs * s1) & 7));
+                    const uint2 xv = *(const uint2*)(xb + 16 * ((q + rs * sb) & 7));
+                    u32 a0, a1, a2, a3;
+                    e4m3x4_f16x4(wa, a0, a2);
+                    e4m3x4_f16x4(wb, a1, a3);
+                    mma_f16(q & 1 ? d1 : d0, a0, a1, a2, a3, xv.x, xv.y);
                 }
-                if (g < M) {
-                    const uint2 xv = *(const uint2*)(xrow + kk + 4 * t);
-                    a0 = xv.x; a2 = xv.y;
-                }
-                mma_bf16(d, a0, 0u, a2, 0u, b0, b1);
-            }
-            const int blk = kb >> 7;
-            if (Q == 2) {
-                acc0 += c0 ? d[0] * s0[blk] : 0.f;
-                acc1 += c1 ? d[1] * s1[blk] : 0.f;
-            } else {
-                acc0 += d[0];
-                acc1 += d[1];
+                const float c0 = (s0 & 1) ? d0[1] + d1[1] : d0[0] + d1[0];
+                const float c1 = (s1 & 1) ? d0[3] + d1[3] : d0[2] + d1[2];
+                const float fa = it ? f.f2 : f.f0, fb = it ? f.f3 : f.f1;
+                v += (fa != 0.f ? c0 * fa : 0.f) + (fb != 0.f ? c1 * fb : 0.f);
             }
         }
-        if (g < M) {                                  // C[g][2t], C[g][2t + 1]: slot rows 2t, 2t + 1, input g
-#pragma unroll
-            for (int c = 0; c < 2; c++) {
-                const SlotRow& sr = c ? r1c : r0c;
-                if (c ? c1 : c0) {
-                    const float v = (c ? acc1 : acc0) * FP8_BF16_UNSCALE;
-                    part[(sr.lr * MK_CONSUMERS + warp) * M + g] = Q == 1 ? v * sc[sr.grow] : v;
-                }
-            }
-        }
+        // sum over the lanes of one slot row: t, and the bits of g above rc
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        for (int mk = 4 * rc; mk < 32; mk <<= 1) v += __shfl_xor_sync(0xffffffffu, v, mk);
+        const SlotRow sr = slot_row(row, j, r0, step, gate, up_off);
+        if (t == 0 && g < rc && sr.pair < min(step, r1 - j))
+            part[sr.lr * MK_CONSUMERS + warp] = v * FP8_F16_UNSCALE * f.ch;
         slot_release(r);
     }
+}
+
+// rc (rows a slot: 8, 4 or 2, plan rule megakernel_plan.check_shapes) as a constant of the loop
+template <int M, int Q>
+__device__ __forceinline__ void consume_tc(Ring& r, const bf16* hs, float* part, int r0, int r1, int K, bool gate,
+                                           const ScaleView& sc, int up_off, u64* wait_ns) {
+    static_assert(M == 1, "FP8 rows on the tensor cores: one sequence");
+    const int rc = slot_rows<Q>(K);
+    if (rc == 8) consume_tc_rc<Q, 8>(r, hs, part, r0, r1, K, gate, sc, up_off, wait_ns);
+    else if (rc == 4) consume_tc_rc<Q, 4>(r, hs, part, r0, r1, K, gate, sc, up_off, wait_ns);
+    else consume_tc_rc<Q, 2>(r, hs, part, r0, r1, K, gate, sc, up_off, wait_ns);
 }
 
 // Sum of the wpr partials of local row lr, sequence m.
@@ -294,7 +327,7 @@ __device__ __forceinline__ float part_sum(const float* part, int lr, int wpr, in
 // hs[m] = rmsnorm(x[m]) * w (bf16), from x in global memory (L2); the same value in every block.
 // One L2 round trip: a thread keeps its MK_NORM_NV chunks of every row and of w in registers (H <= 8192).
 #define MK_NORM_NV 4
-template <int M>
+template <int M, bool F16 = false>
 __device__ __forceinline__ void norm_to_smem(const bf16* x, const bf16* w, bf16* hs, int H, float eps,
                                              float* scratch) {
     vec16 xv[M][MK_NORM_NV], wv[MK_NORM_NV];
@@ -326,16 +359,19 @@ __device__ __forceinline__ void norm_to_smem(const bf16* x, const bf16* w, bf16*
                 float f[8], g[8]; unpack8(xv[m][j], f); unpack8(wv[j], g);
 #pragma unroll
                 for (int i = 0; i < 8; i++) g[i] = f[i] * inv * g[i];
-                st16(hs + (size_t)m * H + v * 8, pack8(g));
+                st16(hs + (size_t)m * H + v * 8, F16 ? bf16x8_f16x8_scaled(pack8(g)) : pack8(g));
             }
         }
     }
     csync();
 }
 
-template <int M>
+template <int M, bool F16 = false>
 __device__ __forceinline__ void copy_to_smem(const bf16* src, bf16* hs, int K) {
-    for (int v = threadIdx.x; v < M * K / 8; v += MK_CTHREADS) st16(hs + v * 8, ld_l2(src + v * 8));
+    for (int v = threadIdx.x; v < M * K / 8; v += MK_CTHREADS) {
+        const vec16 x = ld_l2(src + v * 8);
+        st16(hs + v * 8, F16 ? bf16x8_f16x8_scaled(x) : x);
+    }
     csync();
 }
 
@@ -407,17 +443,43 @@ __device__ __forceinline__ Chunk chunk_at(const Args& a, const Rows& r, int c) {
     return slot_copy<Q, TC>(a.w_down + lb + (size_t)j * a.I * WB, nullptr, min(rd, r.h1 - j), a.I, 0);
 }
 
-// The scales of a matrix's rows [r0, r1) (K wide) and, for gate_up, of rows up_off + [r0, r1): L2 prefetch, 128-B
-// lines by consumer threads from t0 on, at the layer's start (a consume reads them from its first slot on).
+// The FP8 scales a block reads in a layer, staged into shared memory one layer ahead: five segments (qkv, o_proj,
+// gate, up, down rows of the block), each the scale rows of its 128-row blocks (Q 2) or its rows' scales (Q 1).
+// scale_seg: segment k's first float in the layer's scale tensor, count, offset in the buffer, first row (block).
+struct ScaleSeg { int src, n, off, base; };
 template <int Q>
-__device__ __forceinline__ int prefetch_scales(const float* sc, int r0, int r1, int K, int t0) {
-    if (Q == 0) return t0;
-    const float* lo = Q == 2 ? sc + (size_t)(r0 >> 7) * (K >> 7) : sc + r0;
-    const float* hi = Q == 2 ? sc + (size_t)(((r1 - 1) >> 7) + 1) * (K >> 7) : sc + r1;
-    const int lines = (int)(((size_t)hi - ((size_t)lo & ~(size_t)127) + 127) / 128);
-    const int t = threadIdx.x - t0;
-    if (t >= 0 && t < lines) asm volatile("prefetch.global.L2 [%0];" :: "l"(((size_t)lo & ~(size_t)127) + 128 * t));
-    return t0 + lines;
+__device__ __forceinline__ ScaleSeg scale_seg(const Args& a, const Rows& r, int k) {
+    const int K[5] = {a.H, a.nh * MK_HD, a.H, a.H, a.I};
+    const int lo[5] = {r.q0, r.h0, r.i0, a.I + r.i0, r.h0}, hi[5] = {r.q1, r.h1, r.i1, a.I + r.i1, r.h1};
+    ScaleSeg g{0, 0, 0, 0};
+    for (int i = 0; i <= k; i++) {
+        g.off += g.n;
+        g.base = Q == 2 ? lo[i] >> 7 : lo[i];
+        g.n = hi[i] <= lo[i] ? 0 : Q == 2 ? (((hi[i] - 1) >> 7) - g.base + 1) * (K[i] >> 7) : hi[i] - lo[i];
+        g.src = Q == 2 ? g.base * (K[i] >> 7) : g.base;
+    }
+    return g;
+}
+// Consumer threads copy the segments of the layer whose scales start at ls (float elements) into buf (cp.async,
+// one commit group).
+template <int Q>
+__device__ __forceinline__ void stage_scales(const Args& a, const Rows& r, size_t ls, float* buf) {
+#pragma unroll 1
+    for (int k = 0; k < 5; k++) {
+        const ScaleSeg g = scale_seg<Q>(a, r, k);
+        const float* src = (k == 0 ? a.s_qkv : k == 1 ? a.s_o : k == 4 ? a.s_down : a.s_gu) + ls + g.src;
+        for (int i = threadIdx.x; i < g.n; i += MK_CTHREADS)
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(smem_addr(buf + g.off + i)), "l"(src + i)
+                         : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+// Phase p's view (0 qkv, 1 o_proj, 2 gate_up, 3 down) of a staged buffer.
+template <int Q>
+__device__ __forceinline__ ScaleView scale_view(const Args& a, const Rows& r, const float* buf, int p) {
+    const ScaleSeg g = scale_seg<Q>(a, r, p < 2 ? p : p + 1);
+    const ScaleSeg u = p == 2 ? scale_seg<Q>(a, r, 3) : g;
+    return {buf + g.off, buf + u.off, g.base, u.base};
 }
 
 __device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
@@ -506,18 +568,44 @@ __device__ __forceinline__ void load_tile(const Args& a, const AttnItem& it, con
     }
 }
 
-// L2 prefetch of the split's keys from p0 on (K and V rows): a.kv_prefetch 0, prefetch.global.L2 of each 128-B
-// line; 1, one cp.async.bulk.prefetch.L2 (the copy engine) of each 256-B row.
+// L2 prefetch of the split's keys from p0 on (K and V rows): a.kv_prefetch 0 (and 2), prefetch.global.L2 of each
+// 128-B line; 1, one cp.async.bulk.prefetch.L2 (the copy engine) of each 256-B row.
 __device__ __forceinline__ void prefetch_keys(const Args& a, const AttnItem& it, const bf16* kvl, int p0) {
     const size_t stride = (size_t)a.nkv * MK_HD;
     for (int p = p0 + (threadIdx.x >> 1); p < it.k1; p += MK_CTHREADS / 2) {
         const bf16* k = kvl + key_slot(a, it, p) * stride + (size_t)it.kvh * MK_HD;
         const bf16* v = k + (size_t)a.num_slots * stride;
-        if (a.kv_prefetch) {
+        if (a.kv_prefetch == 1) {
             prefetch_l2(threadIdx.x & 1 ? v : k, MK_HD * 2);
         } else {
             asm volatile("prefetch.global.L2 [%0];" :: "l"(k + (threadIdx.x & 1) * (MK_HD / 2)));
             asm volatile("prefetch.global.L2 [%0];" :: "l"(v + (threadIdx.x & 1) * (MK_HD / 2)));
+        }
+    }
+}
+
+// a.kv_prefetch 2 (the _tl2_p4 variants): the split's first tile of cached keys (K rows at MK_KS_PITCH, then V rows)
+// in the two ring slots the attention block gives up, copied by producer warp 1 one layer ahead: layer l's copies
+// start once layer l - 1's attention released the tile (empty), and complete full's phase l.
+#define MK_KS_PITCH (MK_HD + 8)                        // bf16 elements a staged K row: 8 rows hit 8 bank groups
+static_assert(MK_TILE * (MK_KS_PITCH + MK_HD) * 2 <= 2 * MK_STAGE_BYTES, "the staged tile fits two ring slots");
+__device__ __forceinline__ int staged_keys(const AttnItem& it) {
+    return it.ctx <= 0 ? 0 : max(0, min(min(it.k0 + MK_TILE, it.k1), it.ctx - 1) - it.k0);
+}
+__device__ __forceinline__ void stage_kv(const Args& a, const AttnItem& it, bf16* ks, u64* full, u64* empty) {
+    const int lane = threadIdx.x & 31, n = staged_keys(it);
+    const size_t stride = (size_t)a.nkv * MK_HD;
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+    for (int l = 0; l < a.layers; l++) {
+        if (l) mbar_wait(empty, (l - 1) & 1);
+        if (lane == 0) mbar_expect_tx(full, 2 * n * MK_HD * 2);
+        __syncwarp();
+        const bf16* kvl = a.kv + (size_t)l * 2 * a.num_slots * stride + (size_t)it.kvh * MK_HD;
+        for (int i = lane; i < n; i += 32) {
+            const bf16* k = kvl + key_slot(a, it, it.k0 + i) * stride;
+            bulk_load(ks + i * MK_KS_PITCH, k, MK_HD * 2, full, policy);
+            bulk_load(ks + MK_TILE * MK_KS_PITCH + i * MK_HD, k + a.num_slots * stride, MK_HD * 2, full, policy);
         }
     }
 }
@@ -554,7 +642,8 @@ __device__ __forceinline__ void prefetch_attention(const Args& a, const AttnItem
 // combines.
 template <int M, int G, bool RT>
 __device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& it, int layer, KVTile& t,
-                                                const AttnConst& c, float* sm, long long* tr) {
+                                                const AttnConst& c, float* sm, long long* tr, const bf16* ks,
+                                                u64* kv_full) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nh = a.nh;
     float* qs = sm;                             // [G][HD] rounded q
     float* kn = qs + G * MK_HD;                 // [HD] new k, then [HD] new v
@@ -604,7 +693,9 @@ __device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& i
     }
     const bf16* kvl = a.kv + (size_t)layer * 2 * a.num_slots * a.nkv * MK_HD;
     for (int t0 = it.k0; t0 < it.k1; t0 += MK_TILE) {
-        if (!RT || t0 != it.k0) load_tile(a, it, kvl, t0, t);
+        const bool st = ks && t0 == it.k0;            // the first tile from the staged copy
+        if (st) mbar_wait(kv_full, layer & 1);
+        else if (!RT || t0 != it.k0) load_tile(a, it, kvl, t0, t);
         const int p = t0 + (threadIdx.x >> 1), half = (threadIdx.x & 1) * (MK_HD / 2);
         float s[G];
 #pragma unroll
@@ -617,7 +708,7 @@ __device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& i
 #pragma unroll
                     for (int i = 0; i < 8; i++) kf[i] = kn[half + e * 8 + i];
                 } else {
-                    unpack8(t.k[e], kf);
+                    unpack8(st ? ld16(ks + (p - it.k0) * MK_KS_PITCH + half + e * 8) : t.k[e], kf);
                 }
 #pragma unroll
                 for (int g = 0; g < G; g++) {
@@ -659,7 +750,9 @@ __device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& i
                 if (q == it.ctx - 1) {
                     v[0] = vn[lane * 4]; v[1] = vn[lane * 4 + 1]; v[2] = vn[lane * 4 + 2]; v[3] = vn[lane * 4 + 3];
                 } else {
-                    v[0] = bflo(t.v[i][0]); v[1] = bfhi(t.v[i][0]); v[2] = bflo(t.v[i][1]); v[3] = bfhi(t.v[i][1]);
+                    const uint2 w = st ? *(const uint2*)(ks + MK_TILE * MK_KS_PITCH + j * MK_HD + lane * 4)
+                                       : make_uint2(t.v[i][0], t.v[i][1]);
+                    v[0] = bflo(w.x); v[1] = bfhi(w.x); v[2] = bflo(w.y); v[3] = bfhi(w.y);
                 }
 #pragma unroll
                 for (int g = 0; g < G; g++) {
@@ -749,8 +842,8 @@ __device__ __forceinline__ AttnItem attn_item(const Args& a, int M) {
 // Consume one GEMV phase's slots (CUDA cores, or FP8 on the tensor cores).
 template <int M, int Q, bool TC>
 __device__ __forceinline__ void consume_phase(Ring& r, const bf16* hs, float* part, int r0, int r1, int K, bool gate,
-                                              const float* sc, int up_off, u64* wait_ns) {
-    if (TC) consume_tc<M, Q>(r, hs, part, r0, r1, K, gate, sc, up_off, wait_ns);
+                                              const ScaleView& sc, int up_off, u64* wait_ns) {
+    if constexpr (TC) consume_tc<M, Q>(r, hs, part, r0, r1, K, gate, sc, up_off, wait_ns);
     else consume<M, Q>(r, hs, part, r0, r1, K, gate, sc, up_off, wait_ns);
 }
 
@@ -761,10 +854,17 @@ __device__ void megakernel(const Args& a) {
     bf16* hs = (bf16*)(smem + (size_t)a.stages * MK_STAGE_BYTES);
     float* part = (float*)(smem + (size_t)a.stages * MK_STAGE_BYTES + M * MK_H_SEQ_BYTES);
     u64* bars = (u64*)(part + MK_PART_FLOATS);
-    float* scratch = (float*)(bars + 2 * a.stages);
-    Ring ring{bars, bars + a.stages, slots, a.stages, 0, 0u};
+    u64* kv_full = bars + 2 * a.stages;               // the staged KV tile (a.kv_prefetch 2): landed / released
+    u64* kv_empty = kv_full + 1;
+    float* scratch = (float*)(kv_empty + 1);
+    float* scl = scratch + 64;                        // [2][MK_SCALE_FLOATS]: FP8 scales of layers l, l + 1
+    const bool kvs = PW == 4 && !RT && a.kv_prefetch == 2 && attn_item(a, M).live;
+    bf16* ks = (bf16*)(slots + (size_t)(a.stages - 2) * MK_STAGE_BYTES);
+    Ring ring{bars, bars + a.stages, slots, kvs ? a.stages - 2 : a.stages, 0, 0u};
     if (threadIdx.x == 0) {
         for (int s = 0; s < a.stages; s++) { mbar_init(&ring.full[s], 1); mbar_init(&ring.empty[s], MK_CONSUMERS); }
+        mbar_init(kv_full, 1);
+        mbar_init(kv_empty, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -773,6 +873,7 @@ __device__ void megakernel(const Args& a) {
     const int q0 = rows.q0, q1 = rows.q1, h0 = rows.h0, h1 = rows.h1, i0 = rows.i0, i1 = rows.i1;
     if (threadIdx.x >= MK_CTHREADS) {                      // producer warp(s)
         if (PW == 4) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(MK_REGS_PRODUCER));
+        if (kvs && (threadIdx.x >> 5) == MK_CONSUMERS + 1) stage_kv(a, attn_item(a, M), ks, kv_full, kv_empty);
         if (threadIdx.x != MK_CTHREADS) return;
         u64 policy;
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
@@ -785,26 +886,29 @@ __device__ void megakernel(const Args& a) {
     base = base / NB * NB;
     u64 nbar = 0;
     const AttnItem it = attn_item(a, M);
+    if (Q) stage_scales<Q>(a, rows, 0, scl);
     for (int l = 0; l < a.layers; l++) {
         KVTile tile;                                  // per layer: nothing carried to the next one
         AttnConst ac;
-        const size_t lw = (size_t)l * a.layer_stride, ls = Q ? lw / 2 : 0;     // bf16 / float elements
+        const size_t lw = (size_t)l * a.layer_stride;            // bf16 elements
         long long* tr = a.trace && threadIdx.x == 0 ? a.trace + ((size_t)b * a.layers + l) * MK_TRACE : nullptr;
         u64 waits[4] = {0, 0, 0, 0};
 #define STAMP(k) do { if (tr) tr[k] = (long long)now_ns(); } while (0)
         STAMP(0);
         if (it.live && it.ctx > 0) prefetch_attention(a, it, l);
-        if (Q) {                                       // threads 8.. (0-7 prefetch attention constants)
-            int t = prefetch_scales<Q>(a.s_qkv + ls, q0, q1, H, 8);
-            t = prefetch_scales<Q>(a.s_o + ls, h0, h1, a.nh * MK_HD, t);
-            t = prefetch_scales<Q>(a.s_gu + ls, i0, i1, H, t);
-            t = prefetch_scales<Q>(a.s_gu + ls, I + i0, I + i1, H, t);
-            prefetch_scales<Q>(a.s_down + ls, h0, h1, I, t);
+        const float* lsc = scl + (l & 1) * MK_SCALE_FLOATS;
+        if (Q) {                                       // layer l's scales landed (staged during l - 1); stage l + 1
+            asm volatile("cp.async.wait_all;" ::: "memory");
+            csync();
+            if (l + 1 < a.layers)
+                stage_scales<Q>(a, rows, (size_t)(l + 1) * a.layer_stride / 2,
+                                scl + ((l + 1) & 1) * MK_SCALE_FLOATS);
         }
         // (1) qkv = rmsnorm(x) W_qkv^T
-        norm_to_smem<M>(a.x, a.in_norm + lw, hs, H, a.eps, scratch);
+        norm_to_smem<M, TC>(a.x, a.in_norm + lw, hs, H, a.eps, scratch);
         STAMP(1);
-        consume_phase<M, Q, TC>(ring, hs, part, q0, q1, H, false, a.s_qkv + ls, 0, tr ? &waits[0] : nullptr);
+        consume_phase<M, Q, TC>(ring, hs, part, q0, q1, H, false, scale_view<Q>(a, rows, lsc, 0), 0,
+                                tr ? &waits[0] : nullptr);
         STAMP(2);
         if (it.live && it.ctx > 0) {
             const bf16* kvl = a.kv + (size_t)l * 2 * a.num_slots * a.nkv * MK_HD;
@@ -823,14 +927,16 @@ __device__ void megakernel(const Args& a) {
         grid_sync(a.bar, base + (++nbar) * NB);
         // (2) attention
         STAMP(3);
-        if (it.live) attention_phase<M, G, RT>(a, it, l, tile, ac, (float*)hs, tr);
+        if (it.live) attention_phase<M, G, RT>(a, it, l, tile, ac, (float*)hs, tr, kvs ? ks : nullptr, kv_full);
+        if (kvs && threadIdx.x == 0) mbar_arrive(kv_empty);
         STAMP(4);
         grid_sync(a.bar, base + (++nbar) * NB);
         STAMP(5);
         // (3) x += attn W_o^T
-        copy_to_smem<M>(a.attn, hs, a.nh * MK_HD);
+        copy_to_smem<M, TC>(a.attn, hs, a.nh * MK_HD);
         STAMP(6);
-        consume_phase<M, Q, TC>(ring, hs, part, h0, h1, a.nh * MK_HD, false, a.s_o + ls, 0, tr ? &waits[1] : nullptr);
+        consume_phase<M, Q, TC>(ring, hs, part, h0, h1, a.nh * MK_HD, false, scale_view<Q>(a, rows, lsc, 1), 0,
+                                tr ? &waits[1] : nullptr);
         STAMP(7);
         csync();
         {
@@ -845,9 +951,10 @@ __device__ void megakernel(const Args& a) {
         grid_sync(a.bar, base + (++nbar) * NB);
         // (4) act = silu(g) * u, [g | u] = rmsnorm(x) W_gate_up^T
         STAMP(8);
-        norm_to_smem<M>(a.x, a.post_norm + lw, hs, H, a.eps, scratch);
+        norm_to_smem<M, TC>(a.x, a.post_norm + lw, hs, H, a.eps, scratch);
         STAMP(9);
-        consume_phase<M, Q, TC>(ring, hs, part, i0, i1, H, true, a.s_gu + ls, I, tr ? &waits[2] : nullptr);
+        consume_phase<M, Q, TC>(ring, hs, part, i0, i1, H, true, scale_view<Q>(a, rows, lsc, 2), I,
+                                tr ? &waits[2] : nullptr);
         STAMP(10);
         csync();
         {
@@ -863,9 +970,10 @@ __device__ void megakernel(const Args& a) {
         grid_sync(a.bar, base + (++nbar) * NB);
         // (5) x += act W_down^T
         STAMP(11);
-        copy_to_smem<M>(a.act, hs, I);
+        copy_to_smem<M, TC>(a.act, hs, I);
         STAMP(12);
-        consume_phase<M, Q, TC>(ring, hs, part, h0, h1, I, false, a.s_down + ls, 0, tr ? &waits[3] : nullptr);
+        consume_phase<M, Q, TC>(ring, hs, part, h0, h1, I, false, scale_view<Q>(a, rows, lsc, 3), 0,
+                                tr ? &waits[3] : nullptr);
         STAMP(13);
         if (tr) for (int k = 0; k < 4; k++) tr[14 + k] = (long long)waits[k];
         csync();

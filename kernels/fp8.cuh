@@ -41,6 +41,22 @@ __device__ __forceinline__ void e4m3x4_f32_scaled(u32 w, float* f) {
 // f16x2 of e4m3 values -> bf16x2 carrying value * 2^-112: the f16 exponent and mantissa bits moved into bf16
 // position (every e4m3 value, subnormals included, is a normal f16, so the result is a normal bf16 or zero). Callers
 // multiply the fp32 sums by FP8_BF16_UNSCALE.
+// Four e4m3 of a word -> two f16x2 (bytes 0, 1 -> lo; 2, 3 -> hi), exact.
+__device__ __forceinline__ void e4m3x4_f16x4(u32 w, u32& lo, u32& hi) {
+    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
+        : "=r"(lo), "=r"(hi) : "r"(w));
+}
+// Eight bf16 -> eight f16 of value * 2^-4 (exact for magnitudes in [2^-13, 2^20): the tensor-core FP8 GEMV input).
+#define FP8_F16_IN_SCALE 0.0625f
+#define FP8_F16_UNSCALE 16.f
+__device__ __forceinline__ vec16 bf16x8_f16x8_scaled(const vec16& v) {
+    float f[8]; unpack8(v, f);
+    u32 h[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h[i]) : "f"(f[2 * i + 1] * FP8_F16_IN_SCALE), "f"(f[2 * i] * FP8_F16_IN_SCALE));
+    return vec16{h[0], h[1], h[2], h[3]};
+}
 __device__ __forceinline__ u32 f16x2_bf16x2_scaled(u32 h) {
     return ((h >> 3) & 0x0fff0fffu) | (h & 0x80008000u);
 }

@@ -33,9 +33,11 @@ def sms():
 
 # kernel variants (plan/megakernel_plan.py constants): first KV tile in registers before the qkv barrier or
 # loaded after it, producer warps, the producer's L2 prefetch window while the ring is full, the KV prefetch kind
+# (kv-smem: the first tile staged in shared memory one layer ahead)
 VARIANTS = {"default": {}, "rt-bulkpf": dict(MK_TILE_IN_REGS=True, MK_KV_PREFETCH=1),
             "p1-rt": dict(MK_PRODUCER_WARPS=1, MK_TILE_IN_REGS=True),
-            "p1-l2pf8": dict(MK_PRODUCER_WARPS=1, MK_TILE_IN_REGS=False, MK_L2_AHEAD=8)}
+            "p1-l2pf8": dict(MK_PRODUCER_WARPS=1, MK_TILE_IN_REGS=False, MK_L2_AHEAD=8),
+            "kv-smem": dict(MK_KV_PREFETCH=2)}
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -131,17 +133,20 @@ def test_graph_replay_equals_eager_bitwise(runners, seed):
     np.testing.assert_array_equal(graph, eager)
 
 
-@pytest.fixture(scope="module", params=["block128", "channel", "block128-tc", "channel-tc"])
+@pytest.fixture(scope="module", params=["block128", "channel", "block128-tc", "channel-tc", "block128-tc-i12288",
+                                        "channel-tc-i12288"])
 def fp8_plans(request, tmp_path_factory, seed_for, sms):
-    """A tiny FP8 (W8A16 at decode) plan with the megakernel (-tc: decode_1 on the tensor cores) and the same
-    model's per-op FP8 plan."""
+    """A tiny FP8 (W8A16 at decode) plan with the megakernel (-tc: decode_1 on the tensor cores; -i12288: Qwen3-8B's
+    intermediate size, so down_proj's K = 12288 gives 2-row ring slots and a partial second mma iteration) and the
+    same model's per-op FP8 plan."""
     from tests.tiny_models import make_tiny_model
     from xserv_aot.config import BuildConfig
     from xserv_aot.plan import megakernel_plan
     from xserv_aot.plan.builder import compile_plan
     tmp = tmp_path_factory.mktemp("cuda_mk_fp8")
-    model_dir = make_tiny_model(tmp / "hf", "qwen3", seed=seed_for("test_cuda_megakernel.fp8"), **SHAPE)
-    scheme, tc = request.param.removesuffix("-tc"), request.param.endswith("-tc")
+    scheme, *opts = request.param.split("-")
+    tc, shape = "tc" in opts, dict(SHAPE, intermediate_size=12288) if "i12288" in opts else SHAPE
+    model_dir = make_tiny_model(tmp / "hf", "qwen3", seed=seed_for("test_cuda_megakernel.fp8"), **shape)
     fp8 = dict(BUILD, quantization="fp8", fp8_scheme=scheme, prefill_buckets=[64])
     with pytest.MonkeyPatch.context() as mp:                # decode_1 too (selectable, not the default)
         mp.setattr(megakernel_plan, "MK_FP8_SEQS", (1, 2))

@@ -11,9 +11,11 @@ import pytest
 pytest.importorskip("cuda.core")
 
 from xserv_aot.config import BuildConfig, ConfigError  # noqa: E402
-from xserv_aot.plan.kernel_constants import MK_H_SEQ_BYTES, MK_PART_FLOATS, MK_STAGE_BYTES, MK_TRACE  # noqa: E402
+from xserv_aot.plan.kernel_constants import (MK_H_SEQ_BYTES, MK_PART_FLOATS, MK_SCALE_FLOATS,  # noqa: E402
+                                             MK_STAGE_BYTES, MK_TRACE)
 from xserv_aot.plan.manifest import Plan  # noqa: E402
-from xserv_aot.plan.megakernel_plan import FUSED, MK_PREFIX, block_threads, kernel_name  # noqa: E402
+from xserv_aot.plan.megakernel_plan import (FUSED, MK_PREFIX, block_threads, kernel_name,  # noqa: E402
+                                            layer_scale_floats)
 
 CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 1000, "hidden_size": 512,
           "intermediate_size": 1024, "num_hidden_layers": 3, "num_attention_heads": 16, "num_key_value_heads": 4,
@@ -60,7 +62,7 @@ def test_decode_1_and_2_run_one_persistent_launch(tmp_path):
         assert args[30] == ("ptr", None)                      # the trace buffer: only scripts/megakernel_trace.py
         assert args[39] == ("i32", 132 // (seqs * 4))        # splits a seq: blocks / (seqs x kv heads)
         stages = args[40][1]
-        fixed = seqs * MK_H_SEQ_BYTES + 4 * MK_PART_FLOATS + 256
+        fixed = seqs * MK_H_SEQ_BYTES + 4 * MK_PART_FLOATS + 16 + 256 + 2 * 4 * MK_SCALE_FLOATS
         assert 2 <= stages and rec.smem == stages * (MK_STAGE_BYTES + 16) + fixed
     assert not any(op.cuda.kernel.startswith(MK_PREFIX) for op in bucket(plan, "decode_4").ops)
     buffers = plan.manifest["arena"]["buffers"]
@@ -137,6 +139,24 @@ def test_fp8_weights_need_the_default_variant(tmp_path, monkeypatch):
     plan = compile_tiny(tmp_path, quantization="fp8")
     assert "no kernel of variant" in plan.kernels["megakernel_skipped"]["decode_1"]
     assert not any(op.cuda.kernel.startswith(MK_PREFIX) for op in bucket(plan, "decode_1").ops)
+
+
+@pytest.mark.parametrize("sms", [132, 100, 7])
+def test_staged_fp8_scales_a_block_reads_in_a_layer(sms):
+    # counted here as the set of (scale row, column) pairs the rows of each block touch
+    m = dict(hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8, head_dim=128)
+    mats = [(6144, 4096, 0), (4096, 4096, 0), (12288, 4096, 0), (12288, 4096, 12288), (4096, 12288, 0)]
+    block128 = channel = 0
+    for b in range(sms):
+        pairs, rows = set(), 0
+        for i, (n, k, off) in enumerate(mats):
+            for r in range(b * n // sms, (b + 1) * n // sms):
+                pairs.update((i, (off + r) // 128, c) for c in range(k // 128))
+                rows += 1
+        block128, channel = max(block128, len(pairs)), max(channel, rows)
+    assert layer_scale_floats(m, sms, "fp8_block128") == block128
+    assert layer_scale_floats(m, sms, "fp8_channel") == channel
+    assert (layer_scale_floats(m, 132, "fp8_block128") <= MK_SCALE_FLOATS) and block128 > 0
 
 
 def test_max_context_must_be_a_count():

@@ -20,6 +20,7 @@ MK_PART_FLOATS = 2048   # ... per-row, per-warp partial sums of a block's rows
 MK_CONSUMERS = 8        # ... consumer warps (a slot's rows split them evenly); one more warp streams the weights
 MK_TILE = 128           # ... keys an attention tile (two consumer threads a key)
 MK_ROW_PAD = 16         # ... bytes after each slot row of its FP8 tensor-core variant (conflict-free u32 reads)
+MK_SCALE_FLOATS = 512   # ... FP8 scales a block reads in a layer (two layers staged in shared memory)
 MK_TRACE = 26           # ... trace stamps a block and layer (14 phase edges, 4 ring-wait sums, 4 barrier
                         #     arrivals, the producer's L2 prefetch count, 3 attention edges; mk_trace buffer)
 SW8_STAGES = 4          # ring of 128-k steps per W8A8 skinny block (256 weight lines + the X tile each)
@@ -31,6 +32,7 @@ WG8_STAGES_N256 = 4     # ... and at NT 256 (two n128 halves on one weight tile,
 KERNEL_DEFINES = {"P_KEYS": P_KEYS, "G_MAX": G_MAX, "NORM_NC": NORM_NC, "GEMM_BK": GEMM_BK, "GEMM_LDS": GEMM_LDS,
                   "GEMM_STAGES_128": GEMM_STAGES_128, "GEMM_STAGES_64": GEMM_STAGES_64, "SK_WARPS": SK_WARPS,
                   "SK_RT": SK_RT, "SK_STAGES": SK_STAGES, "MK_STAGE_BYTES": MK_STAGE_BYTES, "MK_ROW_PAD": MK_ROW_PAD,
+                  "MK_SCALE_FLOATS": MK_SCALE_FLOATS,
                   "MK_H_SEQ_BYTES": MK_H_SEQ_BYTES, "MK_PART_FLOATS": MK_PART_FLOATS,
                   "MK_CONSUMERS": MK_CONSUMERS, "MK_TILE": MK_TILE,
                   "MK_TRACE": MK_TRACE, "SW8_STAGES": SW8_STAGES,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from xserv_aot.plan.kernel_constants import (MK_CONSUMERS, MK_H_SEQ_BYTES, MK_PART_FLOATS, MK_ROW_PAD, MK_SMEM_MAX,
-                                              MK_STAGE_BYTES, MK_TILE, MK_TRACE)
+from xserv_aot.plan.kernel_constants import (MK_CONSUMERS, MK_H_SEQ_BYTES, MK_PART_FLOATS, MK_ROW_PAD,
+                                             MK_SCALE_FLOATS, MK_SMEM_MAX, MK_STAGE_BYTES, MK_TILE, MK_TRACE)
 from xserv_aot.plan.launch_records import f32, i32, kernel, kv, launch, ptr
 from xserv_aot.plan.op_records import (AddRmsNorm, Attention, KernelChoice, Linear, Op, QkNormRopeCache, RmsNorm,
                                        SiluMul)
@@ -25,7 +25,9 @@ MK_PRODUCER_WARPS = 4            # the weight-stream producer: one warp, or a wa
 MK_FP8_SEQS = (2,)               # bucket sizes whose FP8 plans take the megakernel (H200: decode_2 4.13 vs 4.38 ms
                                  # per-op; decode_1 3.37 vs 3.20: the e4m3 conversions bind the consumer warps)
 MK_FP8_TC = False                # FP8 decode_1 through the tensor cores (_f8ct / _f8bt: padded slot rows, mma.sync)
-MK_KV_PREFETCH = 0               # the layer-start KV prefetch: 0 per 128-B line, 1 per 256-B row by the copy engine
+MK_KV_PREFETCH = 0               # the layer-start KV prefetch: 0 per 128-B line, 1 per 256-B row by the copy engine;
+                                 # 2 as 0, and a split's first tile copied into two of its ring slots one layer
+                                 # ahead (the _tl2_p4 variants; the attention blocks' ring is 2 slots shorter)
 
 MK_MAX_STAGES = 5                # H200, decode_1: 6 slots measured 0.1 ms slower than 5 (docs/cuda-notes.md)
 MK_L2_AHEAD = 0                  # ring slots the producer prefetches into L2 while every slot holds landed rows
@@ -63,8 +65,9 @@ class NotEligible(Exception):
 
 def smem_layout(seqs: int) -> tuple[int, int]:
     """(ring slots, dynamic shared memory bytes) of the kernel for seqs sequences: the GEMV input, partial sums,
-    mbarriers and scratch first, the ring gets the rest of MK_SMEM_MAX, at most MK_MAX_STAGES slots."""
-    fixed = seqs * MK_H_SEQ_BYTES + 4 * MK_PART_FLOATS + 64 * 4
+    mbarriers (two a slot, two for the staged KV tile), scratch and two layers' FP8 scales first, the ring gets the rest of MK_SMEM_MAX, at most
+    MK_MAX_STAGES slots."""
+    fixed = seqs * MK_H_SEQ_BYTES + 4 * MK_PART_FLOATS + 2 * 8 + 64 * 4 + 2 * 4 * MK_SCALE_FLOATS
     stages = min(MK_MAX_STAGES, (MK_SMEM_MAX - fixed) // (MK_STAGE_BYTES + 2 * 8))
     return stages, stages * (MK_STAGE_BYTES + 2 * 8) + fixed
 
@@ -157,6 +160,24 @@ def layer_stride(tensors: dict, per_layer: list[list[str | None]], quant: str | 
     return (strides.pop() if strides else 0) // 2
 
 
+def layer_scale_floats(m: dict, sms: int, quant: str) -> int:
+    """The most FP8 scales one block reads in a layer (the kernel's scale_seg: the scale rows of its rows' 128-row
+    blocks, or its rows' channel scales, for qkv, o_proj, gate, up and down)."""
+    hidden, inter, nh, nkv, hd = (m[k] for k in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+                                                 "head_dim"))
+    mats = (((nh + 2 * nkv) * hd, hidden, 0), (hidden, nh * hd, 0), (inter, hidden, 0), (inter, hidden, inter),
+            (hidden, inter, 0))
+    most = 0
+    for b in range(sms):
+        n = 0
+        for rows, k, off in mats:
+            lo, hi = off + b * rows // sms, off + (b + 1) * rows // sms
+            if hi > lo:
+                n += ((hi - 1) // 128 - lo // 128 + 1) * (k // 128) if quant == "fp8_block128" else hi - lo
+        most = max(most, n)
+    return most
+
+
 def check_shapes(m: dict, seqs: int, sms: int, wb: int = 2, tc: bool = False) -> int:
     """smax (splits a sequence's attention may use) if the shapes fit the kernel (tc: the FP8 tensor-core variant,
     every consumer warp a partial of every row, 128-k blocks a warp, padded slot rows)."""
@@ -172,8 +193,10 @@ def check_shapes(m: dict, seqs: int, sms: int, wb: int = 2, tc: bool = False) ->
         rows = -(-n // sms) * (2 if gate else 1)
         if rows * (MK_CONSUMERS if tc else MK_CONSUMERS // slot_rows(k, wb)) * seqs > MK_PART_FLOATS:
             raise NotEligible(f"{n} x {k}: too many rows a block for the partial sums")
-        if tc and (k % (MK_CONSUMERS * 128) or slot_rows(k, wb) * (k * wb + MK_ROW_PAD) > MK_STAGE_BYTES):
-            raise NotEligible(f"{n} x {k}: not a whole number of 128-k blocks a warp, or padded rows overflow a slot")
+        if tc and (k % (MK_CONSUMERS * 128) or slot_rows(k, wb) * (k * wb + MK_ROW_PAD) > MK_STAGE_BYTES
+                   or slot_rows(k, wb) < 2 or k // (MK_CONSUMERS * 128) > 2 * (16 // slot_rows(k, wb))):
+            raise NotEligible(f"{n} x {k}: not a whole number of 128-k blocks a warp, padded rows overflow a slot, "
+                              "or more than two mma iterations a slot")
     g = nh // nkv
     if 4 * (g * (hd + MK_TILE + MK_CONSUMERS * (hd + 1)) + 2 * hd + 1) > MK_H_SEQ_BYTES:
         raise NotEligible(f"{g} query heads a kv head: the attention scratch does not fit")
@@ -200,6 +223,9 @@ def plan_megakernel(kind: str, ops: list[Op], choices: list[KernelChoice], manif
         raise NotEligible(f"FP8 weights at {seqs} seqs: the per-op kernels measured faster (MK_FP8_SEQS)")
     fn = kernel_name(seqs, m["num_heads"] // m["num_kv_heads"], quant)
     smax = check_shapes(m, seqs, sms, WEIGHT_BYTES[quant], tensor_cores(seqs, quant))
+    if quant and layer_scale_floats(m, sms, quant) > MK_SCALE_FLOATS:
+        raise NotEligible(f"{layer_scale_floats(m, sms, quant)} FP8 scales a block and layer: more than the "
+                          f"{MK_SCALE_FLOATS} staged in shared memory")
     stride = layer_stride(manifest["weights"]["tensors"], layer_weights(ops, start, layers), quant)
     rope, attn, final = layers[0][1], layers[0][2], ops[end]
     stages, smem = smem_layout(seqs)

@@ -27,7 +27,7 @@ def test_prefill_bucket_runs_the_default_variant_then_the_batched_decode_kernel(
     pre, dec = choice.launch
     tiers = dict(ap.PREFILL_ATTN_TIERS)
     assert pre.fn == f"attn_prefill_{tiers[2048][128][0]}_hd128"
-    for rows, least in ((8192, 4096), (4096, 4096), (4095, 2048), (2047, 0), (16, 0)):
+    for rows, least in ((8192, 2048), (4096, 2048), (2048, 2048), (2047, 0), (16, 0)):
         got = ap.plan_attention(op(rows, 16), "prefill", MODEL, {"max_seq_len": 8192}, 16, 512, 640000)
         assert got.launch[0].fn == f"attn_prefill_{tiers[least][128][0]}_hd128", rows
     assert [least for least, _ in ap.PREFILL_ATTN_TIERS] == sorted(tiers, reverse=True) and 0 in tiers

@@ -127,6 +127,14 @@ def test_w8a8_tma_graph_replay_equals_eager(lib, rng, scheme, M):
                                lambda stream: [lib.launch_record(r, bufs, sync=False) for r in recs])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["auto", "channel"])
+def test_tiny_plan_with_tma_w8a8_cuda_matches_numpy(tmp_path, seed, scheme):
+    """The runtime's own path: tensor maps encoded at plan load, replayed in graphs (test_cuda_w8a8_wgmma)."""
+    from tests.test_cuda_w8a8_wgmma import check_tiny_w8a8_plan
+    check_tiny_w8a8_plan(tmp_path, seed, scheme, "fp8_w8a8_tma", "w8a8_tma_")
+
+
 # ---- routing and records (no GPU) -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("rows,nt,slices", [(33, 64, 1), (64, 64, 1), (65, 128, 1), (128, 128, 1), (129, 128, 2),

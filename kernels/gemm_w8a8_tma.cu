@@ -120,9 +120,9 @@ W8A8_TMA_KERNELS(blk, true, 128, 4)
 // memory (1024-byte aligned), copied out as it landed. Dynamic shared memory: bytes + 1024.
 extern "C" __global__ void __launch_bounds__(128) tma_box_copy(const __grid_constant__ TmaDesc map, int c0, int c1,
                                                                int bytes, e4m3* out) {
-    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    extern __shared__ __align__(1024) unsigned char box_smem[];
     __shared__ __align__(8) u64 bar;
-    const u32 raw = smem_addr(smem_raw), base = (raw + 1023u) & ~1023u, b = smem_addr(&bar);
+    const u32 raw = smem_addr(box_smem), base = (raw + 1023u) & ~1023u, b = smem_addr(&bar);
     if (threadIdx.x == 0) {
         mbar_init(b, 1);
         fence_mbar_init();
@@ -133,5 +133,5 @@ extern "C" __global__ void __launch_bounds__(128) tma_box_copy(const __grid_cons
         tma_load_2d(base, map, c0, c1, b);
     }
     mbar_wait(b, 0);
-    for (int i = threadIdx.x; i < bytes; i += blockDim.x) out[i] = smem_raw[base - raw + i];
+    for (int i = threadIdx.x; i < bytes; i += blockDim.x) out[i] = box_smem[base - raw + i];
 }

@@ -135,3 +135,9 @@ def test_kernel_signature_and_parameter_block():
     assert ctypes.string_at(addr, TMAP_BYTES) == raw
     with pytest.raises(ValueError, match="128 bytes"):
         param_value("tmap", b"\0" * 64)
+
+
+def test_inspect_names_the_map():
+    from xserv_aot.plan.inspect import format_launch
+    rec = lr.launch("k", [48, 2], [288], 199680, [("tmap", spec()), lr.ptr("y"), lr.i32(64)])
+    assert format_launch(rec, PARAMS) == "k<<<(48, 2, 1), (288, 1, 1), 199680>>>(tw=tmap(w, box 128x128, 128B), out=y, M=64)"

@@ -66,11 +66,12 @@ def test_tensor_map_box_equals_source(lib, rng, rows, cols, box_rows, box_cols, 
 
 
 def run_tma(lib, rng, scheme, M, N, K, out_dtype, bias, cluster=None):
-    """quantize_fp8 (device) + the TMA kernel as the plan routes it (fp8_w8a8_tma) or at a forced cluster size."""
+    """quantize_fp8 (device) + the TMA kernel as a plan without the CUTLASS library routes it (fp8_w8a8_tma: rows
+    33-256) or at a forced cluster size."""
     bufs, recs, inputs, choice = run_w8a8(
         lib, rng, scheme, M, N, K, out_dtype, bias,
         lambda op: (fp8_build.plan_w8a8_tma(op, out_dtype, cluster) if cluster
-                    else plan_linear(op, out_dtype, None, {}, decode=True, fp8_wgmma="tma")))
+                    else plan_linear(op, out_dtype, None, None, decode=True, fp8_wgmma="tma")))
     assert choice.kernel.startswith(f"w8a8_tma_{fp8_build.SCHEME_TAG[scheme]}_"), choice.kernel
     return bufs, recs, inputs
 
@@ -141,10 +142,13 @@ def test_tiny_plan_with_tma_w8a8_cuda_matches_numpy(tmp_path, seed, scheme):
                                             (256, 128, 2)])
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_w8a8_tma_routing(rows, nt, slices, scheme):
-    """fp8_w8a8_tma: rows 33-256 take the TMA kernel with two tensor maps (weight: 128 rows a box, xq: the tile's
-    rows or all of M), with or without a CUTLASS library; K < 128: the cp.async wgmma kernel."""
+    """fp8_w8a8_tma: rows 33-64 take the TMA kernel with two tensor maps (weight: 128 rows a box, xq: the tile's
+    rows or all of M), more rows CUTLASS where the plan has it, else the TMA kernel up to 256; K < 128: the
+    cp.async wgmma kernel."""
     op = w8a8_op(rows, 4096, 4096, scheme)
-    for cutlass in ({}, None):
+    if rows > fp8_build.W8A8_TMA_MAX_ROWS:
+        assert plan_linear(op, "bfloat16", None, {}, decode=True, fp8_wgmma="tma").kernel == "cutlass_fp8"
+    for cutlass in ({}, None) if rows <= fp8_build.W8A8_TMA_MAX_ROWS else (None,):
         (rec,) = plan_linear(op, "bfloat16", None, cutlass, decode=True, fp8_wgmma="tma").launch
         assert rec.fn.startswith(f"w8a8_tma_{fp8_build.SCHEME_TAG[scheme]}_n{nt}c"), rec.fn
         assert rec.grid[0] == 4096 // 128 * slices and rec.block == (288, 1, 1)
@@ -163,6 +167,26 @@ def test_w8a8_tma_cluster_rule(rows, n, k, cluster):
     """Clustered grids within W8A8_TMA_BLOCKS (96) blocks; more tiles: the fewest waves per K share; C <= steps."""
     (rec,) = fp8_build.plan_w8a8_tma(w8a8_op(rows, n, k, fp8.BLOCK128), "bfloat16").launch
     assert rec.grid[1] == cluster, rec.grid
+
+
+def test_h200_build_routes_33_to_64_rows_to_tma():
+    """plans/h200.build.json (fp8_w8a8_tma, what the H200 measured faster): its FP8 decode buckets of 33-64 rows run
+    the Qwen3-8B linears on the TMA kernel, larger ones on CUTLASS W8A8 (no compile: plan_linear per shape)."""
+    import json
+    from tests.conftest import ROOT
+    from xserv_aot.config import BuildConfig
+    build = BuildConfig.from_dict(json.loads((ROOT / "plans" / "h200.build.json").read_text())).validate()
+    assert build.fp8_w8a8_tma and build.fp8_w8a16_max_rows < fp8_build.W8A8_SKINNY_MAX_ROWS
+    seen = set()
+    for rows in build.decode_buckets:
+        for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)):
+            if rows <= build.fp8_w8a16_max_rows:
+                continue
+            c = plan_linear(w8a8_op(rows, n, k, fp8.BLOCK128), "bfloat16", None, {}, decode=True, fp8_wgmma="tma")
+            want = ("skinny_w8a8_" if rows <= 32 else "w8a8_tma_" if rows <= 64 else "cutlass_fp8")
+            assert c.kernel.startswith(want), (rows, n, k, c.kernel)
+            seen.add(want)
+    assert seen == {"skinny_w8a8_", "w8a8_tma_", "cutlass_fp8"}
 
 
 def test_fp8_plan_routes_33_to_256_rows_to_tma(tmp_path):

@@ -195,7 +195,8 @@ class BuildConfig:
                                           # quantize_fp8's output (plan/fp8_build.producer_fuses_quantize)
     fp8_w8a8_wgmma: bool = False          # fp8, CUDA: W8A8 linears of 33-256 rows on kernels/gemm_w8a8_wgmma.cu, not
                                           # CUTLASS (plan/fp8_build.plan_w8a8)
-    fp8_w8a8_tma: bool = False            # fp8, CUDA: ... on its TMA-fed variant, kernels/gemm_w8a8_tma.cu (K >= 128)
+    fp8_w8a8_tma: bool = False            # fp8, CUDA: W8A8 linears of 33-64 rows (33-256 without the CUTLASS
+                                          # library) on the TMA-fed wgmma kernel, kernels/gemm_w8a8_tma.cu (K >= 128)
 
     @property
     def prefill_chunk(self) -> int:

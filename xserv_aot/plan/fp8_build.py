@@ -40,6 +40,10 @@ W8A8_WGMMA_SMS = 132                      # one block an SM (its ring takes ~195
 W8A8_WGMMA_MBAR = False                   # per-slot mbarriers instead of a block barrier a step (`mb` kernels)
 W8A8_WGMMA_WIDE = False                   # 129-256 rows as one 256-row tile (n256: two n128 halves on one weight
                                           # tile, its bytes read once) instead of two 128-row slices
+W8A8_TMA_MAX_ROWS = 64                    # build setting fp8_w8a8_tma: W8A8 linears of W8A8_SKINNY_MAX_ROWS + 1 ..
+                                          # this many rows on kernels/gemm_w8a8_tma.cu (H200, session 6: faster than
+                                          # CUTLASS W8A8 on every Qwen3-8B shape at 64 rows; at 128 slower on qkv /
+                                          # gate_up, at 256 on all); more rows: CUTLASS where the plan has it
 W8A8_TMA_CLUSTERS = (1, 2, 3, 4)          # blocks a cluster of kernels/gemm_w8a8_tma.cu (the TMA-fed variant)
 W8A8_TMA_BLOCKS = 96                      # ... its clustered grids stay within this many blocks where the tiles allow
                                           # (the W8A8 skinny sweep: more blocks in clusters do not all run at once)
@@ -82,14 +86,18 @@ def plan_fp8_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: 
 
 
 def plan_w8a8(op: Linear, out_dtype: str, cutlass: dict | None, wgmma: bool | str = False) -> KernelChoice:
-    """quantize_fp8's packed e4m3 rows and scales x the e4m3 weight: the skinny kernel (few rows), wgmma (33-256
-    rows where the build says so: wgmma "tma" the TMA-fed kernel where K >= 128, True the cp.async one), else
-    CUTLASS, scales in its mainloop (block128) or epilogue (channel)."""
+    """quantize_fp8's packed e4m3 rows and scales x the e4m3 weight: the skinny kernel (few rows), the wgmma
+    kernels where the build says so (wgmma "tma": the TMA-fed one for 33..W8A8_TMA_MAX_ROWS rows, up to 256 rows
+    in plans without the CUTLASS library, K >= 128, else the cp.async one; True: the cp.async one for 33-256 rows),
+    else CUTLASS, scales in its mainloop (block128) or epilogue (channel)."""
     from xserv_aot.plan.cutlass_build import FP8_CONFIG, FP8_CONFIGS
+    tma = wgmma == "tma" and op.k >= 128
     if op.rows <= (W8A8_SKINNY_MAX_ROWS if cutlass is not None or wgmma else W8A8_SKINNY_FALLBACK_ROWS):
         return plan_w8a8_skinny(op, out_dtype)
-    if wgmma and op.rows <= W8A8_WGMMA_MAX_ROWS:
-        return plan_w8a8_tma(op, out_dtype) if wgmma == "tma" and op.k >= 128 else plan_w8a8_wgmma(op, out_dtype)
+    if tma and (op.rows <= W8A8_TMA_MAX_ROWS or cutlass is None and op.rows <= W8A8_WGMMA_MAX_ROWS):
+        return plan_w8a8_tma(op, out_dtype)
+    if wgmma and not tma and op.rows <= W8A8_WGMMA_MAX_ROWS:
+        return plan_w8a8_wgmma(op, out_dtype)
     if cutlass is None:
         raise KernelBuildError(f"FP8 linear {op.weight} with {op.rows} rows is W8A8 and needs the CUTLASS GEMM "
                                f"library, which this build has not (enable gemm_library, or compile a plan whose "

@@ -16,24 +16,7 @@
 // activations), the slices of a tile adjacent (they run together, the second one's weight reads hit L2).
 // K % 16 == 0 (16-byte copies; the last step's missing chunks are zero-filled), M / N tails clamped on reads and
 // skipped on writes.
-#include "fp8.cuh"
-#include "cluster.cuh"
-#include "wgmma.cuh"
-
-// d (64 x NT f32) = or += A (64 x 32 e4m3, smem desc) * B (32 x NT e4m3, smem desc, K-major).
-__device__ __forceinline__ void wgmma_e4m3(float (&d)[32], u64 da, u64 db, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {" WG_REGS32 "}, %32, %33, p, 1, 1;\n}\n"
-                 : WG_ACC32(d) : "l"(da), "l"(db), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_e4m3(float (&d)[64], u64 da, u64 db, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" WG_REGS64 "}, %64, %65, p, 1, 1;\n}\n"
-                 : WG_ACC64(d) : "l"(da), "l"(db), "r"(accumulate));
-}
-__device__ __forceinline__ void wg8_cp4(u32 dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(src) : "memory");
-}
+#include "w8a8_wgmma.cuh"
 
 template <int NT, bool OUT_F32, bool BLK, int C, bool MB>
 __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, const float* __restrict__ XS,
@@ -42,9 +25,8 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
                                                 int M, int N, int K) {
     pdl_entry();
     constexpr int ROWS = 64 * WG8_WGS, THREADS = 128 * WG8_WGS, W_BYTES = ROWS * 128, TILE = W_BYTES + NT * 128;
-    constexpr int PSTRIDE = ROWS + 4;              // floats an activation row of the partial sums (conflict-free)
     constexpr int STAGES = NT == 64 ? WG8_STAGES_N64 : NT == 128 ? WG8_STAGES_N128 : WG8_STAGES_N256;
-    constexpr int NH = NT > 128 ? 2 : 1, NW = NT / NH;   // NT 256: two n128 wgmma chains on one weight tile
+    constexpr int NW = NT > 128 ? NT / 2 : NT;     // NT 256: two n128 wgmma chains on one weight tile
     const int steps = (K + 127) >> 7;
     const int slices = (M + NT - 1) / NT, m0 = (blockIdx.x % slices) * NT;   // a tile's slices: adjacent blocks
     M -= m0;
@@ -55,7 +37,7 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
     const u32 raw = smem_addr(smem_raw), base = (raw + 1023u) & ~1023u;   // swizzle atoms: 1024-byte aligned
     float* part = reinterpret_cast<float*>(smem_raw + (base - raw));       // partial sums, over the ring at the end
     const u32 xs_ring = base + (u32)(STAGES * TILE);                   // BLK: STAGES x NT X scales
-    const int tid = threadIdx.x, wg = tid >> 7, w4 = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, t = lane & 3;
     const int n0 = (blockIdx.x / slices) * ROWS, z = blockIdx.y;
     const int n_my = z < steps ? (steps - z + C - 1) / C : 0;
     // MB: per-slot mbarriers instead of a block barrier a step: full (every thread's copies landed: THREADS
@@ -120,76 +102,16 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
         }
         const u32 st = base + (u32)(slot * TILE);
         const float sw = BLK ? __ldg(sw_row + z + j * C) : 0.f;
-#pragma unroll
-        for (int h = 0; h < NH; h++) {              // activation rows h NW .. + NW - 1, the same A tile
-            wg_fence();
-#pragma unroll
-            for (int kc = 0; kc < 4; kc++)
-                wgmma_e4m3(d, sw128_desc(st + (u32)(wg * 64 * 128 + kc * 32), 16, 1024),
-                           sw128_desc(st + (u32)(W_BYTES + h * NW * 128 + kc * 32), 16, 1024), kc);
-            wg_commit();
-            wg_wait<0>();                          // (ptxas serialises wgmma when other accumulators are read
-            reg_fence(d);                          // while one is in flight: no overlap of steps in a warpgroup)
-            float* ah = acc + h * (NW / 2);
-            if (BLK) {
-                const float* xs = reinterpret_cast<const float*>(smem_raw + (xs_ring - raw)) + slot * NT + h * NW;
-#pragma unroll
-                for (int jj = 0; jj < NW / 8; jj++) {
-                    const float2 s = *reinterpret_cast<const float2*>(xs + 8 * jj + 2 * t);
-                    const float s0 = s.x * sw, s1 = s.y * sw;
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        ah[4 * jj + 2 * e] += d[4 * jj + 2 * e] * s0;
-                        ah[4 * jj + 2 * e + 1] += d[4 * jj + 2 * e + 1] * s1;
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int i = 0; i < NW / 2; i++) ah[i] += d[i];
-            }
-        }
+        w8a8_step<NT, BLK>(acc, d, st, wg, t,
+                           reinterpret_cast<const float*>(smem_raw + (xs_ring - raw)) + slot * NT, sw);
         if (MB) {
             __syncwarp();
             if (lane == 0) mbar_arrive(empty + 8 * slot);
         }
     }
     cp_async_wait<0>();
-    __syncthreads();                               // the ring is free: partial sums [NT][PSTRIDE] over it
-
-#pragma unroll
-    for (int jj = 0; jj < NT / 8; jj++)            // (the NH halves: jj runs on over both)
-#pragma unroll
-        for (int e = 0; e < 2; e++)
-#pragma unroll
-            for (int c = 0; c < 2; c++)
-                part[(8 * jj + 2 * t + c) * PSTRIDE + wg * 64 + 16 * w4 + g + 8 * e] = acc[4 * jj + 2 * e + c];
-    if (C > 1) cluster_barrier();
-    else __syncthreads();
-
-    constexpr int QUADS = NT * ROWS / 4;
-    for (int qd = z * THREADS + tid; qd < QUADS; qd += C * THREADS) {
-        const int m = qd / (ROWS / 4), nl = (qd % (ROWS / 4)) * 4;
-        if (m >= M) continue;
-        const u32 off = base + (u32)((m * PSTRIDE + nl) * 4);
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int zz = 0; zz < C; zz++) {
-            const float4 q = C > 1 ? ld_cluster_v4(off, zz) : *reinterpret_cast<const float4*>(part + m * PSTRIDE + nl);
-            v.x += q.x; v.y += q.y; v.z += q.z; v.w += q.w;
-        }
-        const float vals[4] = {v.x, v.y, v.z, v.w};
-        const float sx = BLK ? 1.f : XS[m];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int n = n0 + nl + i;
-            if (n < N) {
-                const float o = (BLK ? vals[i] : vals[i] * sx * WS[n]) + (bias ? bf2f(bias[n]) : 0.f);
-                if (OUT_F32) ((float*)out)[(size_t)m * N + n] = o;
-                else ((bf16*)out)[(size_t)m * N + n] = f2bf(o);
-            }
-        }
-    }
-    if (C > 1) cluster_barrier();                  // no block leaves while the cluster still reads its partials
+    __syncthreads();                               // the ring is free: partial sums over it
+    w8a8_finish<NT, OUT_F32, BLK, C>(acc, part, base, true, tid, z, n0, XS, WS, bias, out, M, N);
 }
 
 // Grid (ceil(N / (64 WG8_WGS)) x ceil(M / NT), C) of 128 WG8_WGS threads, clusters (1, C, 1); dynamic shared memory

@@ -44,7 +44,8 @@ def weights(N: int, K: int, scheme: str, copies: int):
 
 def launches(kern, rec, arg_sets):
     src = ("gemm_skinny_w8a8.cu" if rec.fn.startswith("skinny_w8a8") else "gemm_w8a8_wgmma.cu"
-           if rec.fn.startswith("w8a8_wgmma") else "gemm_skinny_fp8.cu" if rec.fn.startswith("skinny") else "gemv_fp8.cu")
+           if rec.fn.startswith("w8a8_wgmma") else "gemm_w8a8_tma.cu" if rec.fn.startswith("w8a8_tma")
+           else "gemm_skinny_fp8.cu" if rec.fn.startswith("skinny") else "gemv_fp8.cu")
     fn = kern.fn(src, rec.fn, rec.smem)
     return [Launch(rec.fn, fn, rec.grid, rec.block, rec.smem, a, pdl=False) for a in arg_sets]
 

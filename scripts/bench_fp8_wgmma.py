@@ -1,13 +1,14 @@
-"""`scripts/bench_kernels.py fp8-wgmma`: the W8A8 wgmma GEMM (kernels/gemm_w8a8_wgmma.cu) on the Qwen3-8B layer
-shapes at 64 / 128 / 256 rows (device machine), against the CUTLASS W8A8 GEMM (what those rows run without
-fp8_w8a8_wgmma) and the bf16 kernels a bf16 decode plan picks for those rows (plan_linear, --lib). Each output
-poisoned with NaN and checked against torch float32 on the unquantized activations (err), then timed in a CUDA
-graph rotating over weight copies beyond L2; TB/s = weight bytes (e4m3: 1 B, bf16: 2 B a weight) / time. First
-pass, per shape and row count: quantize_fp8 alone, then each GEMM alone (the wgmma kernel as planned, CUTLASS
-W8A8, the bf16 plan's), and lines summing 36 layers per row count (GEMMs alone; + quantize where the plan
-launches it: 1 of 4 linears a layer with fp8_quantize_in_producer, o_proj); second pass: the wgmma kernel at
-every other built cluster size, the mbarrier ring (`mb`), above 128 rows the n256 tile, and the sums again with
-the best variant per shape.
+"""`scripts/bench_kernels.py fp8-wgmma`: the W8A8 wgmma GEMMs (kernels/gemm_w8a8_wgmma.cu: cp.async tiles;
+kernels/gemm_w8a8_tma.cu: TMA tiles) on the Qwen3-8B layer shapes at 64 / 128 / 256 rows (device machine), against
+the CUTLASS W8A8 GEMM (what those rows run without fp8_w8a8_wgmma / fp8_w8a8_tma) and the bf16 kernels a bf16
+decode plan picks for those rows (plan_linear, --lib). Each output poisoned with NaN and checked against torch
+float32 on the unquantized activations (err), then timed in a CUDA graph rotating over weight copies beyond L2;
+TB/s = weight bytes (e4m3: 1 B, bf16: 2 B a weight) / time. First pass, per shape and row count: quantize_fp8
+alone, then each GEMM alone (the cp.async and the TMA kernel as planned, CUTLASS W8A8, the bf16 plan's), and lines
+summing 36 layers per row count (GEMMs alone; + quantize where the plan launches it: 1 of 4 linears a layer with
+fp8_quantize_in_producer, o_proj); second pass: the TMA kernel at every other built cluster size (--variants all:
+the cp.async kernel's too, its `mb` ring and above 128 rows its n256 tile), and the sums again with the best
+variant per shape.
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ import torch
 from scripts.bench_fp8 import BATCHED_SHAPES, FP8_SHAPES, launches, weights
 from xserv_aot import fp8
 from xserv_aot.plan.cutlass_build import FP8_CONFIG, library_config_names
-from xserv_aot.plan.fp8_build import (W8A8_WGMMA_CLUSTERS, W8A8_WGMMA_MBAR, W8A8_WGMMA_TILES, W8A8_WGMMA_WIDE,
-                                      plan_quantize, plan_w8a8_wgmma)
+from xserv_aot.plan.fp8_build import (W8A8_TMA_CLUSTERS, W8A8_WGMMA_CLUSTERS, W8A8_WGMMA_MBAR, W8A8_WGMMA_TILES,
+                                      W8A8_WGMMA_WIDE, plan_quantize, plan_w8a8_tma, plan_w8a8_wgmma)
 from xserv_aot.plan.linear_plan import plan_linear
 from xserv_aot.plan.op_records import Linear, QuantizeFp8
 
@@ -49,7 +50,9 @@ def library_body(so, rec, bufs_of, stream):
 
 def bench_fp8_wgmma(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
     torch.zeros(1, device="cuda")
-    kern = Kernels("gemv_fp8.cu", "gemm_w8a8_wgmma.cu")
+    from xserv_aot.runtime.cuda.tensor_map import encode
+    kern = Kernels("gemv_fp8.cu", "gemm_w8a8_wgmma.cu", "gemm_w8a8_tma.cu")
+    sweep_cp_async = args.variants == "all"
     so = ctypes.CDLL(str(Path(args.lib))) if args.lib else None
     cutlass = {"path": Path(args.lib), "configs": library_config_names(Path(args.lib))} if args.lib else None
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -94,7 +97,7 @@ def bench_fp8_wgmma(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> Non
                 planned = plan_w8a8_wgmma(op8, "bfloat16").launch[0]
                 variants = [(None, W8A8_WGMMA_MBAR, W8A8_WGMMA_WIDE)] + [
                     (c, mb, wide) for mb, wide in ((False, False), (True, False), (False, True))
-                    if not wide or M > W8A8_WGMMA_TILES[-1] for c in W8A8_WGMMA_CLUSTERS]
+                    if sweep_cp_async and (not wide or M > W8A8_WGMMA_TILES[-1]) for c in W8A8_WGMMA_CLUSTERS]
                 for c, mb, wide in variants:
                     rec = plan_w8a8_wgmma(op8, "bfloat16", c, mb, wide).launch[0]
                     if c is not None and rec.fn == planned.fn:
@@ -105,9 +108,26 @@ def bench_fp8_wgmma(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> Non
                     body = lambda j, ls=ls: ls[j](stream())  # noqa: E731
                     if c is None:
                         ms = run(scheme, name, M, f"{rec.fn} (planned)", body, copies, N * K, ref, y, "wgmma")
-                        best[(scheme, name, M)] = ms
+                        best[(scheme, name, M, "wgmma")] = ms
                     else:                                  # timed after every shape's planned kernel
                         keep.append((ws, x, xq, xs))           # the launches hold raw pointers into these
+                        extras.append((scheme, name, M, rec.fn, body, copies, N * K, ref, y))
+                tma_planned = plan_w8a8_tma(op8, "bfloat16").launch[0]
+                for c in (None, *W8A8_TMA_CLUSTERS):
+                    rec = plan_w8a8_tma(op8, "bfloat16", c).launch[0]
+                    if c is not None and rec.fn == tma_planned.fn:
+                        continue
+                    tw, tx = rec.args[0][1], rec.args[1][1]
+                    ls = launches(kern, rec, [[("tmap", encode(tw, w.data_ptr())), ("tmap", encode(tx, xq.data_ptr())),
+                                               ("ptr", xs.data_ptr()), ("ptr", s.data_ptr()), ("ptr", 0),
+                                               ("ptr", y.data_ptr()), ("i32", M), ("i32", N), ("i32", K)]
+                                              for w, s in ws])
+                    body = lambda j, ls=ls: ls[j](stream())  # noqa: E731
+                    if c is None:
+                        ms = run(scheme, name, M, f"{rec.fn} (planned)", body, copies, N * K, ref, y, "tma")
+                        best[(scheme, name, M, "tma")] = ms
+                    else:
+                        keep.append((ws, x, xq, xs))
                         extras.append((scheme, name, M, rec.fn, body, copies, N * K, ref, y))
                 if so is not None:
                     cfg = FP8_CONFIG[(scheme, "bfloat16")]
@@ -125,12 +145,14 @@ def bench_fp8_wgmma(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> Non
             if so is not None and scheme == schemes[0]:
                 bench_bf16(name, N, K, rows_list, cutlass, so, run, stream, l2_bytes)
     summary(total, schemes, rows_list)
-    print("\nthe wgmma kernel at every cluster size, the mb ring, the n256 tile:")
+    print("\nthe TMA kernel at every built cluster size" +
+          (", the cp.async kernel at every cluster size, its mb ring and n256 tile:" if sweep_cp_async else ":"))
     for scheme, name, M, variant, body, copies, wbytes, ref, y in extras:
-        best[(scheme, name, M)] = min(best[(scheme, name, M)], run(scheme, name, M, variant, body, copies, wbytes,
-                                                                   ref, y))
-    for (scheme, name, M), ms in best.items():
-        total[(scheme, M, "wgmma best")] = total.get((scheme, M, "wgmma best"), 0.0) + 36 * ms
+        kind = "tma" if variant.startswith("w8a8_tma_") else "wgmma"
+        best[(scheme, name, M, kind)] = min(best[(scheme, name, M, kind)],
+                                            run(scheme, name, M, variant, body, copies, wbytes, ref, y))
+    for (scheme, name, M, kind), ms in best.items():
+        total[(scheme, M, f"{kind} best")] = total.get((scheme, M, f"{kind} best"), 0.0) + 36 * ms
     summary(total, schemes, rows_list)
 
 
@@ -139,7 +161,8 @@ def summary(total, schemes, rows_list) -> None:
         for M in rows_list:
             t = {k: v for (s, m, k), v in total.items() if s in (scheme, "bf16") and m == M}
             q = t.get("quantize_o", 0.0)
-            parts = [f"{k} {t[k]:.3f} (+ o_proj quantize {t[k] + q:.3f})" for k in ("wgmma", "wgmma best", "cutlass")
+            parts = [f"{k} {t[k]:.3f} (+ o_proj quantize {t[k] + q:.3f})" for k in ("wgmma", "wgmma best", "tma",
+                                                                                       "tma best", "cutlass")
                      if k in t]
             print(f"Qwen3-8B layer linears, 36 layers, rows {M}, {scheme}: " + "; ".join(parts) +
                   (f"; bf16 plan {t['bf16']:.3f}" if "bf16" in t else ""), flush=True)

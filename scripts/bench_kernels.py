@@ -8,7 +8,8 @@
   python3 scripts/bench_kernels.py fp8-batched [--lib PATH/libxserv_gemm.so] [--rows 16,32,64,128,256]
       [--both-schemes]   (old vs new FP8 decode linears, scripts/bench_fp8.py)
   python3 scripts/bench_kernels.py fp8-wgmma [--lib PATH/libxserv_gemm.so] [--rows 64,128,256] [--both-schemes]
-      (the W8A8 wgmma GEMM vs CUTLASS W8A8 and the bf16 plan's kernels, scripts/bench_fp8_wgmma.py)
+      (the W8A8 wgmma GEMMs, cp.async and TMA, vs CUTLASS W8A8 and the bf16 plan's kernels,
+      scripts/bench_fp8_wgmma.py; --variants all: the cp.async kernel's cluster / mb / n256 sweep too)
   python3 scripts/bench_kernels.py attn-few --batches 1,2 --contexts 128,512,4096
   python3 scripts/bench_kernels.py prefill-gemm --lib PATH/libxserv_gemm.so [--rows 2048,4096,8192]
   python3 scripts/bench_kernels.py prefill-elementwise [--rows 2048,4096,8192] [--variants rows_r,u3]
@@ -357,7 +358,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="256,1024,4096,8192")
     ap.add_argument("--prompts", default="2048,4096,8192,4x1024", help="prefill: N x L or L (one seq)")
     ap.add_argument("--variants", default=None, help="prefill: comma list of attention_plan.PREFILL_ATTN_VARIANTS; "
-                    "prefill-elementwise: label substrings of the variants to time (and the plan's)")
+                    "prefill-elementwise: label substrings of the variants to time (and the plan's); fp8-wgmma: "
+                    "all (also sweep the cp.async kernel's variants)")
     args = ap.parse_args()
     args.rows = args.rows or {"fp8": "1,2,16,64", "fp8-wgmma": "64,128,256", "prefill-gemm": "2048,4096,8192",
                                "prefill-elementwise": "2048,4096,8192"}.get(args.what, "16,32,64,128,256")

@@ -128,8 +128,13 @@ def test_w8a8_wgmma_mbarrier_ring(lib, rng, scheme, M, N, K, out_dtype, bias):
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["auto", "channel"])
 def test_tiny_plan_with_wgmma_w8a8_cuda_matches_numpy(tmp_path, seed, scheme):
-    """fp8_w8a8_wgmma, no CUTLASS library: the 40-row decode bucket and the 64-row prefill bucket run quantize_fp8
-    (or the producers' quantize) + the wgmma kernel; CUDA logits against the NumPy backend's."""
+    check_tiny_w8a8_plan(tmp_path, seed, scheme, "fp8_w8a8_wgmma", "w8a8_wgmma_")
+
+
+def check_tiny_w8a8_plan(tmp_path, seed, scheme, setting: str, prefix: str) -> None:
+    """Build setting `setting` on, no CUTLASS library: the 40-row decode bucket and the 64-row prefill bucket run
+    quantize_fp8 (or the producers' quantize) + the kernels named prefix*; CUDA logits against the NumPy
+    backend's."""
     from tests.test_cuda_e2e import SMALL, gpu_or_skip, make_model
     from tests.test_cuda_fp8 import W8A8_STEP_TOL, cuda_vs_numpy
     gpu_or_skip()
@@ -141,10 +146,10 @@ def test_tiny_plan_with_wgmma_w8a8_cuda_matches_numpy(tmp_path, seed, scheme):
     make_model(tmp_path / "hf", SMALL, int(r.integers(1 << 30)))
     build = BuildConfig(max_num_seqs=40, decode_buckets=[1, 2, 40], prefill_buckets=[64], max_seq_len=256,
                         block_size=16, dtype="bfloat16", target="sm_90a", quantization="fp8", fp8_scheme=scheme,
-                        gemm_library=False, fp8_w8a16_max_rows=2, fp8_quantize_in_producer=True, fp8_w8a8_wgmma=True)
+                        gemm_library=False, fp8_w8a16_max_rows=2, fp8_quantize_in_producer=True, **{setting: True})
     plan = compile_plan(tmp_path / "hf", tmp_path / "plan", build)
     fns = {rec.fn for bk in plan.buckets for op in bk.ops if op.cuda for rec in op.cuda.launch}
-    assert any(f.startswith("w8a8_wgmma_") for f in fns) and not any(f.startswith("skinny_w8a8_") for f in fns)
+    assert any(f.startswith(prefix) for f in fns) and not any(f.startswith("skinny_w8a8_") for f in fns)
     prompts = [r.integers(3, SMALL["vocab_size"], int(r.integers(5, 20))).tolist() for _ in range(40)]
     forced = r.integers(3, SMALL["vocab_size"], (4, 40)).tolist()
 

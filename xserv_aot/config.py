@@ -195,6 +195,8 @@ class BuildConfig:
                                           # quantize_fp8's output (plan/fp8_build.producer_fuses_quantize)
     fp8_w8a8_wgmma: bool = False          # fp8, CUDA: W8A8 linears of 33-256 rows on kernels/gemm_w8a8_wgmma.cu, not
                                           # CUTLASS (plan/fp8_build.plan_w8a8)
+    fp8_w8a8_tma: bool = False            # fp8, CUDA: W8A8 linears of 33-64 rows (33-256 without the CUTLASS
+                                          # library) on the TMA-fed wgmma kernel, kernels/gemm_w8a8_tma.cu (K >= 128)
 
     @property
     def prefill_chunk(self) -> int:
@@ -273,7 +275,7 @@ class BuildConfig:
             raise ConfigError(f"fp8_w8a16_max_rows {self.fp8_w8a16_max_rows!r} must be an integer in 2..64 (rows 1-2 "
                               f"are always W8A16 GEMVs; the W8A16 skinny kernels end at 64 rows)")
         for name in ("gemm_library", "pdl", "quantize_lm_head", "gemm_residual", "fp8_quantize_in_producer",
-                     "fp8_w8a8_wgmma"):
+                     "fp8_w8a8_wgmma", "fp8_w8a8_tma"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.decode_buckets = sorted(set(int(b) for b in self.decode_buckets))

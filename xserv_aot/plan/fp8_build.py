@@ -6,6 +6,7 @@ kernels/cutlass/gemm_sm90_fp8*.{h,cuh,cu}). Called by plan.kernel_build."""
 from __future__ import annotations
 
 from xserv_aot import fp8
+from xserv_aot.dtypes import FP8
 from xserv_aot.plan.kernel_constants import (skinny_smem, skinny_w8a8_rows, skinny_w8a8_smem, WG8_WGS,
                                              w8a8_wgmma_rows, w8a8_wgmma_smem)
 from xserv_aot.plan.launch_records import i32, kernel, launch, library_call, ptr
@@ -13,6 +14,7 @@ from xserv_aot.plan.linear_plan import GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS
 from xserv_aot.plan.nvrtc_build import KERNEL_DIR, KernelBuildError
 from xserv_aot.plan.op_records import AddRmsNorm, KernelChoice, Linear, QuantizeFp8, RmsNorm, SiluMul
 from xserv_aot.plan.signatures import host_signature
+from xserv_aot.plan.tensor_maps import matrix_map
 
 FP8_ENTRY = "xserv_gemm_fp8"              # the CUTLASS library's W8A8 entry point
 FP8_SOURCE = KERNEL_DIR / "cutlass" / "gemm_sm90_fp8.cu"
@@ -38,6 +40,13 @@ W8A8_WGMMA_SMS = 132                      # one block an SM (its ring takes ~195
 W8A8_WGMMA_MBAR = False                   # per-slot mbarriers instead of a block barrier a step (`mb` kernels)
 W8A8_WGMMA_WIDE = False                   # 129-256 rows as one 256-row tile (n256: two n128 halves on one weight
                                           # tile, its bytes read once) instead of two 128-row slices
+W8A8_TMA_MAX_ROWS = 64                    # build setting fp8_w8a8_tma: W8A8 linears of W8A8_SKINNY_MAX_ROWS + 1 ..
+                                          # this many rows on kernels/gemm_w8a8_tma.cu (H200, session 6: faster than
+                                          # CUTLASS W8A8 on every Qwen3-8B shape at 64 rows; at 128 slower on qkv /
+                                          # gate_up, at 256 on all); more rows: CUTLASS where the plan has it
+W8A8_TMA_CLUSTERS = (1, 2, 3, 4)          # blocks a cluster of kernels/gemm_w8a8_tma.cu (the TMA-fed variant)
+W8A8_TMA_BLOCKS = 96                      # ... its clustered grids stay within this many blocks where the tiles allow
+                                          # (the W8A8 skinny sweep: more blocks in clusters do not all run at once)
 
 
 def host_signatures() -> dict[str, list[dict]]:
@@ -53,9 +62,9 @@ def fp8_args(op: Linear, fused_silu_out: str | None = None) -> list:
 
 
 def plan_fp8_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: dict | None,
-                    wgmma: bool = False) -> KernelChoice:
+                    wgmma: bool | str = False) -> KernelChoice:
     """fuse_into: the silu_mul output buffer when the next op is silu_mul of this op's output (GEMV only); wgmma:
-    build setting fp8_w8a8_wgmma (plan_w8a8)."""
+    build setting fp8_w8a8_wgmma (True) or fp8_w8a8_tma ("tma"), plan_w8a8."""
     rows, n, k, tag = op.rows, op.n, op.k, SCHEME_TAG[op.quant]
     suffix = "f32" if out_dtype == "float32" else "bf16"
     if k % 16 or n % 2:
@@ -76,13 +85,18 @@ def plan_fp8_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: 
     return kernel(launch(f"skinny_fp8_{tag}{bn}_m{mt}_{suffix}", [-(-n // bn)], [256], skinny_smem(mt), fp8_args(op)))
 
 
-def plan_w8a8(op: Linear, out_dtype: str, cutlass: dict | None, wgmma: bool = False) -> KernelChoice:
-    """quantize_fp8's packed e4m3 rows and scales x the e4m3 weight: the skinny kernel (few rows), wgmma (33-256
-    rows where the build says so), else CUTLASS, scales in its mainloop (block128) or epilogue (channel)."""
+def plan_w8a8(op: Linear, out_dtype: str, cutlass: dict | None, wgmma: bool | str = False) -> KernelChoice:
+    """quantize_fp8's packed e4m3 rows and scales x the e4m3 weight: the skinny kernel (few rows), the wgmma
+    kernels where the build says so (wgmma "tma": the TMA-fed one for 33..W8A8_TMA_MAX_ROWS rows, up to 256 rows
+    in plans without the CUTLASS library, K >= 128, else the cp.async one; True: the cp.async one for 33-256 rows),
+    else CUTLASS, scales in its mainloop (block128) or epilogue (channel)."""
     from xserv_aot.plan.cutlass_build import FP8_CONFIG, FP8_CONFIGS
+    tma = wgmma == "tma" and op.k >= 128
     if op.rows <= (W8A8_SKINNY_MAX_ROWS if cutlass is not None or wgmma else W8A8_SKINNY_FALLBACK_ROWS):
         return plan_w8a8_skinny(op, out_dtype)
-    if wgmma and op.rows <= W8A8_WGMMA_MAX_ROWS:
+    if tma and (op.rows <= W8A8_TMA_MAX_ROWS or cutlass is None and op.rows <= W8A8_WGMMA_MAX_ROWS):
+        return plan_w8a8_tma(op, out_dtype)
+    if wgmma and not tma and op.rows <= W8A8_WGMMA_MAX_ROWS:
         return plan_w8a8_wgmma(op, out_dtype)
     if cutlass is None:
         raise KernelBuildError(f"FP8 linear {op.weight} with {op.rows} rows is W8A8 and needs the CUTLASS GEMM "
@@ -177,6 +191,38 @@ def plan_w8a8_wgmma(op: Linear, out_dtype: str, cluster: int | None = None, mbar
     args = [ptr(op.inp), ptr(op.inp_scale), ptr(op.weight), ptr(op.weight_scale), ptr(op.bias), ptr(op.out),
             i32(op.rows), i32(op.n), i32(op.k)]
     return kernel(launch(fn, [tiles * slices, c], [128 * WG8_WGS], w8a8_wgmma_smem(nt), args))
+
+
+def tma_cluster(tiles: int, steps: int, blocks: int = W8A8_TMA_BLOCKS) -> int:
+    """Blocks splitting K per (weight tile, activation slice) of the TMA kernel: the largest built C with tiles x C
+    <= blocks; with more tiles, the C of the fewest waves per 1 / C of the K steps (waves of W8A8_WGMMA_SMS blocks
+    unclustered, of `blocks` clustered), the smaller C on ties; never more blocks a cluster than 128-k steps."""
+    built = [c for c in W8A8_TMA_CLUSTERS if c <= steps] or [1]
+    if tiles * built[0] <= blocks:
+        return max(c for c in built if tiles * c <= blocks)
+    return min(built, key=lambda c: (-(-tiles * c // (W8A8_WGMMA_SMS if c == 1 else blocks)) / c, c))
+
+
+def plan_w8a8_tma(op: Linear, out_dtype: str, cluster: int | None = None) -> KernelChoice:
+    """The W8A8 wgmma GEMM with TMA-fed tiles (kernels/gemm_w8a8_tma.cu): tensor maps over the weight [N, K] and
+    xq [M, K] (e4m3, 128B swizzle, boxes of 128 bytes x the tile's rows or all N / M where fewer), then the
+    cp.async kernel's arguments less xq and W; grid as plan_w8a8_wgmma's, 128 WG8_WGS + 32 threads (a producer
+    warp); cluster: force the K split (tests, bench), by default tma_cluster."""
+    if op.k % 16 or op.k < 128:
+        raise KernelBuildError(f"FP8 linear {op.weight}: k={op.k} (the W8A8 TMA kernel needs k % 16 == 0, k >= 128)")
+    nt = next((t for t in W8A8_WGMMA_TILES if t >= op.rows), W8A8_WGMMA_TILES[-1])
+    rows = w8a8_wgmma_rows()
+    tiles, slices = -(-op.n // rows), -(-op.rows // nt)
+    c = cluster or tma_cluster(tiles * slices, -(-op.k // 128))
+    if c not in W8A8_TMA_CLUSTERS:
+        raise KernelBuildError(f"W8A8 TMA cluster {c} is not built (built: {W8A8_TMA_CLUSTERS})")
+    suffix = "f32" if out_dtype == "float32" else "bf16"
+    tw = matrix_map(op.weight, FP8, op.n, op.k, min(rows, op.n), 128)
+    tx = matrix_map(op.inp, FP8, op.rows, op.k, min(nt, op.rows), 128, l2_promotion="128B")
+    args = [tw, tx, ptr(op.inp_scale), ptr(op.weight_scale), ptr(op.bias), ptr(op.out), i32(op.rows), i32(op.n),
+            i32(op.k)]
+    return kernel(launch(f"w8a8_tma_{SCHEME_TAG[op.quant]}_n{nt}c{c}_{suffix}", [tiles * slices, c],
+                         [128 * WG8_WGS + 32], w8a8_wgmma_smem(nt), args))
 
 
 def plan_quantize(op: QuantizeFp8) -> KernelChoice:

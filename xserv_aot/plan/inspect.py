@@ -99,7 +99,11 @@ def fp8_lines(plan: Plan, mib) -> list[str]:
 def format_launch(rec, params: list[dict] | None) -> str:
     """fn<<<grid, block, smem>>>(param=value, ...) for a kernel; lib:fn(param=value, ...) for a host-library call."""
     names = [p["name"] for p in params or []] + [f"arg{i}" for i in range(len(params or []), len(rec.args))]
-    args = ", ".join(f"{n}={'kv[' + str(a[1]) + ']' if a[0] == 'kv' else a[1]}" for n, a in zip(names, rec.args))
+    def value(a):
+        if a[0] == "tmap":
+            return f"tmap({a[1]['buffer']}, box {'x'.join(map(str, a[1]['box']))}, {a[1]['swizzle']})"
+        return f"kv[{a[1]}]" if a[0] == "kv" else a[1]
+    args = ", ".join(f"{n}={value(a)}" for n, a in zip(names, rec.args))
     if rec.library:
         return f"{rec.library}:{rec.fn}({args})"
     return f"{rec.fn}<<<{rec.grid}, {rec.block}, {rec.smem}>>>({args})"

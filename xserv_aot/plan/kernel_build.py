@@ -67,7 +67,7 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
     num_slots, block_size = kv_slots(kvc), kvc["shape"][3]
     arena = manifest["arena"]["buffers"]
     fuse_quantize = bool(manifest["build"].get("fp8_quantize_in_producer"))
-    fp8_wgmma = bool(manifest["build"].get("fp8_w8a8_wgmma"))
+    fp8_wgmma = "tma" if manifest["build"].get("fp8_w8a8_tma") else bool(manifest["build"].get("fp8_w8a8_wgmma"))
     row_choice = manifest["build"].get("prefill_row_kernels", "auto")
     row_threads = [min(ELEMWISE_THREADS, hidden // 8)]
     out: list[KernelChoice] = []

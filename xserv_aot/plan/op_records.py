@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from xserv_aot.fp8 import SCHEMES
+from xserv_aot.plan.tensor_maps import TensorMapError, check_tensor_map
 
 
 class OpRecordError(ValueError):
@@ -38,7 +39,14 @@ class LaunchRecord:
             raise OpRecordError(f"{where}: bad launch record (fields {sorted(d) if isinstance(d, dict) else d})")
         geometry = {} if d.get("library") else {"grid": tuple(d["grid"]), "block": tuple(d["block"]),
                                                 "smem": int(d["smem"])}
-        return cls(d["fn"], tuple(tuple(a) for a in d["args"]), library=d.get("library"), **geometry)
+        args = tuple(tuple(a) for a in d["args"])
+        for a in args:
+            if a and a[0] == "tmap":
+                try:
+                    check_tensor_map(a[1] if len(a) == 2 else None)
+                except TensorMapError as e:
+                    raise OpRecordError(f"{where}: launch {d['fn']}: {e}") from None
+        return cls(d["fn"], args, library=d.get("library"), **geometry)
 
 
 @dataclass(frozen=True)

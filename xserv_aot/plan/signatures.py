@@ -12,7 +12,8 @@ SCALAR_TYPES = {"int": "i32", "unsigned": "u32", "unsigned int": "u32", "float":
                 "unsigned long long": "u64", "size_t": "u64", "long long": "i64"}
 POINTEE_DTYPES = {"bf16": "bfloat16", "float": "float32", "int": "int32", "long long": "int64", "e4m3": "float8_e4m3fn",
                   "void": None}
-TYPE_BYTES = {"ptr": 8, "i32": 4, "u32": 4, "f32": 4, "u64": 8, "i64": 8}
+TYPE_BYTES = {"ptr": 8, "i32": 4, "u32": 4, "f32": 4, "u64": 8, "i64": 8, "tmap": 128}
+TENSOR_MAP_TYPE = "TmaDesc"            # kernels/tma.cuh: a tensor map passed by value (`const __grid_constant__`)
 _KPARAM_INFO, _SVAL = 0x17, 0x04       # .nv.info attribute: one kernel parameter (ordinal, offset, size)
 
 _DEFINE = re.compile(r"^#define[ \t]+(\w+)\(([^)]*)\)((?:[^\n]*\\\n)*[^\n]*)", re.M)
@@ -39,9 +40,13 @@ def _expand_macros(text: str) -> str:
 
 
 def parse_param(decl: str) -> dict:
-    """'const bf16* __restrict__ inp' -> {name, type: ptr|i32|..., pointee: dtype|None}."""
-    words = decl.replace("*", " * ").replace("__restrict__", " ").replace("const", " ").split()
+    """'const bf16* __restrict__ inp' -> {name, type: ptr|i32|..., pointee: dtype|None}; a tensor map
+    'const __grid_constant__ TmaDesc tw' -> {name, type: tmap}."""
+    words = decl.replace("*", " * ").replace("__restrict__", " ").replace("__grid_constant__", " ")
+    words = words.replace("const", " ").split()
     name, words = words[-1], words[:-1]
+    if words == [TENSOR_MAP_TYPE]:
+        return {"name": name, "type": "tmap"}
     if "*" in words:
         base = " ".join(w for w in words if w != "*")
         if base not in POINTEE_DTYPES:

@@ -32,6 +32,27 @@ def check(result, what: str = "CUDA call"):
 
 C_TYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int, "u32": ctypes.c_uint, "f32": ctypes.c_float,
            "u64": ctypes.c_ulonglong}
+TMAP_BYTES, TMAP_ALIGN = 128, 64           # an encoded tensor map (CUtensorMap), passed by value
+
+
+class TensorMapParam:
+    """A "tmap" launch argument: the encoded map's bytes at a 64-byte aligned host address."""
+
+    def __init__(self, raw: bytes):
+        if len(raw) != TMAP_BYTES:
+            raise ValueError(f"an encoded tensor map has {TMAP_BYTES} bytes, got {len(raw)}")
+        self._buf = (ctypes.c_uint8 * (TMAP_BYTES + TMAP_ALIGN))()
+        self.address = ctypes.addressof(self._buf) + (-ctypes.addressof(self._buf)) % TMAP_ALIGN
+        ctypes.memmove(self.address, raw, TMAP_BYTES)
+
+
+def param_value(kind: str, value):
+    """(ctypes object, its address) of one resolved launch argument."""
+    if kind == "tmap":
+        p = TensorMapParam(value)
+        return p, p.address
+    v = C_TYPES[kind](value if kind != "ptr" else (value or None))
+    return v, ctypes.addressof(v)
 
 
 @dataclass
@@ -51,8 +72,9 @@ class Launch:
     _config: object = field(default=None, repr=False)
 
     def __post_init__(self):
-        self._vals = [C_TYPES[t](v if t != "ptr" else (v or None)) for t, v in self.args]
-        self._ptrs = (ctypes.c_void_p * max(1, len(self._vals)))(*[ctypes.addressof(v) for v in self._vals])
+        vals = [param_value(t, v) for t, v in self.args]
+        self._vals = [v for v, _ in vals]
+        self._ptrs = (ctypes.c_void_p * max(1, len(vals)))(*[a for _, a in vals])
 
     def _launch_config(self, stream):
         cu = _cu()

@@ -71,7 +71,18 @@ class KernelLib:
             self.dev.sync()
 
     def launch_record(self, rec, buffers: dict[str, DeviceArray | None], sync: bool = True):
-        """Run a plan LaunchRecord (plan.kernel_build) with its ("ptr", name) arguments bound to buffers."""
-        args = [("ptr", buffers[a[1]].ptr if buffers.get(a[1]) is not None else 0) if a[0] == "ptr" else (a[0], a[1])
-                for a in rec.args]
-        self.launch(rec.fn, rec.grid, rec.block, args, smem=rec.smem, sync=sync)
+        """Run a plan LaunchRecord (plan.kernel_build) with its ("ptr", name) and ("tmap", spec) arguments bound to
+        buffers."""
+        self.launch(rec.fn, rec.grid, rec.block, self.bind(rec, buffers), smem=rec.smem, sync=sync)
+
+    def bind(self, rec, buffers: dict[str, DeviceArray | None]) -> list[tuple[str, object]]:
+        """rec's arguments with buffer names replaced by device pointers and tensor maps encoded over them."""
+        from xserv_aot.runtime.cuda.tensor_map import encode
+
+        def one(a):
+            if a[0] == "ptr":
+                return "ptr", buffers[a[1]].ptr if buffers.get(a[1]) is not None else 0
+            if a[0] == "tmap":
+                return "tmap", encode(a[1], buffers[a[1]["buffer"]].ptr)
+            return a[0], a[1]
+        return [one(a) for a in rec.args]

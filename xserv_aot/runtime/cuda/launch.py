@@ -2,7 +2,7 @@
 
 A record (plan.op_records.LaunchRecord) is a kernel with its grid, block and smem, or a host-library entry point
 (the stream is appended); each argument is (kind, value): ("ptr", buffer name | None[, byte offset]),
-("kv", layer) or a scalar (i32|u32|u64|i64|f32, value) (docs/plan-format.md, "Launch records").
+("kv", layer), ("tmap", spec) (encoded here, once: runtime/cuda/tensor_map.py) or a scalar (i32|u32|u64|i64|f32, value) (docs/plan-format.md, "Launch records").
 """
 from __future__ import annotations
 
@@ -47,6 +47,9 @@ class Buffers:
             return "ptr", base + int(arg[2]) if len(arg) > 2 and base else base
         if kind == "kv":
             return "ptr", self.kv_layer(value)
+        if kind == "tmap":
+            from xserv_aot.runtime.cuda.tensor_map import encode
+            return "tmap", encode(value, self(value["buffer"]))
         return kind, value
 
 

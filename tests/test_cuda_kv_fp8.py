@@ -251,11 +251,14 @@ def test_fp8_kv_plan_cuda_matches_numpy(tmp_path, seed, prefill_rows):
     from xserv_aot.runtime.numpy_backend import NumpyRunner
     gpu_or_skip()
     rng = np.random.default_rng(seed)
+    from tests.test_kv_cache_fp8 import add_kv_scales
     model = make_tiny_model(tmp_path / "hf", "qwen3", seed=int(rng.integers(1 << 30)), **SHAPE)
+    k, v = add_kv_scales(model, SHAPE["num_hidden_layers"])
     build = BuildConfig(max_num_seqs=4, decode_buckets=[1, 2, 4], prefill_buckets=[16, 64, 512] if prefill_rows
                         else [16, 64], max_seq_len=1024, block_size=16, dtype="bfloat16", target="sm_90a",
                         kv_cache_dtype="fp8_e4m3", prefill_row_kernels="rows" if prefill_rows else "v1")
     plan = compile_plan(model, tmp_path / "plan", build)
+    assert plan.kv_cache["scales"] == {"k": k, "v": v, "source": "checkpoint"}
     fns = {r.fn for bk in plan.buckets for op in bk.ops if op.cuda for r in op.cuda.launch}
     kv_fns = {f for f in fns if "rope" in f or f.startswith("attn_")}
     assert kv_fns and all("_f8kv" in f for f in kv_fns), kv_fns

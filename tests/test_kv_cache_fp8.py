@@ -232,3 +232,73 @@ def test_numpy_backend_stores_the_quantized_bf16_values(tmp_path, rng):
             s = np.float32(scales["kv"[part]][layer])
             vals = got[layer, part, used]
             np.testing.assert_array_equal(kv_cache.quantize(vals / s, 1.0) * s, vals)
+
+
+# ---- kernel routing (NVRTC, no GPU) ----------------------------------------------------------------------------
+
+MK_CONFIG = {**CONFIG, "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 16,
+             "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 4096}
+GPU_BUILD = dict(max_num_seqs=4, decode_buckets=[1, 2, 4], prefill_buckets=[16, 64, 512], max_seq_len=1024,
+                 block_size=16, dtype="bfloat16", target="sm_90a", gemm_library=False, megakernel_sms=132,
+                 prefill_row_kernels="rows")
+
+
+def kv_launches(plan):
+    """(bucket, op, launch record) of every op that writes or reads the KV cache."""
+    return [(bk.name, op, rec) for bk in plan.buckets for op in bk.ops if op.op in ("qk_norm_rope_cache", "attention")
+            for rec in op.cuda.launch]
+
+
+def test_every_kv_kernel_is_its_fp8_variant_with_the_layer_scales(tmp_path):
+    pytest.importorskip("cuda.core")
+    from xserv_aot.plan.megakernel_plan import MK_PREFIX
+    bf16 = compile_tiny(tmp_path, "bf16", MK_CONFIG, **GPU_BUILD)
+    f8 = compile_tiny(tmp_path, "f8", MK_CONFIG, **GPU_BUILD, kv_cache_dtype="fp8_e4m3")
+    fns16 = {rec.fn for bk in bf16.buckets for op in bk.ops for rec in op.cuda.launch}
+    fns8 = {rec.fn for bk in f8.buckets for op in bk.ops for rec in op.cuda.launch}
+    assert any(f.startswith(MK_PREFIX) for f in fns16) and not any(f.startswith(MK_PREFIX) for f in fns8)
+    assert set(f8.kernels["megakernel_skipped"]) == {"decode_1", "decode_2"}
+    assert all("FP8 KV cache" in why for why in f8.kernels["megakernel_skipped"].values())
+    assert [bk.name for bk in f8.buckets] == [bk.name for bk in bf16.buckets if not bk.name.endswith("_mk")]
+    records = kv_launches(f8)
+    assert {rec.fn for _, _, rec in records} == {
+        "attn_decode_fused_f8kv_s3_hd128", "attn_decode_tc_f8kv_s2_hd128", "qk_norm_rope_cache_f8kv_hd128",
+        "qk_norm_rope_cache_rows_f8kv_hd128", "attn_prefill_f8kv_w8m1k64s2_hd128"}
+    for _, op, rec in records:
+        assert rec.args[-2:] == (("f32", 1.0), ("f32", 1.0)), rec.fn
+    per_op = compile_tiny(tmp_path, "per_op", MK_CONFIG, **{**GPU_BUILD, "megakernel_sms": 0})
+    same = lambda plan: [(bk.name, op.op, rec) for bk in plan.buckets for op in bk.ops  # noqa: E731
+                         if op.op not in ("qk_norm_rope_cache", "attention") for rec in op.cuda.launch]
+    assert same(f8) == same(per_op)                 # everything else as the bf16 plan without the megakernel
+
+
+def test_checkpoint_scales_reach_every_layers_launches(tmp_path):
+    pytest.importorskip("cuda.core")
+    pytest.importorskip("torch")
+    from tests.tiny_models import make_tiny_model
+    model = make_tiny_model(tmp_path / "hf", "qwen3", seed=5, hidden_size=256, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=128, num_hidden_layers=3)
+    k, v = add_kv_scales(model, 3)
+    plan = compile_plan(model, tmp_path / "plan", BuildConfig(**{**GPU_BUILD, "max_seq_len": 512,
+                                                                 "prefill_buckets": [16, 64]},
+                                                              kv_cache_dtype="fp8_e4m3"))
+    records = kv_launches(plan)
+    assert len({op.layer for _, op, _ in records}) == 3
+    for _, op, rec in records:
+        assert rec.args[-2:] == (("f32", k[op.layer]), ("f32", v[op.layer])), (rec.fn, op.layer)
+
+
+@pytest.mark.parametrize("variant,fn", [("w8m1k64s3", "attn_prefill_f8kv_w8m1k64s3_hd128"),
+                                        ("ws2h2k64s4", None), ("v1", None)])
+def test_prefill_attention_choice_over_an_fp8_cache(tmp_path, variant, fn):
+    pytest.importorskip("cuda.core")
+    from xserv_aot.plan.nvrtc_build import KernelBuildError
+    build = {**GPU_BUILD, "megakernel_sms": 0, "prefill_attention": variant, "kv_cache_dtype": "fp8_e4m3"}
+    if fn is None:
+        with pytest.raises(KernelBuildError, match=f"prefill attention {variant} has no FP8 KV cache variant"):
+            compile_tiny(tmp_path, "p", MK_CONFIG, **build)
+        assert not (tmp_path / "p").exists()
+        return
+    plan = compile_tiny(tmp_path, "p", MK_CONFIG, **build)
+    assert {rec.fn for bk in plan.buckets if bk.kind == "prefill" for _, op, rec in kv_launches(plan)
+            if op.op == "attention" and rec.fn.startswith("attn_prefill")} == {fn}

@@ -302,3 +302,35 @@ def test_prefill_attention_choice_over_an_fp8_cache(tmp_path, variant, fn):
     plan = compile_tiny(tmp_path, "p", MK_CONFIG, **build)
     assert {rec.fn for bk in plan.buckets if bk.kind == "prefill" for _, op, rec in kv_launches(plan)
             if op.op == "attention" and rec.fn.startswith("attn_prefill")} == {fn}
+
+
+# ---- calibration (real weights: SmolLM2) ---------------------------------------------------------------------
+
+def test_calibration_refuses_dummy_weights(tmp_path):
+    with pytest.raises(ConfigError, match="calibrate needs real weights") as e:
+        compile_tiny(tmp_path, kv_cache_dtype="fp8_e4m3", kv_cache_scales="calibrate")
+    assert "\n" not in str(e.value) and not (tmp_path / "plan").exists()
+
+
+def test_calibrated_scales_map_each_layers_largest_value_to_448(tmp_path, smollm2_gguf):
+    """Layer 0's K / V do not depend on the cache, so running the calibration prompts through the calibrated FP8
+    plan stores layer 0's largest |k| and |v| as exactly 448 x its scale; deeper layers (inputs shifted by the FP8
+    cache of the layers before) stay near it and nothing passes 448."""
+    from xserv_aot.plan import kv_calibrate
+    from xserv_aot.runtime.numpy_backend import NumpyRunner
+    from xserv_aot.runtime.session import Session
+    from xserv_aot.tokenizer import Tokenizer
+    build = BuildConfig(max_num_seqs=1, decode_buckets=[1], prefill_buckets=[64], max_seq_len=128, dtype="bfloat16",
+                        target="cpu", kv_cache_dtype="fp8_e4m3", kv_cache_scales="calibrate")
+    plan = compile_plan(smollm2_gguf, tmp_path / "plan", build)
+    sc = plan.kv_cache["scales"]
+    assert sc["source"] == "calibrated" and len(sc["k"]) == plan.model.num_layers
+    scales = np.array([sc["k"], sc["v"]], np.float32).T                       # [L, 2]
+    runner, tok = NumpyRunner(plan), Tokenizer.from_dir(plan.dir)
+    top = np.zeros_like(scales)
+    for text in kv_calibrate.PROMPTS:
+        runner.reset_kv()
+        Session(runner).greedy(tok.encode(text), kv_calibrate.GREEDY_TOKENS)
+        top = np.maximum(top, np.abs(runner.kv).reshape(len(scales), 2, -1).max(axis=-1) / scales)
+    np.testing.assert_allclose(top[0], 448, rtol=1e-6)
+    assert (top <= 448 * (1 + 1e-6)).all() and (top > 300).all(), top

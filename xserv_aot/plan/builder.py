@@ -221,16 +221,25 @@ def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress, schem
         manifest["tensor_parallel"] = manifest_section(model, tp)
     if schemes:
         manifest["quantization"] = quantize.manifest_section(schemes, scales, getattr(tensors, "ignored_inputs", []))
+    if kv_cache.is_fp8(kv_section) and build.kv_cache_scales == "calibrate":
+        if not has_tok:
+            raise ConfigError("kv_cache_scales calibrate needs the model's tokenizer (tokenizer.json or GGUF)")
+        from xserv_aot.plan.kv_calibrate import calibrate
+        kv_section["scales"] = calibrate(tmp, manifest)
     if build.target != "cpu":
         from xserv_aot.plan.kernel_build import build_kernels
         manifest["kernels"] = build_kernels(manifest, tmp, build.target, progress=progress)
     return manifest
 
 
-def kv_scales(model: ModelConfig, build: BuildConfig, tensors, dummy: bool) -> dict:
-    """The per-layer scales of an FP8 KV pool: the checkpoint's (checkpoint/kv_scales.py), else DEFAULT_SCALE."""
+def kv_scales(model: ModelConfig, build: BuildConfig, tensors, dummy: bool) -> dict | None:
+    """The per-layer scales of an FP8 KV pool: the checkpoint's (checkpoint/kv_scales.py), else DEFAULT_SCALE;
+    None for kv_cache_scales calibrate (plan/kv_calibrate.py, run by _build once the weights are written)."""
     if build.kv_cache_scales == "calibrate":
-        raise ConfigError("kv_cache_scales calibrate is not implemented yet; use auto")
+        if dummy or tensors is None:
+            raise ConfigError("kv_cache_scales calibrate needs real weights (a --dummy-weights plan has nothing to "
+                              "calibrate on)")
+        return None                                          # _build measures them once the weights are written
     found = getattr(tensors, "kv_scales", lambda layers: None)(model.num_layers)
     if found is not None:
         return kv_cache.scales_section(*found, "checkpoint")

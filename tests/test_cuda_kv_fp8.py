@@ -131,8 +131,8 @@ def test_batched_decode_f8kv_matches_numpy(lib, rng, hd, nh, nkv, scales):
 @pytest.mark.parametrize("variant", ap.PREFILL_ATTN_F8KV)
 @pytest.mark.parametrize("hd,nh,nkv", [(128, 32, 8), (64, 9, 3)])
 def test_prefill_f8kv_matches_numpy(lib, rng, hd, nh, nkv, variant):
-    if hd != 128 and variant != ap.PREFILL_ATTN_F8KV[0]:
-        pytest.skip("hd 64: the first variant only")
+    if hd != 128 and variant != ap.PREFILL_ATTN_F8KV_HD64:
+        pytest.skip("hd 64: PREFILL_ATTN_F8KV_HD64 only")
     seqs = [(50, 50), (70, 200), (0, 0), (1, 33), (130, 130)]
     block_size, max_blocks, scales = 16, 64, (0.021, 0.013)
     qsl, lens, tables, kv = paged_setup(rng, seqs, nkv, hd)

@@ -263,7 +263,7 @@ def test_every_kv_kernel_is_its_fp8_variant_with_the_layer_scales(tmp_path):
     records = kv_launches(f8)
     assert {rec.fn for _, _, rec in records} == {
         "attn_decode_fused_f8kv_s3_hd128", "attn_decode_tc_f8kv_s2_hd128", "qk_norm_rope_cache_f8kv_hd128",
-        "qk_norm_rope_cache_rows_f8kv_hd128", "attn_prefill_f8kv_w8m1k64s2_hd128"}
+        "qk_norm_rope_cache_rows_f8kv_hd128", "attn_prefill_f8kv_w4m2k16s4_hd128"}
     for _, op, rec in records:
         assert rec.args[-2:] == (("f32", 1.0), ("f32", 1.0)), rec.fn
     per_op = compile_tiny(tmp_path, "per_op", MK_CONFIG, **{**GPU_BUILD, "megakernel_sms": 0})

@@ -42,8 +42,10 @@ PREFILL_ATTN_TIERS = ((4096, {128: ("ws3h1k64s4o",)}),
                       (0, {128: ("ws2h4k64s4", "ws2h2k64s4", "w4m2k16s4")}))
 PREFILL_ATTN_OTHER_HD = "w8m1k64s2"         # head sizes without a sweep (hd 64: tested, not timed)
 # An FP8 KV cache (kernels/kv_fp8.cuh): the pipe variants built with an e4m3 ring (attention_prefill_pipe.cu
-# attn_prefill_f8kv_*; the wgmma kernels have no FP8-KV variant), the first the default; hd 64 only the first.
-PREFILL_ATTN_F8KV = ("w8m1k64s2", "w8m1k64s3", "w4m2k16s4")
+# attn_prefill_f8kv_*; the wgmma kernels have no FP8-KV variant), the first the hd 128 default (the pipe kernels'
+# best in the issue-14 sweeps); hd 64: PREFILL_ATTN_F8KV_HD64 only.
+PREFILL_ATTN_F8KV = ("w4m2k16s4", "w8m1k64s2", "w8m1k64s3")
+PREFILL_ATTN_F8KV_HD64 = "w8m1k64s2"
 FEW_ATTN_F8KV_STAGES = (3, 4)   # fused few-seq kernel over an FP8 cache: the ring depths built (hd 64: 3)
 TC_F8KV_STAGES = (2, 3)         # batched tensor-core kernel over an FP8 cache (hd 64: 2)
 _PIPE = re.compile(r"w(\d+)m(\d+)k(\d+)s(\d+)")
@@ -160,7 +162,7 @@ def prefill_tiles(variant: str) -> tuple[int, int, int]:
 def default_prefill_variant(m: dict, rows: int, fp8_kv: bool = False) -> str:
     """The default prefill attention variant for this model and a bucket of `rows` query rows."""
     if fp8_kv:
-        return PREFILL_ATTN_F8KV[0]
+        return PREFILL_ATTN_F8KV[0] if m["head_dim"] == 128 else PREFILL_ATTN_F8KV_HD64
     hd, group = m["head_dim"], m["num_heads"] // m["num_kv_heads"]
     table = next(t for least, t in PREFILL_ATTN_TIERS if rows >= least)
     return next((v for v in table.get(hd, ()) if group % prefill_tiles(v)[1] == 0), PREFILL_ATTN_OTHER_HD)
@@ -175,9 +177,9 @@ def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, varian
     args = common + [ptr(op.out), i32(op.rows), i32(op.num_seqs), i32(nh), i32(m["num_kv_heads"]), *tail,
                      i32(min_rows)]
     if scales:
-        if variant not in PREFILL_ATTN_F8KV or (hd != 128 and variant != PREFILL_ATTN_F8KV[0]):
+        if variant not in PREFILL_ATTN_F8KV or (hd != 128 and variant != PREFILL_ATTN_F8KV_HD64):
             raise KernelBuildError(f"prefill attention {variant} has no FP8 KV cache variant (built: "
-                                   f"{', '.join(PREFILL_ATTN_F8KV)}; hd 64: {PREFILL_ATTN_F8KV[0]}); use "
+                                   f"{', '.join(PREFILL_ATTN_F8KV)}; hd 64: {PREFILL_ATTN_F8KV_HD64}); use "
                                    f"--prefill-attention auto")
         warps, mt, keys, stages = (int(x) for x in _PIPE.fullmatch(variant).groups())
         smem = stages * 2 * keys * hd + 2 * keys * (hd + 8) * 2            # e4m3 ring + the converted bf16 pair

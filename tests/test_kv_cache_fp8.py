@@ -334,3 +334,39 @@ def test_calibrated_scales_map_each_layers_largest_value_to_448(tmp_path, smollm
         top = np.maximum(top, np.abs(runner.kv).reshape(len(scales), 2, -1).max(axis=-1) / scales)
     np.testing.assert_allclose(top[0], 448, rtol=1e-6)
     assert (top <= 448 * (1 + 1e-6)).all() and (top > 300).all(), top
+
+
+def test_fp8_kv_launch_records_match_the_kernel_signatures():
+    """Every _f8kv record the planner can write: its function exists, argument kinds match the parsed signature
+    (the KV pointer an e4m3 pointee), the scales are the two last f32 arguments."""
+    from xserv_aot.plan import attention_plan as ap
+    from xserv_aot.plan import row_kernels as rk
+    from xserv_aot.plan.kernel_build import qk_rope_launch
+    from xserv_aot.plan.op_records import Attention, QkNormRopeCache
+    from xserv_aot.plan.signatures import kernel_signatures
+    sigs = {fn: p for src in ("attention_decode_tc.cu", "attention_prefill_pipe.cu", "rope_cache.cu",
+                              "rows_prefill.cu") for fn, p in kernel_signatures(src).items()}
+    scales = (0.25, 0.125)
+    recs = []
+    for hd, nh, nkv in ((128, 32, 8), (64, 8, 2)):
+        m = {"num_heads": nh, "num_kv_heads": nkv, "head_dim": hd}
+        rope = QkNormRopeCache(qkv="qkv", positions="p", slot_mapping="s", q_norm=None, k_norm=None, cos="c",
+                               sin="s", q_out="q", kv_cache="kv", layer=0, rows=2, eps=1e-6, num_heads=nh,
+                               num_kv_heads=nkv, head_dim=hd)
+        attn = Attention(q="q", kv_cache="kv", layer=0, query_start_loc="qsl", seq_lens="l", block_tables="bt",
+                         out="o", rows=2, num_seqs=2, num_heads=nh, num_kv_heads=nkv, head_dim=hd, scale=0.1)
+        common = [("ptr", "q"), ("kv", 0), ("ptr", "qsl"), ("ptr", "l"), ("ptr", "bt")]
+        tail = [("i32", 16), ("i32", 64), ("i32", 1024), ("f32", 0.1)]
+        recs += [ap.few_seq_attn_launch(attn, rope, m, 1024, common, tail, scales),
+                 ap.batched_attn_launch(attn, m, 1024, common, tail, scales),
+                 qk_rope_launch(rope, hd, nh, nkv, 1024, scales=scales).launch[0],
+                 rk.rope_rows_launch(rope, hd, nh, nkv, 1024, scales=scales).launch[0]]
+        variants = ap.PREFILL_ATTN_F8KV if hd == 128 else (ap.PREFILL_ATTN_F8KV_HD64,)
+        recs += [ap.prefill_attn_launch(attn, m, common, tail, v, scales=scales) for v in variants]
+    for rec in recs:
+        assert "_f8kv" in rec.fn and rec.fn in sigs, rec.fn
+        params = sigs[rec.fn]
+        assert ["ptr" if k == "kv" else k for k, _ in rec.args] == [p["type"] for p in params], rec.fn
+        kv_param = params[[k for k, _ in rec.args].index("kv")]
+        assert kv_param["pointee"] == FP8 and [p["name"] for p in params[-2:]] == ["k_scale", "v_scale"]
+        assert rec.args[-2:] == (("f32", 0.25), ("f32", 0.125))

@@ -312,6 +312,7 @@ def test_calibration_refuses_dummy_weights(tmp_path):
     assert "\n" not in str(e.value) and not (tmp_path / "plan").exists()
 
 
+@pytest.mark.slow
 def test_calibrated_scales_map_each_layers_largest_value_to_448(tmp_path, smollm2_gguf):
     """Layer 0's K / V do not depend on the cache, so running the calibration prompts through the calibrated FP8
     plan stores layer 0's largest |k| and |v| as exactly 448 x its scale; deeper layers (inputs shifted by the FP8

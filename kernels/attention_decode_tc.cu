@@ -12,10 +12,9 @@
 // split; one split writes out directly). Before
 // griddepcontrol.wait (programmatic dependent launch) it only reads what no kernel of the step writes (the step's
 // inputs, the RoPE tables, the context's KV): block ids of its keys into shared memory, the first tiles' copies.
-// KVT e4m3 (the _f8kv kernels, an FP8 cache: kv_fp8.cuh): the ring holds e4m3 rows of HD bytes; each warp converts
-// the 16 K and 16 V rows of a landed tile that it alone reads into one bf16 tile (rows padded to HD + 8) that the
-// same MMA code reads (no block barrier); k_scale joins the softmax scale and v_scale the output; the new token's
-// k / v go to the ring and the cache as e4m3.
+// KVT e4m3 (the _f8kv kernels, an FP8 cache: kv_fp8.cuh): the ring holds e4m3 rows of HD bytes; each landed tile is
+// converted into one bf16 tile (rows padded to HD + 8) that the same MMA code reads; k_scale joins the softmax
+// scale and v_scale the output; the new token's k / v go to the ring and the cache as e4m3.
 #include "attention_split.cuh"
 #include "qk_rope.cuh"
 #include "kv_fp8.cuh"
@@ -237,11 +236,9 @@ __device__ __forceinline__ void attn_decode_tc_impl(
             cp_async_commit();
         }
         const bf16* Ks = reinterpret_cast<const bf16*>(stages + (t % STAGES) * STAGE);
-        if constexpr (SM::F8) {   // this warp's 16 K and 16 V rows (the only ones it reads) -> cvt, after its tile t - 1
-            const e4m3* ring = reinterpret_cast<const e4m3*>(Ks);
-            kv_tile_to_bf16<16, HD, LD, 32>(ring + warp * 16 * HD, cvt + warp * 16 * LD, lane);
-            kv_tile_to_bf16<16, HD, LD, 32>(ring + (TC_TILE + warp * 16) * HD, cvt + (TC_TILE + warp * 16) * LD, lane);
-            __syncwarp();
+        if constexpr (SM::F8) {                                 // e4m3 tile -> cvt (free: all passed tile t - 1)
+            kv_tile_to_bf16<2 * TC_TILE, HD, LD, TC_THREADS>(reinterpret_cast<const e4m3*>(Ks), cvt);
+            __syncthreads();
             Ks = cvt;
         }
         const bf16* Vs = Ks + TC_TILE * LD;

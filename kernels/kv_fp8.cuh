@@ -38,15 +38,14 @@ __device__ __forceinline__ uint2 kv_chunk_e4m3(const vec16& v, float scale) {
     return e4m3x8_div(f, scale);
 }
 
-// ROWS e4m3 rows (HD bytes each, contiguous) -> bf16 rows of LD elements, by NT threads (t: this one's index).
+// A tile of ROWS e4m3 rows (HD bytes each, contiguous) -> bf16 rows of LD elements, by NT threads.
 template <int ROWS, int HD, int LD, int NT>
-__device__ __forceinline__ void kv_tile_to_bf16(const e4m3* __restrict__ src, bf16* __restrict__ dst,
-                                                int t = threadIdx.x) {
+__device__ __forceinline__ void kv_tile_to_bf16(const e4m3* __restrict__ src, bf16* __restrict__ dst) {
     constexpr int CH = HD / 8;
     static_assert(ROWS * CH % NT == 0, "whole conversion rounds");
 #pragma unroll 4
     for (int i = 0; i < ROWS * CH / NT; i++) {
-        const int c = t + i * NT, r = c / CH, u = c % CH;
+        const int c = threadIdx.x + i * NT, r = c / CH, u = c % CH;
         st16(dst + r * LD + u * 8, e4m3x8_bf16x8(*reinterpret_cast<const uint2*>(src + r * HD + u * 8)));
     }
 }

@@ -27,10 +27,12 @@ SCALES = [(0.02, 0.011), (1.0, 1.0)]          # k, v: amax-like scales (values n
 
 
 def random_fp8_cache(rng, shape, scales) -> tuple[np.ndarray, np.ndarray]:
-    """(e4m3 bytes [2, ...], what they read as: float(e4m3) * scale, float32) of bf16 values ~ N(0, 2)."""
+    """A KV layer of `shape` [2, slots, nkv, hd]: (its e4m3 bytes, what they read as: float(e4m3) * scale, float32)
+    of bf16 values ~ N(0, 2), K at scales[0], V at scales[1]."""
+    assert len(shape) == 4 and shape[0] == 2
     vals = bf(rng.standard_normal(shape) * 2)
     q = np.stack([kv_cache.quantize(vals[i], scales[i]) for i in range(2)])
-    return encode(q, FP8), q * np.asarray(scales, np.float32).reshape(2, *[1] * (len(shape) - 1))
+    return encode(q, FP8), q * np.asarray(scales, np.float32).reshape(2, 1, 1, 1)
 
 
 def e4m3_values(arr) -> np.ndarray:
@@ -61,7 +63,7 @@ def test_rope_f8kv_writes_the_quantized_bf16_values(lib, rng, hd, nh, nkv, norm,
     q16, kv16 = lib.empty((T, nh, hd), "bfloat16"), lib.to_device(kv, "bfloat16")
     lib.launch(rec16.fn, rec16.grid, rec16.block, [("ptr", a) for a in common] + [("ptr", q16), ("ptr", kv16)] + plain,
                smem=rec16.smem)
-    old8, _ = random_fp8_cache(rng, kv.shape[1:], scales)
+    old8, _ = random_fp8_cache(rng, kv.shape, scales)
     q8, kv8 = lib.empty((T, nh, hd), "bfloat16"), lib.to_device(old8)
     lib.launch(rec8.fn, rec8.grid, rec8.block, [("ptr", a) for a in common] + [("ptr", q8), ("ptr", kv8)] + plain
                + [("f32", scales[0]), ("f32", scales[1])], smem=rec8.smem)
@@ -99,7 +101,7 @@ def test_batched_decode_f8kv_matches_numpy(lib, rng, hd, nh, nkv, scales):
     seqs = [(1, 1), (1, 300), (1, 700), (0, 0), (1, 17), (1, 64), (1, 1000)]
     block_size, max_blocks = 16, 64
     qsl, lens, tables, kv = paged_setup(rng, seqs, nkv, hd)
-    raw, real = random_fp8_cache(rng, kv.shape[1:], scales)
+    raw, real = random_fp8_cache(rng, kv.shape, scales)
     T = int(qsl[-1]) + 2
     q = bf(rng.standard_normal((T, nh, hd)))
     op, common = attention_op(T, len(seqs), nh, nkv, hd)
@@ -136,7 +138,7 @@ def test_prefill_f8kv_matches_numpy(lib, rng, hd, nh, nkv, variant):
     seqs = [(50, 50), (70, 200), (0, 0), (1, 33), (130, 130)]
     block_size, max_blocks, scales = 16, 64, (0.021, 0.013)
     qsl, lens, tables, kv = paged_setup(rng, seqs, nkv, hd)
-    raw, real = random_fp8_cache(rng, kv.shape[1:], scales)
+    raw, real = random_fp8_cache(rng, kv.shape, scales)
     T = int(qsl[-1]) + 7
     q = bf(rng.standard_normal((T, nh, hd)))
     op, common = attention_op(T, len(seqs), nh, nkv, hd)
@@ -155,7 +157,7 @@ def test_prefill_f8kv_matches_numpy(lib, rng, hd, nh, nkv, variant):
 def fused_case(rng, lens, nh, nkv, hd, scales):
     from tests.test_cuda_attention_fused import make_case
     c = make_case(rng, lens, nh, nkv, hd, norm=True)
-    c["raw"], c["real"] = random_fp8_cache(rng, c["kv"].shape[1:], scales)
+    c["raw"], c["real"] = random_fp8_cache(rng, c["kv"].shape, scales)
     return c
 
 
@@ -252,7 +254,8 @@ def test_fp8_kv_plan_cuda_matches_numpy(tmp_path, seed, prefill_rows):
     gpu_or_skip()
     rng = np.random.default_rng(seed)
     from tests.test_kv_cache_fp8 import add_kv_scales
-    model = make_tiny_model(tmp_path / "hf", "qwen3", seed=int(rng.integers(1 << 30)), **SHAPE)
+    model = make_tiny_model(tmp_path / "hf", "qwen3", seed=int(rng.integers(1 << 30)), **SHAPE,
+                            max_position_embeddings=1024)
     k, v = add_kv_scales(model, SHAPE["num_hidden_layers"])
     build = BuildConfig(max_num_seqs=4, decode_buckets=[1, 2, 4], prefill_buckets=[16, 64, 512] if prefill_rows
                         else [16, 64], max_seq_len=1024, block_size=16, dtype="bfloat16", target="sm_90a",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.cuda_fixtures import bf, lib, rng  # noqa: F401  (fixtures)
+from tests.cuda_fixtures import bf, rng  # noqa: F401  (fixtures)
 from tests.test_cuda_kernels import check, paged_setup, rope_inputs
 from xserv_aot import kv_cache
 from xserv_aot.dtypes import FP8, encode
@@ -23,7 +23,18 @@ from xserv_aot.plan.op_records import Attention, QkNormRopeCache
 from xserv_aot.runtime import numpy_ops as ref
 
 pytestmark = pytest.mark.gpu
+KV_SOURCES = ("rope_cache.cu", "rows_prefill.cu", "attention_decode_tc.cu", "attention_prefill_pipe.cu")
 SCALES = [(0.02, 0.011), (1.0, 1.0)]          # k, v: amax-like scales (values near 448 saturate), and the default
+
+
+@pytest.fixture(scope="module")
+def lib():
+    """The kernel library of the four sources with FP8-KV variants only (a cold NVRTC cache builds just these)."""
+    from xserv_aot.runtime.select import gpu_available
+    if not gpu_available():
+        pytest.skip("no CUDA GPU")
+    from xserv_aot.runtime.cuda.kernel_lib import KernelLib
+    return KernelLib(sources=KV_SOURCES)
 
 
 def random_fp8_cache(rng, shape, scales) -> tuple[np.ndarray, np.ndarray]:

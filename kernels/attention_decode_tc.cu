@@ -12,32 +12,50 @@
 // split; one split writes out directly). Before
 // griddepcontrol.wait (programmatic dependent launch) it only reads what no kernel of the step writes (the step's
 // inputs, the RoPE tables, the context's KV): block ids of its keys into shared memory, the first tiles' copies.
+// KVT e4m3 (the _f8kv kernels, an FP8 cache: kv_fp8.cuh): the ring holds e4m3 rows of HD bytes; each landed tile is
+// converted into one bf16 tile (rows padded to HD + 8) that the same MMA code reads; k_scale joins the softmax
+// scale and v_scale the output; the new token's k / v go to the ring and the cache as e4m3.
 #include "attention_split.cuh"
 #include "qk_rope.cuh"
+#include "kv_fp8.cuh"
 
 #define TC_THREADS 128
 #define TC_TILE 64
 
 // The inputs of the fused QK-norm / RoPE / KV write (FUSED kernels only).
+template <typename KVT>
 struct FusedRope {
     const bf16* qkv; const int* positions; const int* slot_mapping; const bf16* q_norm; const bf16* k_norm;
-    const float* cos_t; const float* sin_t; bf16* q_out; bf16* kv_out; float eps; int min_tiles; int solo_tiles;
+    const float* cos_t; const float* sin_t; bf16* q_out; KVT* kv_out; float eps; int min_tiles; int solo_tiles;
+};
+
+// Shared memory of a block (bytes): the ring of STAGES K/V tile pairs (rows of HD + 8 bf16, or HD e4m3 bytes), for
+// an FP8 cache the converted bf16 tile pair, then (fused) q [16][HD + 8] bf16, the new k / v [2][HD] bf16 space.
+template <int HD, int STAGES, typename KVT>
+struct TcSmem {
+    static constexpr bool F8 = KvF8<KVT>::value;
+    static constexpr int LD = HD + 8, ROW = F8 ? HD : LD * 2, STAGE = 2 * TC_TILE * ROW;
+    static constexpr int CVT = STAGES * STAGE, QS = CVT + (F8 ? 2 * TC_TILE * LD * 2 : 0);
+    static constexpr int KVNEW = QS + 16 * LD * 2, BTS = KVNEW + 2 * HD * 2;
 };
 
 // Tiles a split of a sequence of Lc keys holds at least: all of them (one split, no combine) when they are at
 // most solo_tiles, else min_tiles.
-__device__ __forceinline__ int fused_min_tiles(const FusedRope& fr, int Lc) {
+template <typename KVT>
+__device__ __forceinline__ int fused_min_tiles(const FusedRope<KVT>& fr, int Lc) {
     const int tiles = (Lc + TC_TILE - 1) / TC_TILE;
     return tiles <= fr.solo_tiles ? max(tiles, 1) : fr.min_tiles;
 }
 
 // NEW: key position newkey gets no copy; its K / V rows come from knew / vnew (null: the prologue writes them);
 // bt[p / block_size - b0] is the block of key p.
-template <int HD, bool NEW = false>
-__device__ __forceinline__ void tc_issue(bf16* stage, const bf16* kbase, const bf16* vbase, size_t kv_stride,
+// stage: one ring slot (K rows, then V rows, of TcSmem::ROW bytes); 16-byte chunks of KVT elements.
+template <int HD, bool NEW = false, typename KVT = bf16>
+__device__ __forceinline__ void tc_issue(unsigned char* stage, const KVT* kbase, const KVT* vbase, size_t kv_stride,
                                          const int* bt, int block_size, int k0, int kend, int newkey = -1,
-                                         const bf16* knew = nullptr, const bf16* vnew = nullptr, int b0 = 0) {
-    constexpr int LD = HD + 8, DCH = HD / 8;
+                                         const unsigned char* knew = nullptr, const unsigned char* vnew = nullptr,
+                                         int b0 = 0) {
+    constexpr int ROW = TcSmem<HD, 2, KVT>::ROW, DCH = HD * (int)sizeof(KVT) / 16, EPC = 16 / (int)sizeof(KVT);
 #pragma unroll
     for (int j = 0; j < TC_TILE * DCH / TC_THREADS; j++) {
         const int idx = threadIdx.x + j * TC_THREADS, key = idx / DCH, u = idx % DCH, p = k0 + key;
@@ -45,15 +63,15 @@ __device__ __forceinline__ void tc_issue(bf16* stage, const bf16* kbase, const b
         if constexpr (NEW) {
             if (p == newkey) {
                 if (knew) {
-                    st16(stage + key * LD + u * 8, ld16(knew + u * 8));
-                    st16(stage + (TC_TILE + key) * LD + u * 8, ld16(vnew + u * 8));
+                    st16(stage + key * ROW + u * 16, ld16(knew + u * 16));
+                    st16(stage + (TC_TILE + key) * ROW + u * 16, ld16(vnew + u * 16));
                 }
                 continue;
             }
         }
         const size_t slot = ok ? (size_t)bt[p / block_size - b0] * block_size + p % block_size : 0;
-        cp_async16(stage + key * LD + u * 8, kbase + slot * kv_stride + u * 8, ok ? 16 : 0);
-        cp_async16(stage + (TC_TILE + key) * LD + u * 8, vbase + slot * kv_stride + u * 8, ok ? 16 : 0);
+        cp_async16(stage + key * ROW + u * 16, kbase + slot * kv_stride + u * EPC, ok ? 16 : 0);
+        cp_async16(stage + (TC_TILE + key) * ROW + u * 16, vbase + slot * kv_stride + u * EPC, ok ? 16 : 0);
     }
 }
 
@@ -61,11 +79,12 @@ __device__ __forceinline__ void tc_issue(bf16* stage, const bf16* kbase, const b
 // the new token (newkey >= 0) its k / v into kv_new and the cache, and into its ring row when that tile is
 // already being copied (prologue tiles). One warp per head.
 // cs / sn: this lane's RoPE table entries at positions[row]; slot: slot_mapping[row].
-template <int HD, int STAGES>
-__device__ __forceinline__ void fused_qkv_rope(const FusedRope& fr, bf16 (*qs)[HD + 8], bf16 (*kv_new)[HD],
-                                               bf16* stages, int row, int nh, int nkv, int kvh, int num_slots,
-                                               int newkey, int k0, const float* cs, const float* sn, int slot) {
-    constexpr int E = HD / 32, LD = HD + 8, STAGE = 2 * TC_TILE * LD;
+template <int HD, int STAGES, typename KVT>
+__device__ __forceinline__ void fused_qkv_rope(const FusedRope<KVT>& fr, bf16 (*qs)[HD + 8], KVT (*kv_new)[HD],
+                                               unsigned char* stages, int row, int nh, int nkv, int kvh,
+                                               int num_slots, int newkey, int k0, const float* cs, const float* sn,
+                                               int slot, float k_scale, float v_scale) {
+    constexpr int E = HD / 32, ROW = TcSmem<HD, STAGES, KVT>::ROW, STAGE = TcSmem<HD, STAGES, KVT>::STAGE;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, G = nh / nkv;
     const bf16* src = fr.qkv + (size_t)row * (nh + 2 * nkv) * HD;
     for (int g = warp; g < G; g += TC_THREADS / 32) {
@@ -92,32 +111,37 @@ __device__ __forceinline__ void fused_qkv_rope(const FusedRope& fr, bf16 (*qs)[H
         for (int e = 0; e < E; e++) y[e] = x[e];
     }
     const int key = newkey - k0, t = key / TC_TILE;
-    bf16* ring = t < STAGES - 1 ? stages + t * STAGE + (warp * TC_TILE + key % TC_TILE) * LD : nullptr;
-    bf16* cache = slot >= 0 ? fr.kv_out + ((size_t)warp * num_slots + slot) * nkv * HD + (size_t)kvh * HD : nullptr;
+    KVT* ring = t < STAGES - 1 ? reinterpret_cast<KVT*>(stages + t * STAGE + (warp * TC_TILE + key % TC_TILE) * ROW)
+                               : nullptr;
+    KVT* cache = slot >= 0 ? fr.kv_out + ((size_t)warp * num_slots + slot) * nkv * HD + (size_t)kvh * HD : nullptr;
 #pragma unroll
     for (int e = 0; e < E; e++) {
-        const bf16 b = f2bf(y[e]);
+        KVT b;
+        kv_put(&b, y[e], warp == 0 ? k_scale : v_scale);
         kv_new[warp][lane + 32 * e] = b;
         if (ring) ring[lane + 32 * e] = b;
         if (cache) cache[lane + 32 * e] = b;
     }
 }
 
-template <int HD, int STAGES, bool FUSED = false>
+template <int HD, int STAGES, bool FUSED = false, typename KVT = bf16>
 __device__ __forceinline__ void attn_decode_tc_impl(
-        const bf16* __restrict__ q, const bf16* __restrict__ kv_layer, const int* __restrict__ qsl,
+        const bf16* __restrict__ q, const KVT* __restrict__ kv_layer, const int* __restrict__ qsl,
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables, float* __restrict__ part_o,
         float* __restrict__ part_ml, int* __restrict__ counters, bf16* __restrict__ out, int T, int nh, int nkv,
-        int block_size, int max_blocks, int num_slots, float scale, const FusedRope& fr = FusedRope{}) {
-    constexpr int LD = HD + 8, KS = HD / 16, DT = HD / 8, STAGE = 2 * TC_TILE * LD, GM = 16;
+        int block_size, int max_blocks, int num_slots, float scale, const FusedRope<KVT>& fr = FusedRope<KVT>{},
+        float k_scale = 1.f, float v_scale = 1.f) {
+    using SM = TcSmem<HD, STAGES, KVT>;
+    constexpr int LD = HD + 8, KS = HD / 16, DT = HD / 8, STAGE = SM::STAGE, GM = 16;
     extern __shared__ __align__(16) unsigned char tc_smem[];
-    bf16* stages = reinterpret_cast<bf16*>(tc_smem);                  // [STAGES][K, V][TC_TILE][LD]
+    unsigned char* stages = tc_smem;                                  // [STAGES][K, V][TC_TILE][ROW bytes]
+    bf16* cvt = reinterpret_cast<bf16*>(tc_smem + SM::CVT);           // FP8: the landed tile as bf16 [K, V][TC_TILE][LD]
     __shared__ float wm[4][GM], wl[4][GM];
-    // fused: after the ring, this block's q heads [GM][LD], the new token's k, v [2][HD] (bf16), then the block
-    // ids of its keys (as many ints as the rest of the dynamic shared memory holds)
-    bf16 (*qs)[LD] = reinterpret_cast<bf16 (*)[LD]>(stages + STAGES * STAGE);
-    bf16 (*kv_new)[HD] = reinterpret_cast<bf16 (*)[HD]>(stages + STAGES * STAGE + GM * LD);
-    int* bts = reinterpret_cast<int*>(stages + STAGES * STAGE + GM * LD + 2 * HD);
+    // fused: after the ring (and cvt), this block's q heads [GM][LD], the new token's k, v [2][HD] (KVT), then the
+    // block ids of its keys (as many ints as the rest of the dynamic shared memory holds)
+    bf16 (*qs)[LD] = reinterpret_cast<bf16 (*)[LD]>(tc_smem + SM::QS);
+    KVT (*kv_new)[HD] = reinterpret_cast<KVT (*)[HD]>(tc_smem + SM::KVNEW);
+    int* bts = reinterpret_cast<int*>(tc_smem + SM::BTS);
 
     const int i = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int G = nh / nkv;
@@ -138,8 +162,8 @@ __device__ __forceinline__ void attn_decode_tc_impl(
     const int newkey = FUSED && sr.kend == seq_lens[i] ? sr.kend - 1 : -1;
 
     const size_t kv_stride = (size_t)nkv * HD;
-    const bf16* kbase = kv_layer + (size_t)kvh * HD;
-    const bf16* vbase = kv_layer + (size_t)num_slots * kv_stride + (size_t)kvh * HD;
+    const KVT* kbase = kv_layer + (size_t)kvh * HD;
+    const KVT* vbase = kv_layer + (size_t)num_slots * kv_stride + (size_t)kvh * HD;
     const int* bt = block_tables + (size_t)i * max_blocks;
     int b0 = 0;                                                  // fused: bt[k / block_size - b0] = block of key k
     float cs[FUSED ? HD / 64 : 1], sn[FUSED ? HD / 64 : 1];
@@ -150,7 +174,7 @@ __device__ __forceinline__ void attn_decode_tc_impl(
         rope_load<HD>(fr.cos_t, fr.sin_t, fr.positions[row], lane, cs, sn);
         u32 smem_bytes;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
-        const int cap = (int)(smem_bytes / 2 - (STAGES * STAGE + GM * LD + 2 * HD)) / 2;
+        const int cap = (int)(smem_bytes - SM::BTS) / 4;
         const int first = sr.k0 / block_size, nblk = (sr.kend - 1) / block_size - first + 1;
         if (nblk <= cap) {
             for (int b = tid; b < nblk; b += TC_THREADS) bts[b] = bt[first + b];
@@ -162,15 +186,15 @@ __device__ __forceinline__ void attn_decode_tc_impl(
 #pragma unroll
     for (int st = 0; st < STAGES - 1; st++) {
         if (st < sr.ntiles)
-            tc_issue<HD, FUSED>(stages + st * STAGE, kbase, vbase, kv_stride, bt, block_size, sr.k0 + st * TC_TILE,
-                                sr.kend, newkey, nullptr, nullptr, b0);
+            tc_issue<HD, FUSED, KVT>(stages + st * STAGE, kbase, vbase, kv_stride, bt, block_size,
+                                     sr.k0 + st * TC_TILE, sr.kend, newkey, nullptr, nullptr, b0);
         cp_async_commit();
     }
     if constexpr (FUSED) {
         asm volatile("griddepcontrol.wait;" ::: "memory");      // from here on: the previous kernels' outputs
         zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
-        fused_qkv_rope<HD, STAGES>(fr, qs, kv_new, stages, sr.row, nh, nkv, kvh, num_slots, newkey, sr.k0, cs, sn,
-                                   slot);
+        fused_qkv_rope<HD, STAGES, KVT>(fr, qs, kv_new, stages, sr.row, nh, nkv, kvh, num_slots, newkey, sr.k0,
+                                        cs, sn, slot, k_scale, v_scale);
         __syncthreads();
     }
 
@@ -191,7 +215,7 @@ __device__ __forceinline__ void attn_decode_tc_impl(
             qa[ks][3] = gb < G ? pb[c + 4] : 0u;
         }
     }
-    const float sl2 = scale * 1.4426950408889634f;
+    const float sl2 = scale * k_scale * 1.4426950408889634f;
     const float NEG = -__int_as_float(0x7f800000);
     float o[DT][4];
 #pragma unroll
@@ -205,11 +229,18 @@ __device__ __forceinline__ void attn_decode_tc_impl(
         {
             const int nt = t + STAGES - 1;
             if (nt < sr.ntiles)
-                tc_issue<HD, FUSED>(stages + (nt % STAGES) * STAGE, kbase, vbase, kv_stride, bt, block_size,
-                                    sr.k0 + nt * TC_TILE, sr.kend, newkey, kv_new[0], kv_new[FUSED ? 1 : 0], b0);
+                tc_issue<HD, FUSED, KVT>(stages + (nt % STAGES) * STAGE, kbase, vbase, kv_stride, bt, block_size,
+                                         sr.k0 + nt * TC_TILE, sr.kend, newkey,
+                                         reinterpret_cast<const unsigned char*>(kv_new[0]),
+                                         reinterpret_cast<const unsigned char*>(kv_new[FUSED ? 1 : 0]), b0);
             cp_async_commit();
         }
-        const bf16* Ks = stages + (t % STAGES) * STAGE;
+        const bf16* Ks = reinterpret_cast<const bf16*>(stages + (t % STAGES) * STAGE);
+        if constexpr (SM::F8) {                                 // e4m3 tile -> cvt (free: all passed tile t - 1)
+            kv_tile_to_bf16<2 * TC_TILE, HD, LD, TC_THREADS>(reinterpret_cast<const e4m3*>(Ks), cvt);
+            __syncthreads();
+            Ks = cvt;
+        }
         const bf16* Vs = Ks + TC_TILE * LD;
         float s[2][4];
 #pragma unroll
@@ -304,7 +335,7 @@ __device__ __forceinline__ void attn_decode_tc_impl(
             acc += f * red[(w * GM + g) * HD + d];
             L += f * wl[w][g];
         }
-        store_split(part_o, part_ml, out, i, sr.row, kvh * G + g, d, HD, nh, sr.active, acc, M, L);
+        store_split(part_o, part_ml, out, i, sr.row, kvh * G + g, d, HD, nh, sr.active, acc * v_scale, M, L);
     }
     if (sr.active == 1) return;
     combine_splits_if_last<HD, GM, true, FUSED>(part_o, part_ml, counters, out, i, kvh, sr.row, nh, nkv, sr.active,
@@ -326,6 +357,21 @@ DECODE_TC_KERNEL(128, 2)
 DECODE_TC_KERNEL(128, 3)
 DECODE_TC_KERNEL(128, 4)
 
+// attn_decode_tc_f8kv_sSTAGES_hdHD: the same over an FP8 cache (k_scale, v_scale: the layer's).
+#define DECODE_TC_F8KV_KERNEL(HD, STAGES)                                                                    \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, 3) attn_decode_tc_f8kv_s##STAGES##_hd##HD(      \
+        const bf16* q, const e4m3* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,   \
+        float* part_o, float* part_ml, int* counters, bf16* out, int T, int nh, int nkv, int block_size,     \
+        int max_blocks, int num_slots, float scale, float k_scale, float v_scale) {                          \
+        attn_decode_tc_impl<HD, STAGES, false, e4m3>(q, kv_layer, qsl, seq_lens, block_tables, part_o,      \
+                                                     part_ml, counters, out, T, nh, nkv, block_size,         \
+                                                     max_blocks, num_slots, scale, FusedRope<e4m3>{},       \
+                                                     k_scale, v_scale); }
+
+DECODE_TC_F8KV_KERNEL(64, 2)
+DECODE_TC_F8KV_KERNEL(128, 2)
+DECODE_TC_F8KV_KERNEL(128, 3)
+
 // attn_decode_fused_sSTAGES_hdHD: decode buckets of 1-2 seqs, QK-norm / RoPE / KV write included (q_norm, k_norm
 // null: no norm). kv_layer is read (the context) and written (the new token's k / v). Dynamic shared memory:
 // the ring (STAGES * 2 * 64 * (HD + 8) bf16) + (16 * (HD + 8) + 2 * HD) bf16 + block ids (int; the plan sizes them
@@ -337,8 +383,8 @@ DECODE_TC_KERNEL(128, 4)
         const int* qsl, const int* seq_lens, const int* block_tables, float* part_o, float* part_ml,         \
         int* counters, bf16* out, int T, int nh, int nkv, int block_size, int max_blocks, int num_slots,     \
         float eps, float scale, int min_tiles, int solo_tiles) {                                             \
-        const FusedRope fr{qkv, positions, slot_mapping, q_norm, k_norm, cos_t, sin_t, q_out, kv_layer, eps,  \
-                           min_tiles, solo_tiles};                                                           \
+        const FusedRope<bf16> fr{qkv, positions, slot_mapping, q_norm, k_norm, cos_t, sin_t, q_out, kv_layer, \
+                                 eps, min_tiles, solo_tiles};                                                \
         attn_decode_tc_impl<HD, STAGES, true>(nullptr, kv_layer, qsl, seq_lens, block_tables, part_o,        \
                                               part_ml, counters, out, T, nh, nkv, block_size, max_blocks,    \
                                               num_slots, scale, fr); }
@@ -349,3 +395,22 @@ DECODE_FUSED_KERNEL(128, 2)
 DECODE_FUSED_KERNEL(128, 3)
 DECODE_FUSED_KERNEL(128, 4)
 DECODE_FUSED_KERNEL(128, 6)
+
+// attn_decode_fused_f8kv_sSTAGES_hdHD: the same over an FP8 cache (the new k / v written as e4m3 at the layer's
+// scales). Dynamic shared memory: plan.attention_plan.few_seq_smem(..., fp8=True) (TcSmem above).
+#define DECODE_FUSED_F8KV_KERNEL(HD, STAGES)                                                                 \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) attn_decode_fused_f8kv_s##STAGES##_hd##HD(     \
+        const bf16* qkv, const int* positions, const int* slot_mapping, const bf16* q_norm,                  \
+        const bf16* k_norm, const float* cos_t, const float* sin_t, bf16* q_out, e4m3* kv_layer,             \
+        const int* qsl, const int* seq_lens, const int* block_tables, float* part_o, float* part_ml,         \
+        int* counters, bf16* out, int T, int nh, int nkv, int block_size, int max_blocks, int num_slots,     \
+        float eps, float scale, int min_tiles, int solo_tiles, float k_scale, float v_scale) {               \
+        const FusedRope<e4m3> fr{qkv, positions, slot_mapping, q_norm, k_norm, cos_t, sin_t, q_out, kv_layer, \
+                                 eps, min_tiles, solo_tiles};                                                \
+        attn_decode_tc_impl<HD, STAGES, true, e4m3>(nullptr, kv_layer, qsl, seq_lens, block_tables, part_o,  \
+                                                    part_ml, counters, out, T, nh, nkv, block_size,          \
+                                                    max_blocks, num_slots, scale, fr, k_scale, v_scale); }
+
+DECODE_FUSED_F8KV_KERNEL(64, 3)
+DECODE_FUSED_F8KV_KERNEL(128, 3)
+DECODE_FUSED_F8KV_KERNEL(128, 4)

@@ -7,19 +7,26 @@
 // max moved; a warp skips the tiles after its last row and masks only those past its first.
 // Grid (nh, ceil(T / (16 W MT)) + num_seqs): block y takes the y-th (seq, tile) pair, a seq's tiles in reverse
 // (its longest rows first); every block zeroes uncovered rows r with r % gridDim.y == y.
+// KVT e4m3 (attn_prefill_f8kv_*, an FP8 cache: kv_fp8.cuh): the ring holds e4m3 rows of HD bytes (S x 2 x KT x HD),
+// each landed tile pair is converted into one bf16 tile pair after the ring (2 x KT x (HD + 8)) that the same MMA
+// code reads; k_scale joins the softmax scale, v_scale the output.
 #include "prefill_tiles.cuh"
+#include "kv_fp8.cuh"
 
-template <int HD, int W, int MT, int KT, int STAGES>
+template <int HD, int W, int MT, int KT, int STAGES, typename KVT = bf16>
 __device__ __forceinline__ void attn_prefill_pipe_impl(
-        const bf16* __restrict__ q, const bf16* __restrict__ kv_layer, const int* __restrict__ qsl,
+        const bf16* __restrict__ q, const KVT* __restrict__ kv_layer, const int* __restrict__ qsl,
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables, bf16* __restrict__ out,
         int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots, float scale,
-        int min_rows) {
+        int min_rows, float k_scale = 1.f, float v_scale = 1.f) {
     pdl_entry();
+    constexpr bool F8 = KvF8<KVT>::value;
     constexpr int LD = HD + 8, KS = HD / 16, DT = HD / 8, NJ = KT / 8, WR = 16 * MT, BQ = W * WR, NT = W * 32;
-    constexpr int TILE = KT * LD;                                // elements of one K (or V) tile
-    static_assert(KT * (HD / 8) % NT == 0 && KS % 2 == 0 && KT % 16 == 0, "whole copy rounds, paired k-steps");
-    extern __shared__ __align__(16) bf16 kv_ring[];              // [STAGES][K tile | V tile]
+    constexpr int TILE = KT * LD;                                // elements of one bf16 K (or V) tile
+    constexpr int EPC = 16 / (int)sizeof(KVT), ROW = F8 ? HD : LD * 2, SLOT = 2 * KT * ROW;   // bytes
+    static_assert(KT * (HD / EPC) % NT == 0 && KS % 2 == 0 && KT % 16 == 0, "whole copy rounds, paired k-steps");
+    extern __shared__ __align__(16) unsigned char kv_smem[];     // [STAGES][K tile | V tile] (+ FP8: the bf16 pair)
+    bf16* cvt = reinterpret_cast<bf16*>(kv_smem + STAGES * SLOT);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, h = blockIdx.x;
     const int covered = qsl[num_seqs];
     for (int r = covered + blockIdx.y; r < T; r += gridDim.y)
@@ -52,20 +59,20 @@ __device__ __forceinline__ void attn_prefill_pipe_impl(
     }
     const int* bt = block_tables + (size_t)seq * max_blocks;
     const int bs_log2 = __ffs(block_size) - 1;                   // block_size is a power of two (BuildConfig)
-    const bf16* kv_head = kv_layer + (size_t)kvh * HD;
+    const KVT* kv_head = kv_layer + (size_t)kvh * HD;
     auto load_tile = [&](int kt) {                               // keys past max_pos are zero-filled
-        bf16* ks = kv_ring + (kt % STAGES) * 2 * TILE;
+        unsigned char* ks = kv_smem + (kt % STAGES) * SLOT;
 #pragma unroll
-        for (int i = 0; i < KT * (HD / 8) / NT; i++) {
-            const int c = tid + i * NT, kr = c / (HD / 8), kc = (c % (HD / 8)) * 8, p = kt * KT + kr;
+        for (int i = 0; i < KT * (HD / EPC) / NT; i++) {
+            const int c = tid + i * NT, kr = c / (HD / EPC), kc = (c % (HD / EPC)) * EPC, p = kt * KT + kr;
             const bool ok = p <= max_pos;
             const size_t slot = ok ? ((size_t)bt[p >> bs_log2] << bs_log2) + (p & (block_size - 1)) : 0;
-            const bf16* kp = kv_head + slot * kv_stride + kc;
-            cp_async16(ks + kr * LD + kc, kp, ok ? 16 : 0);
-            cp_async16(ks + TILE + kr * LD + kc, kp + v_off, ok ? 16 : 0);
+            const KVT* kp = kv_head + slot * kv_stride + kc;
+            cp_async16(ks + kr * ROW + kc * (int)sizeof(KVT), kp, ok ? 16 : 0);
+            cp_async16(ks + (KT + kr) * ROW + kc * (int)sizeof(KVT), kp + v_off, ok ? 16 : 0);
         }
     };
-    const float sl2 = scale * 1.4426950408889634f, NEG_INF = -__int_as_float(0x7f800000);
+    const float sl2 = scale * k_scale * 1.4426950408889634f, NEG_INF = -__int_as_float(0x7f800000);
     float o[MT][DT][4], m_r[MT][2], l_r[MT][2];                  // m_r: running max in log2 units (scaled)
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
@@ -86,9 +93,14 @@ __device__ __forceinline__ void attn_prefill_pipe_impl(
         __syncthreads();                                         // ... every thread's; tile kt - 1 is free
         if (kt + STAGES - 1 < ntiles) load_tile(kt + STAGES - 1);
         cp_async_commit();
+        const bf16* Ks = reinterpret_cast<const bf16*>(kv_smem + (kt % STAGES) * SLOT);
+        if constexpr (F8) {                                      // e4m3 pair -> cvt (free: all passed tile kt - 1)
+            kv_tile_to_bf16<2 * KT, HD, LD, NT>(reinterpret_cast<const e4m3*>(Ks), cvt);
+            __syncthreads();
+            Ks = cvt;
+        }
         const int kb = kt * KT;
         if (kb > wpos_last) continue;                            // every key of the tile is after this warp's rows
-        const bf16* Ks = kv_ring + (kt % STAGES) * 2 * TILE;
         const bf16* Vs = Ks + TILE;
 
         float s[MT][NJ][4];
@@ -180,7 +192,7 @@ __device__ __forceinline__ void attn_prefill_pipe_impl(
             float l = l_r[mt][e];
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const float inv = 1.f / l;
+            const float inv = v_scale / l;
             const int r = row_l + mt * 16 + e * 8;
             if (r >= n) continue;
             bf16* orow = out + ((size_t)(qsl[seq] + r) * nh + h) * HD + (lane & 3) * 2;
@@ -209,3 +221,19 @@ PREFILL_PIPE_KERNEL(128, 4, 2, 32, 3)
 PREFILL_PIPE_KERNEL(128, 8, 2, 32, 2)
 PREFILL_PIPE_KERNEL(128, 4, 2, 16, 3)
 PREFILL_PIPE_KERNEL(128, 4, 2, 16, 4)
+
+// attn_prefill_f8kv_wWmMTkKTsS_hdHD: the same over an FP8 cache. Dynamic shared memory: S x 2 x KT x HD bytes (the
+// e4m3 ring) + 2 x KT x (HD + 8) bf16 (plan.attention_plan.prefill_attn_launch).
+#define PREFILL_PIPE_F8KV_KERNEL(HD, W, MT, KT, S)                                                             \
+    extern "C" __global__ void __launch_bounds__(W * 32) attn_prefill_f8kv_w##W##m##MT##k##KT##s##S##_hd##HD(  \
+        const bf16* q, const e4m3* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,   \
+        bf16* out, int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots,      \
+        float scale, int min_rows, float k_scale, float v_scale) {                                           \
+        attn_prefill_pipe_impl<HD, W, MT, KT, S, e4m3>(q, kv_layer, qsl, seq_lens, block_tables, out, T,     \
+                                                       num_seqs, nh, nkv, block_size, max_blocks, num_slots, \
+                                                       scale, min_rows, k_scale, v_scale); }
+
+PREFILL_PIPE_F8KV_KERNEL(64, 8, 1, 64, 2)
+PREFILL_PIPE_F8KV_KERNEL(128, 8, 1, 64, 2)
+PREFILL_PIPE_F8KV_KERNEL(128, 8, 1, 64, 3)
+PREFILL_PIPE_F8KV_KERNEL(128, 4, 2, 16, 4)

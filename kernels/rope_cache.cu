@@ -1,14 +1,17 @@
 // Fused per-head QK RMSNorm + NeoX RoPE + paged KV write. Grid (rows, head groups); one warp per head
 // (q heads, then k heads, then v heads). HD % 64 == 0: lane holds elements lane + 32 e, RoPE pairs e, e + E/2.
-// kv_layer: [2, num_slots, nkv, HD] of this layer; rows with slot < 0 write no KV.
+// kv_layer: [2, num_slots, nkv, HD] of this layer; rows with slot < 0 write no KV. KVT e4m3 (the _f8kv kernels):
+// an FP8 cache, k and v stored at k_scale / v_scale (kv_fp8.cuh).
 #include "qk_rope.cuh"
+#include "kv_fp8.cuh"
 
-template <int HD>
+template <int HD, typename KVT = bf16>
 __device__ __forceinline__ void qk_rope_impl(const bf16* __restrict__ qkv, const int* __restrict__ positions,
                                              const int* __restrict__ slot_mapping, const bf16* __restrict__ q_norm,
                                              const bf16* __restrict__ k_norm, const float* __restrict__ cos_t,
                                              const float* __restrict__ sin_t, bf16* __restrict__ q_out,
-                                             bf16* __restrict__ kv_layer, int nh, int nkv, float eps, int num_slots) {
+                                             KVT* __restrict__ kv_layer, int nh, int nkv, float eps, int num_slots,
+                                             float k_scale = 1.f, float v_scale = 1.f) {
     pdl_entry();
     constexpr int E = HD / 32;
     const int r = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
@@ -22,9 +25,9 @@ __device__ __forceinline__ void qk_rope_impl(const bf16* __restrict__ qkv, const
         rope_load<HD>(cos_t, sin_t, pos, lane, cs, sn);       // table loads issued with x's, before the norm
         if (head >= nh + nkv) {                               // v: copy into the cache
             if (slot >= 0) {
-                bf16* dst = kv_layer + ((size_t)num_slots + slot) * nkv * HD + (size_t)(head - nh - nkv) * HD;
+                KVT* dst = kv_layer + ((size_t)num_slots + slot) * nkv * HD + (size_t)(head - nh - nkv) * HD;
 #pragma unroll
-                for (int e = 0; e < E; e++) dst[lane + 32 * e] = f2bf(x[e]);
+                for (int e = 0; e < E; e++) kv_put(dst + lane + 32 * e, x[e], v_scale);
             }
             continue;
         }
@@ -32,10 +35,15 @@ __device__ __forceinline__ void qk_rope_impl(const bf16* __restrict__ qkv, const
         if (!is_q && slot < 0) continue;
         float y[E];
         qk_norm_rope_head<HD>(x, is_q ? q_norm : k_norm, cs, sn, eps, lane, y);
-        bf16* dst = is_q ? q_out + ((size_t)r * nh + head) * HD
-                         : kv_layer + (size_t)slot * nkv * HD + (size_t)(head - nh) * HD;
+        if (is_q) {
+            bf16* dst = q_out + ((size_t)r * nh + head) * HD;
 #pragma unroll
-        for (int e = 0; e < E; e++) dst[lane + 32 * e] = f2bf(y[e]);
+            for (int e = 0; e < E; e++) dst[lane + 32 * e] = f2bf(y[e]);
+        } else {
+            KVT* dst = kv_layer + (size_t)slot * nkv * HD + (size_t)(head - nh) * HD;
+#pragma unroll
+            for (int e = 0; e < E; e++) kv_put(dst + lane + 32 * e, y[e], k_scale);
+        }
     }
 }
 
@@ -50,6 +58,19 @@ __device__ __forceinline__ void qk_rope_impl(const bf16* __restrict__ qkv, const
 ROPE_KERNEL(qk_norm_rope_cache, qk_rope_impl, 64)
 ROPE_KERNEL(qk_norm_rope_cache, qk_rope_impl, 128)
 ROPE_KERNEL(qk_norm_rope_cache, qk_rope_impl, 256)
+
+// qk_norm_rope_cache_f8kv_hdHD: the same into an FP8 cache (k / v divided by the layer's scales).
+#define ROPE_KERNEL_F8KV(HD)                                                                                 \
+    extern "C" __global__ void qk_norm_rope_cache_f8kv_hd##HD(                                               \
+        const bf16* qkv, const int* positions, const int* slot_mapping, const bf16* q_norm,                  \
+        const bf16* k_norm, const float* cos_t, const float* sin_t, bf16* q_out, e4m3* kv_layer,             \
+        int nh, int nkv, float eps, int num_slots, float k_scale, float v_scale) {                           \
+        qk_rope_impl<HD, e4m3>(qkv, positions, slot_mapping, q_norm, k_norm, cos_t, sin_t, q_out, kv_layer,  \
+                               nh, nkv, eps, num_slots, k_scale, v_scale); }
+
+ROPE_KERNEL_F8KV(64)
+ROPE_KERNEL_F8KV(128)
+ROPE_KERNEL_F8KV(256)
 
 // Same op, vector layout: lane holds E = HD / 32 consecutive elements (HD 128: one 8-byte load and store a lane),
 // RoPE partner e +- HD / 2 in lane ^ 16 (one shuffle an element). Only the norm's sum of squares is grouped

@@ -3,6 +3,7 @@
 // one bf16 rounding an element where those round twice (the second rounding of a bf16 value changes nothing).
 // EF: the streams read once (the GEMM outputs, the residual) load with an L2 evict-first hint.
 #include "qk_rope.cuh"
+#include "kv_fp8.cuh"
 
 template <bool EF>
 __device__ __forceinline__ vec16 ld_once(const void* p) {
@@ -180,13 +181,15 @@ extern "C" __global__ void silu_mul_rows_u3_sw(const bf16* inp, bf16* out, int I
 // shared memory with 16-byte loads (dynamic smem: (nh + 2 nkv) * HD bf16 + HD floats), one warp a q / k head computes exactly as qk_rope_impl
 // (qk_norm_rope_head, lane + 32 e), and 16-byte stores write q, k and v (v through f2bf: NaN made canonical, as
 // qk_rope_impl's copy does).
-template <int HD, bool EF>
+// KVT e4m3 (the _f8kv kernels): an FP8 cache, each k / v chunk divided by k_scale / v_scale (kv_fp8.cuh).
+template <int HD, bool EF, typename KVT = bf16>
 __device__ __forceinline__ void qk_rope_rows_impl(const bf16* __restrict__ qkv, const int* __restrict__ positions,
                                                   const int* __restrict__ slot_mapping,
                                                   const bf16* __restrict__ q_norm, const bf16* __restrict__ k_norm,
                                                   const float* __restrict__ cos_t, const float* __restrict__ sin_t,
-                                                  bf16* __restrict__ q_out, bf16* __restrict__ kv_layer, int nh,
-                                                  int nkv, float eps, int num_slots) {
+                                                  bf16* __restrict__ q_out, KVT* __restrict__ kv_layer, int nh,
+                                                  int nkv, float eps, int num_slots, float k_scale = 1.f,
+                                                  float v_scale = 1.f) {
     pdl_entry();
     extern __shared__ vec16 row_smem[];
     constexpr int E = HD / 32;
@@ -214,19 +217,23 @@ __device__ __forceinline__ void qk_rope_rows_impl(const bf16* __restrict__ qkv, 
         for (int e = 0; e < E; e++) sm[head * HD + lane + 32 * e] = f2bf(y[e]);
     }
     __syncthreads();
-    bf16* k_dst = kv_layer + (size_t)slot * nkv * HD;
-    bf16* v_dst = kv_layer + ((size_t)num_slots + slot) * nkv * HD;
+    KVT* k_dst = kv_layer + (size_t)slot * nkv * HD;
+    KVT* v_dst = kv_layer + ((size_t)num_slots + slot) * nkv * HD;
     for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
         vec16 v = row_smem[c];
         if (c < qc) {
             st16(q_out + (size_t)r * nh * HD + 8 * c, v);
+        } else if (KvF8<KVT>::value && slot >= 0) {
+            const bool is_k = c < qc + kc;
+            *reinterpret_cast<uint2*>((is_k ? k_dst + 8 * (c - qc) : v_dst + 8 * (c - qc - kc))) =
+                kv_chunk_e4m3(v, is_k ? k_scale : v_scale);
         } else if (slot >= 0) {
             if (c < qc + kc) {
-                st16(k_dst + 8 * (c - qc), v);
+                st16(reinterpret_cast<bf16*>(k_dst) + 8 * (c - qc), v);
             } else {
                 v.x = pack2(bflo(v.x), bfhi(v.x)); v.y = pack2(bflo(v.y), bfhi(v.y));
                 v.z = pack2(bflo(v.z), bfhi(v.z)); v.w = pack2(bflo(v.w), bfhi(v.w));
-                st16(v_dst + 8 * (c - qc - kc), v);
+                st16(reinterpret_cast<bf16*>(v_dst) + 8 * (c - qc - kc), v);
             }
         }
     }
@@ -246,3 +253,16 @@ ROPE_ROWS(256, false, )
 ROPE_ROWS(64, true, _ef)
 ROPE_ROWS(128, true, _ef)
 ROPE_ROWS(256, true, _ef)
+
+// qk_norm_rope_cache_rows_f8kv_hdHD: the same into an FP8 cache.
+#define ROPE_ROWS_F8KV(HD)                                                                                   \
+    extern "C" __global__ void qk_norm_rope_cache_rows_f8kv_hd##HD(                                          \
+        const bf16* qkv, const int* positions, const int* slot_mapping, const bf16* q_norm,                  \
+        const bf16* k_norm, const float* cos_t, const float* sin_t, bf16* q_out, e4m3* kv_layer,             \
+        int nh, int nkv, float eps, int num_slots, float k_scale, float v_scale) {                           \
+        qk_rope_rows_impl<HD, false, e4m3>(qkv, positions, slot_mapping, q_norm, k_norm, cos_t, sin_t,       \
+                                           q_out, kv_layer, nh, nkv, eps, num_slots, k_scale, v_scale); }
+
+ROPE_ROWS_F8KV(64)
+ROPE_ROWS_F8KV(128)
+ROPE_ROWS_F8KV(256)

@@ -13,6 +13,7 @@
   python3 scripts/bench_kernels.py attn-few --batches 1,2 --contexts 128,512,4096
   python3 scripts/bench_kernels.py prefill-gemm --lib PATH/libxserv_gemm.so [--rows 2048,4096,8192]
   python3 scripts/bench_kernels.py prefill-elementwise [--rows 2048,4096,8192] [--variants rows_r,u3]
+  python3 scripts/bench_kernels.py kv-fp8 --batches 16,64,256 --contexts 1024,4096   (scripts/bench_kv_fp8.py)
 
 gemm: every decode linear shape of Qwen3-8B (qkv, o, gate_up, down, lm_head) x rows: the CUTLASS swap-AB
 stream-K / split-K configs, the NVRTC skinny kernel (rows <= 64) and the CUTLASS tile configs (rows >= 128);
@@ -23,7 +24,8 @@ attn: the split-KV decode kernel (attention_decode.cu) vs the batched flash-deco
 attn-few: decode buckets of 1-2 seqs, the old rope + split-KV pair vs the fused kernel (scripts/bench_attn_few.py).
 prefill-gemm: every bf16 CUTLASS tile config on every prefill linear x M, and the gemm_configs table the
 measurements suggest (scripts/bench_prefill_gemm.py). prefill-elementwise: add_rmsnorm / rmsnorm / silu_mul /
-qk_norm_rope_cache at prefill rows against the copy rate (scripts/bench_prefill_elementwise.py).
+qk_norm_rope_cache at prefill rows against the copy rate (scripts/bench_prefill_elementwise.py). kv-fp8: batched
+decode attention over a bf16 vs an FP8 KV cache (scripts/bench_kv_fp8.py).
 Reference and timing use torch only as memory and as the oracle; kernels come from the project's build.
 """
 from __future__ import annotations
@@ -349,7 +351,7 @@ def bench_prefill(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=["gemm", "attn", "attn-few", "prefill", "fp8", "fp8-batched", "fp8-wgmma",
-                                     "prefill-gemm", "prefill-elementwise"])
+                                     "prefill-gemm", "prefill-elementwise", "kv-fp8"])
     ap.add_argument("--lib")
     ap.add_argument("--rows", default=None, help="gemm: 16,32,64,128,256; fp8: 1,2,16,64; "
                     "prefill-gemm, prefill-elementwise: 2048,4096,8192")
@@ -373,6 +375,9 @@ def main() -> None:
     if args.what == "attn-few":
         from bench_attn_few import bench_attn_few
         return bench_attn_few(args)
+    if args.what == "kv-fp8":
+        from bench_kv_fp8 import bench_kv_fp8
+        return bench_kv_fp8(args)
     {"gemm": bench_gemm, "attn": bench_attn, "prefill": bench_prefill, "fp8": bench_fp8,
      "fp8-batched": bench_fp8_batched, "fp8-wgmma": bench_fp8_wgmma}[args.what](args)
 

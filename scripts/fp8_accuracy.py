@@ -64,10 +64,13 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def compile_pair(model: Path, root: Path, scheme: str = "auto") -> tuple[Path, Path]:
+def compile_pair(model: Path, root: Path, scheme: str = "auto", kv_cache_dtype: str = "auto",
+                 quantization: str = "fp8", kv_cache_scales: str = "auto") -> tuple[Path, Path]:
+    """The bf16 plan and the one under test (quantization and KV cache dtype as given)."""
     bf16, fp8 = root / "bf16", root / "fp8"
     compile_plan(model, bf16, BuildConfig(**BUILD), force=True)
-    compile_plan(model, fp8, BuildConfig(**BUILD, quantization="fp8", fp8_scheme=scheme), force=True)
+    compile_plan(model, fp8, BuildConfig(**BUILD, quantization=quantization, fp8_scheme=scheme,
+                                         kv_cache_dtype=kv_cache_dtype, kv_cache_scales=kv_cache_scales), force=True)
     return bf16, fp8
 
 
@@ -120,11 +123,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--scheme", default="auto", help="--fp8-scheme of the FP8 plan: channel | block128 | auto")
+    ap.add_argument("--quantization", default="fp8", help="weights of the plan under test: fp8 | none (bf16)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="KV cache of the plan under test: auto | fp8_e4m3")
+    ap.add_argument("--kv-cache-scales", default="auto", help="fp8_e4m3 KV scales: auto | calibrate")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        bf16, fp8 = compile_pair(args.model, Path(tmp), args.scheme)
+        bf16, fp8 = compile_pair(args.model, Path(tmp), args.scheme, args.kv_cache_dtype, args.quantization,
+                                 args.kv_cache_scales)
         res = measure(bf16, fp8, PROMPTS[:args.prompts], args.tokens)
     res["seconds"] = round(time.time() - t0, 1)
     for i, row in enumerate(res["per_prompt"]):

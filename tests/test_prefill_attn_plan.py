@@ -58,8 +58,10 @@ def test_every_variant_launches_a_built_kernel_with_its_argument_kinds(variant, 
     kinds = ["ptr" if k == "kv" else k for k, _ in rec.args]
     assert kinds == [p["type"] for p in sigs[rec.fn]]
     assert rec.smem <= H200_SMEM_PER_BLOCK and rec.block[0] in (128, 256, 384, 512)
+    f8kv = {f"attn_prefill_f8kv_{v}_hd128" for v in ap.PREFILL_ATTN_F8KV} | {
+        f"attn_prefill_f8kv_{ap.PREFILL_ATTN_F8KV_HD64}_hd64"}
     assert set(sigs) == {"attn_prefill_hd64", "attn_prefill_hd128"} | {f"attn_prefill_{v}_hd{h}" for v, h in BUILT
-                                                                       if v != "v1"}, "built == listed"
+                                                                       if v != "v1"} | f8kv, "built == listed"
     assert rec.grid[1] <= 65535
 
 

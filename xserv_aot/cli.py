@@ -78,6 +78,10 @@ def compile(
                                                     "H200 default; see docs/cuda-notes.md)"),
     prefill_row_kernels: Optional[str] = typer.Option(None, help="v1 | rows | auto: the norm / silu_mul / rope "
                                                       "kernels of prefill buckets (plan/row_kernels.py)"),
+    kv_cache_dtype: Optional[str] = typer.Option(None, help="auto (= --dtype) | bfloat16 | fp8_e4m3: e4m3 KV "
+                                                 "cache with per-layer scales (half the bytes)"),
+    kv_cache_scales: Optional[str] = typer.Option(None, help="fp8_e4m3 KV scales: auto (the checkpoint's "
+                                                  "k_scale / v_scale, else 1.0) | calibrate"),
     dummy_weights: bool = typer.Option(False, help="random weights from the config alone (benchmarks)"),
     seed: int = typer.Option(0, help="seed for --dummy-weights"),
     force: bool = typer.Option(False, help="replace an existing plan"),
@@ -92,7 +96,8 @@ def compile(
                  max_seq_len=max_seq_len, block_size=block_size, num_blocks=num_blocks, dtype=dtype, target=target,
                  gemm_library=gemm_library, pdl=pdl, gemm_residual=gemm_residual, tensor_parallel=tensor_parallel,
                  quantization=quantization, fp8_scheme=fp8_scheme, quantize_lm_head=quantize_lm_head,
-                 prefill_attention=prefill_attention, prefill_row_kernels=prefill_row_kernels)
+                 prefill_attention=prefill_attention, prefill_row_kernels=prefill_row_kernels,
+                 kv_cache_dtype=kv_cache_dtype, kv_cache_scales=kv_cache_scales)
     run_compile(model, out, base, given, kv_memory_gib, dummy_weights, seed, force, generation_config)
 
 

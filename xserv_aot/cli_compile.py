@@ -44,10 +44,13 @@ def build_settings(base: dict, given: dict) -> dict:
 
 
 def kv_blocks_for_memory(model: Path, build, gib: float, dummy: bool) -> int:
+    """KV blocks that fit `gib` GiB: a block of an fp8_e4m3 pool takes half the bytes of a bfloat16 one."""
+    from xserv_aot.dtypes import ITEMSIZE
+    from xserv_aot.kv_cache import kv_dtype
     from xserv_aot.plan.builder import read_source
 
     m, _, _ = read_source(model, dummy)
-    per_block = m.num_layers * 2 * build.block_size * m.num_kv_heads * m.head_dim * (2 if build.dtype == "bfloat16" else 4)
+    per_block = m.num_layers * 2 * build.block_size * m.num_kv_heads * m.head_dim * ITEMSIZE[kv_dtype(build)]
     return max(1, int(gib * 2**30) // per_block)
 
 
@@ -60,7 +63,7 @@ def run_compile(model: Path, out: Path, base: dict, given: dict, kv_memory_gib: 
     from xserv_aot.config import BuildConfig
     from xserv_aot.plan.builder import compile_plan
 
-    build = BuildConfig.from_dict(build_settings(base, given))
+    build = BuildConfig.from_dict(build_settings(base, given)).validate()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # unwind: the temp directory is removed
     if kv_memory_gib is not None:
         build.num_blocks = kv_blocks_for_memory(model, build, kv_memory_gib, dummy_weights)

@@ -19,6 +19,8 @@ TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 QUANTIZATIONS = ("none", "fp8")
 FP8_W8A16_MAX_ROWS = 64      # default of fp8_w8a16_max_rows (the W8A16 skinny kernels end at 64 rows)
 FP8_SCHEME_CHOICES = ("channel", "block128", "auto")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3")   # auto: build dtype (xserv_aot/kv_cache.py)
+KV_CACHE_SCALES = ("auto", "calibrate")   # fp8 KV: the checkpoint's per-layer scales, else 1.0 | calibrated
 HF_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 
 
@@ -197,6 +199,9 @@ class BuildConfig:
                                           # CUTLASS (plan/fp8_build.plan_w8a8)
     fp8_w8a8_tma: bool = False            # fp8, CUDA: W8A8 linears of 33-64 rows (33-256 without the CUTLASS
                                           # library) on the TMA-fed wgmma kernel, kernels/gemm_w8a8_tma.cu (K >= 128)
+    kv_cache_dtype: str = "auto"          # auto (= dtype) | bfloat16 | float32 | fp8_e4m3 (per-layer scales,
+                                          # xserv_aot/kv_cache.py)
+    kv_cache_scales: str = "auto"         # fp8_e4m3 KV: auto (the checkpoint's k/v scales, else 1.0) | calibrate
 
     @property
     def prefill_chunk(self) -> int:
@@ -250,6 +255,8 @@ class BuildConfig:
             raise ConfigError(f"quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
         if self.fp8_scheme not in FP8_SCHEME_CHOICES:
             raise ConfigError(f"fp8_scheme {self.fp8_scheme!r} is not one of {', '.join(FP8_SCHEME_CHOICES)}")
+        from xserv_aot.kv_cache import check_kv_build
+        check_kv_build(self)
         if isinstance(self.megakernel_sms, bool) or not isinstance(self.megakernel_sms, int) or self.megakernel_sms < 0:
             raise ConfigError(f"megakernel_sms must be a block count >= 0 (the GPU's SMs), got {self.megakernel_sms!r}")
         if isinstance(self.megakernel_max_context, bool) or not isinstance(self.megakernel_max_context, int) \

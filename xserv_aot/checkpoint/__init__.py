@@ -40,7 +40,8 @@ def open_checkpoint(path: Path) -> tuple[ModelConfig, TensorSource, str]:
         config = read_hf_config(path)
         source = SafetensorsCheckpoint(path)
         config.source_dtype = source.dtype_name() or config.source_dtype
-        return config, with_quantization(path, source), "safetensors"
+        from xserv_aot.checkpoint.kv_scales import KvScaleSource
+        return config, KvScaleSource(with_quantization(path, source)), "safetensors"
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     raise CheckpointError(f"{path}: expected a Hugging Face model directory or a .gguf file")

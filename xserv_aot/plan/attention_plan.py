@@ -40,6 +40,13 @@ PREFILL_ATTN_BOTH_HD = ("v1", "w8m1k64s2", "w4m2k32s2")
 PREFILL_ATTN_TIERS = ((2048, {128: ("ws3h1k64s4oe",)}),
                       (0, {128: ("ws2h4k64s4", "ws2h2k64s4", "w4m2k16s4")}))
 PREFILL_ATTN_OTHER_HD = "w8m1k64s2"         # head sizes without a sweep (hd 64: tested, not timed)
+# An FP8 KV cache (kernels/kv_fp8.cuh): the pipe variants built with an e4m3 ring (attention_prefill_pipe.cu
+# attn_prefill_f8kv_*; the wgmma kernels have no FP8-KV variant), the first the hd 128 default (the pipe kernels'
+# best in the issue-14 sweeps); hd 64: PREFILL_ATTN_F8KV_HD64 only.
+PREFILL_ATTN_F8KV = ("w4m2k16s4", "w8m1k64s2", "w8m1k64s3")
+PREFILL_ATTN_F8KV_HD64 = "w8m1k64s2"
+FEW_ATTN_F8KV_STAGES = (3, 4)   # fused few-seq kernel over an FP8 cache: the ring depths built (hd 64: 3)
+TC_F8KV_STAGES = (2, 3)         # batched tensor-core kernel over an FP8 cache (hd 64: 2)
 _PIPE = re.compile(r"w(\d+)m(\d+)k(\d+)s(\d+)")
 _WGMMA = re.compile(r"w([gs])(\d)h(\d)k(\d+)s(\d)o?p?l?q?e?")
 FEW_ATTN_STAGES = 3          # fused few-seq kernel: tiles of 64 keys in its cp.async ring (2, 3, 4, 6 built)
@@ -49,10 +56,27 @@ FEW_ATTN_BLOCKS = 2 * 132    # ... grid z: the longest context's splits fill the
 TC_TILE = 64                 # keys per tile of attention_decode_tc.cu (both kernels)
 
 
-def few_seq_smem(stages: int, hd: int, block_ids: int) -> int:
-    """Dynamic shared memory of attn_decode_fused_s{stages}_hd{hd}: the K/V ring (rows padded to hd + 8), q of
-    16 MMA rows and the new token's k and v (bf16), then block_ids ints (the block ids of a split's keys)."""
-    return (stages * 2 * TC_TILE * (hd + 8) + 16 * (hd + 8) + 2 * hd) * 2 + 4 * block_ids
+def tc_ring_smem(stages: int, hd: int, fp8: bool = False) -> int:
+    """The K/V ring of attention_decode_tc.cu (TcSmem): rows padded to hd + 8 bf16, or (fp8) hd e4m3 bytes and
+    one converted bf16 tile pair."""
+    if fp8:
+        return stages * 2 * TC_TILE * hd + 2 * TC_TILE * (hd + 8) * 2
+    return stages * 2 * TC_TILE * (hd + 8) * 2
+
+
+def few_seq_smem(stages: int, hd: int, block_ids: int, fp8: bool = False) -> int:
+    """Dynamic shared memory of attn_decode_fused[_f8kv]_s{stages}_hd{hd}: the K/V ring, q of 16 MMA rows and the
+    new token's k and v (bf16 space), then block_ids ints (the block ids of a split's keys)."""
+    return tc_ring_smem(stages, hd, fp8) + (16 * (hd + 8) + 2 * hd) * 2 + 4 * block_ids
+
+
+def kv_suffix(scales: tuple[float, float] | None) -> str:
+    """The kernel name part of an FP8-KV variant; scales: the layer's (k, v) scales, None for a bf16 cache."""
+    return "_f8kv" if scales else ""
+
+
+def kv_scale_args(scales: tuple[float, float] | None) -> list:
+    return [f32(scales[0]), f32(scales[1])] if scales else []
 
 
 def few_seq_block_ids(max_seq_len: int, splits: int, min_tiles: int, solo_tiles: int, block_size: int) -> int:
@@ -78,35 +102,42 @@ def fuses_rope(kind: str, rope: QkNormRopeCache, attn: Attention) -> bool:
 
 
 def few_seq_attn_launch(op: Attention, rope: QkNormRopeCache, m: dict, max_seq_len: int, common: list,
-                        tail: list) -> LaunchRecord:
+                        tail: list, scales: tuple[float, float] | None = None) -> LaunchRecord:
     """The fused kernel over the bucket's seqs; grid z = the most splits a seq may use (short ones exit at once)."""
     nkv, hd = m["num_kv_heads"], m["head_dim"]
     splits = few_seq_splits(op.num_seqs, nkv, max_seq_len)
     solo = FEW_ATTN_STAGES - 1
+    if scales and FEW_ATTN_STAGES not in FEW_ATTN_F8KV_STAGES:
+        raise KernelBuildError(f"FP8 KV cache: the fused decode attention is built for {FEW_ATTN_F8KV_STAGES} stages")
     smem = few_seq_smem(FEW_ATTN_STAGES, hd, few_seq_block_ids(max_seq_len, splits, FEW_ATTN_MIN_TILES, solo,
-                                                                tail[0][1]))
+                                                                tail[0][1]), bool(scales))
     rope_args = [ptr(rope.qkv), ptr(rope.positions), ptr(rope.slot_mapping), ptr(rope.q_norm), ptr(rope.k_norm),
                  ptr(rope.cos), ptr(rope.sin), ptr(rope.q_out)]
-    return launch(f"attn_decode_fused_s{FEW_ATTN_STAGES}_hd{hd}", [op.num_seqs, nkv, splits], [128], smem,
-                  rope_args + common[1:] + [ptr("attn_part_o"), ptr("attn_part_ml"), ptr("attn_counters"),
-                                            ptr(op.out), i32(op.rows), i32(m["num_heads"]), i32(nkv), *tail[:3],
-                                            f32(rope.eps), tail[3], i32(FEW_ATTN_MIN_TILES), i32(solo)])
+    return launch(f"attn_decode_fused{kv_suffix(scales)}_s{FEW_ATTN_STAGES}_hd{hd}", [op.num_seqs, nkv, splits], [128],
+                  smem, rope_args + common[1:] + [ptr("attn_part_o"), ptr("attn_part_ml"), ptr("attn_counters"),
+                                                  ptr(op.out), i32(op.rows), i32(m["num_heads"]), i32(nkv),
+                                                  *tail[:3], f32(rope.eps), tail[3], i32(FEW_ATTN_MIN_TILES),
+                                                  i32(solo)] + kv_scale_args(scales))
 
 
-def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, tail: list) -> LaunchRecord:
+def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, tail: list,
+                        scales: tuple[float, float] | None = None) -> LaunchRecord:
     """The batched decode kernel over every seq row of the op: splits so the bucket fills the SMs."""
     seqs, nkv, hd = op.num_seqs, m["num_kv_heads"], m["head_dim"]
     g = m["num_heads"] // nkv
     splits = max(1, min(-(-max_seq_len // BATCHED_ATTN_TILE), -(-BATCHED_ATTN_BLOCKS // (seqs * nkv))))
+    if scales and (BATCHED_ATTN_KERNEL != "tc" or BATCHED_ATTN_STAGES not in TC_F8KV_STAGES):
+        raise KernelBuildError(f"FP8 KV cache: batched decode attention is built only as the tc kernel with "
+                               f"{TC_F8KV_STAGES} stages")
     if BATCHED_ATTN_KERNEL == "tc":                                 # K and V tiles, rows padded to hd + 8
-        smem = BATCHED_ATTN_STAGES * 2 * TC_TILE * (hd + 8) * 2
-        name = f"attn_decode_tc_s{BATCHED_ATTN_STAGES}_hd{hd}"
+        smem = tc_ring_smem(BATCHED_ATTN_STAGES, hd, bool(scales))
+        name = f"attn_decode_tc{kv_suffix(scales)}_s{BATCHED_ATTN_STAGES}_hd{hd}"
     else:
         smem = BATCHED_ATTN_STAGES * 2 * BATCHED_ATTN_TILE * hd * 2
         name = f"attn_decode_b_t{BATCHED_ATTN_TILE}s{BATCHED_ATTN_STAGES}_hd{hd}_g{4 if g <= 4 else 8}"
     return launch(name, [seqs, nkv, splits], [128], smem,
                   common + [ptr("attn_part_o"), ptr("attn_part_ml"), ptr("attn_counters"), ptr(op.out),
-                            i32(op.rows), i32(m["num_heads"]), i32(nkv), *tail])
+                            i32(op.rows), i32(m["num_heads"]), i32(nkv), *tail] + kv_scale_args(scales))
 
 
 def prefill_attn_source(variant: str) -> str:
@@ -127,21 +158,33 @@ def prefill_tiles(variant: str) -> tuple[int, int, int]:
     return 16 * warps * mt, 1, keys
 
 
-def default_prefill_variant(m: dict, rows: int) -> str:
+def default_prefill_variant(m: dict, rows: int, fp8_kv: bool = False) -> str:
     """The default prefill attention variant for this model and a bucket of `rows` query rows."""
+    if fp8_kv:
+        return PREFILL_ATTN_F8KV[0] if m["head_dim"] == 128 else PREFILL_ATTN_F8KV_HD64
     hd, group = m["head_dim"], m["num_heads"] // m["num_kv_heads"]
     table = next(t for least, t in PREFILL_ATTN_TIERS if rows >= least)
     return next((v for v in table.get(hd, ()) if group % prefill_tiles(v)[1] == 0), PREFILL_ATTN_OTHER_HD)
 
 
 def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, variant: str | None = None,
-                        min_rows: int = 2) -> LaunchRecord:
+                        min_rows: int = 2, scales: tuple[float, float] | None = None) -> LaunchRecord:
     """The flash prefill kernel (variant: the model's default) over every seq of >= min_rows query rows; it
-    zeroes the rows no seq covers."""
+    zeroes the rows no seq covers. scales: an FP8 cache's layer scales (the attn_prefill_f8kv_* pipe kernels)."""
     nh, hd = m["num_heads"], m["head_dim"]
-    variant = variant or default_prefill_variant(m, op.rows)
+    variant = variant or default_prefill_variant(m, op.rows, bool(scales))
     args = common + [ptr(op.out), i32(op.rows), i32(op.num_seqs), i32(nh), i32(m["num_kv_heads"]), *tail,
                      i32(min_rows)]
+    if scales:
+        if variant not in PREFILL_ATTN_F8KV or (hd != 128 and variant != PREFILL_ATTN_F8KV_HD64):
+            raise KernelBuildError(f"prefill attention {variant} has no FP8 KV cache variant (built: "
+                                   f"{', '.join(PREFILL_ATTN_F8KV)}; hd 64: {PREFILL_ATTN_F8KV_HD64}); use "
+                                   f"--prefill-attention auto")
+        warps, mt, keys, stages = (int(x) for x in _PIPE.fullmatch(variant).groups())
+        smem = stages * 2 * keys * hd + 2 * keys * (hd + 8) * 2            # e4m3 ring + the converted bf16 pair
+        return launch(f"attn_prefill_f8kv_{variant}_hd{hd}", [nh, -(-op.rows // prefill_tiles(variant)[0])
+                                                               + op.num_seqs], [32 * warps], smem,
+                      args + kv_scale_args(scales))
     if variant == "v1":
         return launch(f"attn_prefill_hd{hd}", [-(-op.rows // 64) + op.num_seqs, nh], [128], 0, args)
     if variant in PREFILL_ATTN_WGMMA:
@@ -161,19 +204,21 @@ def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, varian
 
 
 def plan_attention(op: Attention, kind: str, m: dict, attn: dict, block_size: int, max_blocks: int,
-                   num_slots: int, rope: QkNormRopeCache | None = None) -> KernelChoice:
+                   num_slots: int, rope: QkNormRopeCache | None = None,
+                   scales: tuple[float, float] | None = None) -> KernelChoice:
     """Decode buckets: the fused few-seq kernel (rope: the op it absorbs, see fuses_rope) or the batched
     flash-decoding kernel. Prefill buckets: the flash prefill kernel, plus the batched decode kernel for the
-    one-row (decode) seqs of a mixed step (attn["prefill"]: the build's prefill_attention variant)."""
+    one-row (decode) seqs of a mixed step (attn["prefill"]: the build's prefill_attention variant). scales: the
+    layer's (k, v) scales of an FP8 KV cache: every kernel its _f8kv variant."""
     hd, nh, nkv = m["head_dim"], m["num_heads"], m["num_kv_heads"]
     common = [ptr(op.q), kv(op.layer), ptr(op.query_start_loc), ptr(op.seq_lens), ptr(op.block_tables)]
     tail = [i32(block_size), i32(max_blocks), i32(num_slots), f32(op.scale)]
     if rope is not None:
-        rec = few_seq_attn_launch(op, rope, m, attn["max_seq_len"], common, tail)
+        rec = few_seq_attn_launch(op, rope, m, attn["max_seq_len"], common, tail, scales)
         return kernel(rec, splits=rec.grid[2])
-    dec = batched_attn_launch(op, m, attn["max_seq_len"], common, tail)
+    dec = batched_attn_launch(op, m, attn["max_seq_len"], common, tail, scales)
     if kind == "decode":
         return KernelChoice(dec.fn, (dec,), splits=dec.grid[2])
     variant = attn.get("prefill", "auto")
-    pre = prefill_attn_launch(op, m, common, tail, None if variant == "auto" else variant)
+    pre = prefill_attn_launch(op, m, common, tail, None if variant == "auto" else variant, scales=scales)
     return KernelChoice(pre.fn, (pre, dec), splits=dec.grid[2])

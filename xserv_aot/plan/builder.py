@@ -5,16 +5,14 @@ import contextlib
 import fcntl
 import glob
 import json
-import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable
 
-from xserv_aot import __version__
+from xserv_aot import __version__, kv_cache
 from xserv_aot.config import BuildConfig, ConfigError, ModelConfig, read_hf_config
-from xserv_aot.dtypes import ITEMSIZE
 from xserv_aot.plan.generation_config import read_generation_defaults
 from xserv_aot.plan.integrity import CHUNK_BYTES, fingerprint
 from xserv_aot.plan.manifest import SCHEMA_VERSION, Plan, layout
@@ -199,7 +197,10 @@ def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress, schem
     arena, arena_size = layout(arena_buffers(model, build, quantized=bool(schemes)))
     kv_heads = local_model(model, tp).num_kv_heads
     kv_shape = [model.num_layers, 2, build.num_blocks, build.block_size, kv_heads, model.head_dim]
-    kv_bytes = math.prod(kv_shape) * ITEMSIZE[build.dtype]
+    kv_section = {"shape": kv_shape, "dtype": kv_cache.kv_dtype(build),
+                  "size": kv_cache.pool_bytes(kv_shape, kv_cache.kv_dtype(build))}
+    if kv_cache.is_fp8(kv_section):
+        kv_section["scales"] = kv_scales(model, build, tensors, dummy)
     buckets = [{"name": n, "kind": k, "num_tokens": t, "num_seqs": s,
                 "ops": [op.to_dict() for op in bucket_ops(model, t, s, tp, quant=schemes,
                                                                  w8a16_max_rows=build.fp8_w8a16_max_rows)]}
@@ -212,7 +213,7 @@ def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress, schem
         "build": build.to_dict(),
         "weights": weights,
         "arena": {"size": arena_size, "buffers": {k: v.to_dict() for k, v in arena.items()}},
-        "kv_cache": {"shape": kv_shape, "dtype": build.dtype, "size": kv_bytes},
+        "kv_cache": kv_section,
         "buckets": buckets,
         "kernels": {"target": build.target},
     }
@@ -220,10 +221,30 @@ def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress, schem
         manifest["tensor_parallel"] = manifest_section(model, tp)
     if schemes:
         manifest["quantization"] = quantize.manifest_section(schemes, scales, getattr(tensors, "ignored_inputs", []))
+    if kv_cache.is_fp8(kv_section) and build.kv_cache_scales == "calibrate":
+        if not has_tok:
+            raise ConfigError("kv_cache_scales calibrate needs the model's tokenizer (tokenizer.json or GGUF)")
+        from xserv_aot.plan.kv_calibrate import calibrate
+        kv_section["scales"] = calibrate(tmp, manifest)
     if build.target != "cpu":
         from xserv_aot.plan.kernel_build import build_kernels
         manifest["kernels"] = build_kernels(manifest, tmp, build.target, progress=progress)
     return manifest
+
+
+def kv_scales(model: ModelConfig, build: BuildConfig, tensors, dummy: bool) -> dict | None:
+    """The per-layer scales of an FP8 KV pool: the checkpoint's (checkpoint/kv_scales.py), else DEFAULT_SCALE;
+    None for kv_cache_scales calibrate (plan/kv_calibrate.py, run by _build once the weights are written)."""
+    if build.kv_cache_scales == "calibrate":
+        if dummy or tensors is None:
+            raise ConfigError("kv_cache_scales calibrate needs real weights (a --dummy-weights plan has nothing to "
+                              "calibrate on)")
+        return None                                          # _build measures them once the weights are written
+    found = getattr(tensors, "kv_scales", lambda layers: None)(model.num_layers)
+    if found is not None:
+        return kv_cache.scales_section(*found, "checkpoint")
+    unit = [kv_cache.DEFAULT_SCALE] * model.num_layers
+    return kv_cache.scales_section(unit, unit, "default")
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:

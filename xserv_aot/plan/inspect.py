@@ -6,6 +6,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
+from xserv_aot import kv_cache
 from xserv_aot.dtypes import ITEMSIZE
 from xserv_aot.errors import UsageError
 from xserv_aot.plan.manifest import Plan
@@ -45,6 +46,7 @@ def describe(plan_dir: Path, ops_bucket: str | None = None, roofline: bool = Fal
              f" {plan.manifest['weights']['fingerprint'][:23]}...)",
              f"  arena     {mib(plan.arena_size)}  ({len(plan.arena)} buffers)",
              f"  kv cache  {mib(plan.kv_cache['size'])}{' per rank' if tp > 1 else ''}  shape {plan.kv_cache['shape']} {plan.kv_cache['dtype']}",
+             kv_line(plan),
              "", "arena buffers:"]
     for name, t in plan.arena.items():
         lines.append(f"  {t.offset:>12}  {name:<16} {str(t.shape):<20} {t.dtype}")
@@ -76,6 +78,17 @@ def describe(plan_dir: Path, ops_bucket: str | None = None, roofline: bool = Fal
                 lines.append(f"       kernel {op.cuda.kernel}" + (f" {json.dumps(facts)}" if facts else ""))
                 lines += [f"       -> {format_launch(rec, sigs.get(rec.fn))}" for rec in op.cuda.launch]
     return "\n".join(lines)
+
+
+def kv_line(plan: Plan) -> str:
+    """KV bytes a token (every layer, K and V) and an FP8 pool's scales."""
+    kv = plan.kv_cache
+    line = f"            {kv_cache.bytes_per_token(kv)} B a token ({plan.build.kv_cache_dtype})"
+    if kv_cache.is_fp8(kv):
+        sc = kv["scales"]
+        line += (f", scales {sc['source']}: k {min(sc['k']):.3g}..{max(sc['k']):.3g}, "
+                 f"v {min(sc['v']):.3g}..{max(sc['v']):.3g}")
+    return line
 
 
 def fp8_lines(plan: Plan, mib) -> list[str]:

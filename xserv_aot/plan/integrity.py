@@ -125,10 +125,12 @@ def check_file(plan_dir: Path, entry: dict, what: str) -> Path:
 
 def check_kv_cache(kv: dict, model, build, itemsize: dict) -> None:
     """model: one rank's (its num_kv_heads)."""
+    from xserv_aot.kv_cache import check_scales, kv_dtype
     expected = [model.num_layers, 2, build.num_blocks, build.block_size, model.num_kv_heads, model.head_dim]
-    shape = kv.get("shape")
-    if shape != expected or kv.get("dtype") != build.dtype:
+    shape, dtype = kv.get("shape"), kv_dtype(build)
+    if shape != expected or kv.get("dtype") != dtype:
         raise PlanError(f"kv_cache: shape {shape} {kv.get('dtype')} does not match the model and build "
-                             f"config ({expected} {build.dtype})")
-    if kv.get("size") != math.prod(expected) * itemsize[build.dtype]:
-        raise PlanError(f"kv_cache: size {kv.get('size')} does not match shape {expected} {build.dtype}")
+                             f"config ({expected} {dtype})")
+    if kv.get("size") != math.prod(expected) * itemsize[dtype]:
+        raise PlanError(f"kv_cache: size {kv.get('size')} does not match shape {expected} {dtype}")
+    check_scales(kv, model.num_layers)

@@ -12,14 +12,15 @@ from pathlib import Path
 from typing import Callable
 
 from xserv_aot.plan.kernel_constants import G_MAX, NORM_NC, P_KEYS
-from xserv_aot.plan.attention_plan import fuses_rope, plan_attention
+from xserv_aot import kv_cache
+from xserv_aot.plan.attention_plan import fuses_rope, kv_scale_args, plan_attention
 from xserv_aot.plan.fp8_build import producer_fuses_quantize
 from xserv_aot.plan.launch_records import check_launches, f32, i32, kernel, kv, launch, ptr
 from xserv_aot.plan.linear_plan import (CUTLASS_MIN_ROWS, GEMM_ENTRY, GEMM_ENTRY_EX, GEMM_SOURCE,  # noqa: F401
                                         GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS, SWAP_MIN_ROWS, plan_linear,
                                         plan_skinny)
 from xserv_aot.plan.manifest import place
-from xserv_aot.plan.megakernel_plan import add_megakernels
+from xserv_aot.plan.megakernel_plan import MK_MAX_SEQS, add_megakernels
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
 from xserv_aot.plan import nccl_records
@@ -70,6 +71,7 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
     fp8_wgmma = "tma" if manifest["build"].get("fp8_w8a8_tma") else bool(manifest["build"].get("fp8_w8a8_wgmma"))
     row_choice = manifest["build"].get("prefill_row_kernels", "auto")
     row_threads = [min(ELEMWISE_THREADS, hidden // 8)]
+    fp8_kv = kv_cache.is_fp8(kvc)
     out: list[KernelChoice] = []
     for idx, op in enumerate(ops):
         rows, nxt = op.rows, ops[idx + 1] if idx + 1 < len(ops) else None
@@ -119,12 +121,13 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
         elif isinstance(op, QkNormRopeCache) and isinstance(nxt, Attention) and fuses_rope(kind, op, nxt):
             c = KernelChoice("fused_into_next")
         elif isinstance(op, QkNormRopeCache) and row_kernels.uses_rows(row_choice, kind, rows):
-            c = row_kernels.rope_rows_launch(op, hd, nh, nkv, num_slots)
+            c = row_kernels.rope_rows_launch(op, hd, nh, nkv, num_slots, scales=layer_scales(kvc, op.layer))
         elif isinstance(op, QkNormRopeCache):
-            c = qk_rope_launch(op, hd, nh, nkv, num_slots)
+            c = qk_rope_launch(op, hd, nh, nkv, num_slots, scales=layer_scales(kvc, op.layer))
         elif isinstance(op, Attention):
             rope = ops[idx - 1] if idx and out[-1].kernel == "fused_into_next" else None
-            c = plan_attention(op, kind, m, attn, block_size, arena[op.block_tables]["shape"][1], num_slots, rope)
+            c = plan_attention(op, kind, m, attn, block_size, arena[op.block_tables]["shape"][1], num_slots, rope,
+                               layer_scales(kvc, op.layer))
         elif isinstance(op, COLLECTIVES):
             c = nccl_records.plan_collective(op, arena)
         elif isinstance(op, ApplyTokenBitmask):
@@ -166,14 +169,29 @@ def silu_mul_launch(op: SiluMul, max_blocks: int | None = -1, quant: QuantizeFp8
 
 
 def qk_rope_launch(op: QkNormRopeCache, hd: int, nh: int, nkv: int, num_slots: int, fn: str | None = None,
-                   warps: int | None = None) -> KernelChoice:
+                   warps: int | None = None, scales: tuple[float, float] | None = None) -> KernelChoice:
     """Grid (rows, groups of `warps` heads), one warp a head; nh / nkv: this rank's heads. fn / warps default to
-    ROPE_KERNEL / ROPE_WARPS."""
-    fn, warps = fn or ROPE_KERNEL, warps or ROPE_WARPS
+    ROPE_KERNEL / ROPE_WARPS; scales: an FP8 cache's layer (k, v) scales (qk_norm_rope_cache_f8kv, the one
+    FP8-KV variant)."""
+    fn, warps = ("qk_norm_rope_cache_f8kv" if scales else fn or ROPE_KERNEL), warps or ROPE_WARPS
     return kernel(launch(f"{fn}_hd{hd}", [op.rows, -(-(nh + 2 * nkv) // warps)], [32 * warps], 0,
                          [ptr(op.qkv), ptr(op.positions), ptr(op.slot_mapping), ptr(op.q_norm), ptr(op.k_norm),
                           ptr(op.cos), ptr(op.sin), ptr(op.q_out), kv(op.layer), i32(nh), i32(nkv), f32(op.eps),
-                          i32(num_slots)]))
+                          i32(num_slots)] + kv_scale_args(scales)))
+
+
+def layer_scales(kvc: dict, layer: int) -> tuple[float, float] | None:
+    """(k, v) scales of a layer of an FP8 KV cache; None for a bf16 one (the kernels' plain variants)."""
+    return kv_cache.layer_scales(kvc, layer) if kv_cache.is_fp8(kvc) else None
+
+
+def megakernels(manifest: dict, records: dict, choices: dict) -> dict:
+    """The decode megakernel where the build asks for it (plan/megakernel_plan.py), except over an FP8 KV cache:
+    it reads bf16 KV only, so those buckets keep their per-op kernels (-> {bucket: why})."""
+    if kv_cache.is_fp8(manifest["kv_cache"]) and manifest["build"].get("megakernel_sms"):
+        return {bk["name"]: "FP8 KV cache (the megakernel reads a bf16 cache)" for bk in manifest["buckets"]
+                if bk["kind"] == "decode" and bk["num_seqs"] <= MK_MAX_SEQS}
+    return add_megakernels(manifest, records, choices, kv_slots(manifest["kv_cache"]), add_arena_buffer)
 
 
 def read_later(ops: list[Op], start: int, buf: str) -> bool:
@@ -251,7 +269,7 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
                for bk in manifest["buckets"]}
     choices = {bk["name"]: plan_bucket(bk["name"], bk["kind"], records[bk["name"]], manifest, cutlass, attn)
                for bk in manifest["buckets"]}
-    mk_skipped = add_megakernels(manifest, records, choices, kv_slots(manifest["kv_cache"]), add_arena_buffer)
+    mk_skipped = megakernels(manifest, records, choices)
     signatures = {fn: p for src in KERNEL_SOURCES for fn, p in kernel_signatures(src).items()}
     for c in cubins.values():
         for fn, sizes in cubin_param_sizes((out_dir / c["file"]).read_bytes()).items():

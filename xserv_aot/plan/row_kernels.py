@@ -5,6 +5,7 @@ ROWS_FROM rows on) or "auto" (AUTO: what the H200 measured faster). Geometry bel
 records. Timed by `scripts/bench_kernels.py prefill-elementwise`; docs/cuda-notes.md "row kernels"."""
 from __future__ import annotations
 
+from xserv_aot.plan.attention_plan import kv_scale_args
 from xserv_aot.plan.launch_records import f32, i32, kernel, kv, launch, ptr
 from xserv_aot.plan.op_records import AddRmsNorm, KernelChoice, QkNormRopeCache, RmsNorm, SiluMul
 
@@ -59,14 +60,16 @@ def silu_rows_launch(op: SiluMul, u: int | None = None, threads: int | None = No
 
 
 def rope_rows_launch(op: QkNormRopeCache, hd: int, nh: int, nkv: int, num_slots: int, warps: int | None = None,
-                     ef: bool | None = None) -> KernelChoice:
-    """One block a row, its (nh + 2 nkv) heads staged in dynamic shared memory; nh / nkv: this rank's heads."""
+                     ef: bool | None = None, scales: tuple[float, float] | None = None) -> KernelChoice:
+    """One block a row, its (nh + 2 nkv) heads staged in dynamic shared memory; nh / nkv: this rank's heads.
+    scales: an FP8 cache's layer (k, v) scales (qk_norm_rope_cache_rows_f8kv, built without evict-first)."""
     warps, ef = warps or ROPE_WARPS, ROPE_EF if ef is None else ef
-    return kernel(launch(f"qk_norm_rope_cache_rows{'_ef' if ef else ''}_hd{hd}", [op.rows], [32 * warps],
+    sfx = "_f8kv" if scales else "_ef" if ef else ""
+    return kernel(launch(f"qk_norm_rope_cache_rows{sfx}_hd{hd}", [op.rows], [32 * warps],
                          rope_rows_smem(hd, nh, nkv),
                          [ptr(op.qkv), ptr(op.positions), ptr(op.slot_mapping), ptr(op.q_norm), ptr(op.k_norm),
                           ptr(op.cos), ptr(op.sin), ptr(op.q_out), kv(op.layer), i32(nh), i32(nkv), f32(op.eps),
-                          i32(num_slots)]))
+                          i32(num_slots)] + kv_scale_args(scales)))
 
 
 def rope_rows_smem(hd: int, nh: int, nkv: int) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xserv_aot import fp8
+from xserv_aot import fp8, kv_cache
 from xserv_aot.dtypes import FP8, decode, round_to, storage_dtype
 from xserv_aot.plan.dummy_weights import dummy_plan_tensors
 from xserv_aot.plan.manifest import Bucket, Plan
@@ -183,7 +183,11 @@ class NumpyRank:
                                    op.head_dim, op.eps)
         written = self.buf[op.slot_mapping][:r]
         written = written[written >= 0]
-        layer[:, written] = round_to(layer[:, written], self.kv_dtype)
+        if kv_cache.is_fp8(self.plan.kv_cache):
+            for part, scale in enumerate(kv_cache.layer_scales(self.plan.kv_cache, op.layer)):
+                layer[part, written] = kv_cache.stored(layer[part, written], self.plan.build.dtype, scale)
+        else:
+            layer[:, written] = round_to(layer[:, written], self.kv_dtype)
         self._set(op.q_out, r, q)
 
     def op_attention(self, op):

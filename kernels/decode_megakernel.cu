@@ -477,7 +477,7 @@ __device__ __forceinline__ void stage_scales(const Args& a, const Rows& r, size_
 // Phase p's view (0 qkv, 1 o_proj, 2 gate_up, 3 down) of a staged buffer.
 template <int Q>
 __device__ __forceinline__ ScaleView scale_view(const Args& a, const Rows& r, const float* buf, int p) {
-    const ScaleSeg g = scale_seg<Q>(a, r, p < 2 ? p : p + 1);
+    const ScaleSeg g = scale_seg<Q>(a, r, p < 3 ? p : 4);
     const ScaleSeg u = p == 2 ? scale_seg<Q>(a, r, 3) : g;
     return {buf + g.off, buf + u.off, g.base, u.base};
 }

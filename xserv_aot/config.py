@@ -19,6 +19,7 @@ TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 QUANTIZATIONS = ("none", "fp8")
 FP8_W8A16_MAX_ROWS = 64      # default of fp8_w8a16_max_rows (the W8A16 skinny kernels end at 64 rows)
 FP8_SCHEME_CHOICES = ("channel", "block128", "auto")
+FP8_ROUNDINGS = ("nearest", "gptq")
 HF_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 
 
@@ -186,6 +187,8 @@ class BuildConfig:
     quantization: str = "none"            # none | fp8: linear weights stored as e4m3 with scales (plan/quantize.py)
     fp8_scheme: str = "auto"              # fp8: channel | block128 | auto (block128 where N and K divide by 128)
     quantize_lm_head: bool = False        # fp8: the lm_head too (embedding and norms always stay in dtype)
+    fp8_rounding: str = "nearest"         # fp8: nearest | gptq (error-compensated on calibration text at compile
+                                          # time, plan/fp8_calibrate.py; same formats and scales, slower compile)
     prefill_attention: str = "auto"       # CUDA: a prefill attention variant (plan/attention_plan.py), auto: the default
     prefill_row_kernels: str = "auto"     # CUDA: v1 | rows | auto: the norms / silu_mul / rope kernels of prefill
                                           # buckets (plan/row_kernels.py)
@@ -248,6 +251,10 @@ class BuildConfig:
             raise ConfigError(f"quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
         if self.fp8_scheme not in FP8_SCHEME_CHOICES:
             raise ConfigError(f"fp8_scheme {self.fp8_scheme!r} is not one of {', '.join(FP8_SCHEME_CHOICES)}")
+        if self.fp8_rounding not in FP8_ROUNDINGS:
+            raise ConfigError(f"fp8_rounding {self.fp8_rounding!r} is not one of {', '.join(FP8_ROUNDINGS)}")
+        if self.fp8_rounding != "nearest" and self.quantization != "fp8":
+            raise ConfigError(f"fp8_rounding {self.fp8_rounding} rounds FP8 weights; it needs quantization fp8")
         if isinstance(self.megakernel_sms, bool) or not isinstance(self.megakernel_sms, int) or self.megakernel_sms < 0:
             raise ConfigError(f"megakernel_sms must be a block count >= 0 (the GPU's SMs), got {self.megakernel_sms!r}")
         if isinstance(self.megakernel_max_context, bool) or not isinstance(self.megakernel_max_context, int) \

@@ -104,11 +104,11 @@ def is_linear(name: str) -> bool:
     return name == "lm_head" or name.rsplit(".", 1)[-1] in LINEARS
 
 
-def manifest_section(schemes: dict[str, str], stored: dict, ignored: list[str]) -> dict | None:
+def manifest_section(schemes: dict[str, str], stored: dict, ignored: list[str], rounding: dict) -> dict | None:
     """The manifest's `quantization` entry (None for a plan without FP8 weights): per weight its scheme and whether
-    it came FP8 from the checkpoint or was quantized by the compile; the checkpoint's static input scales, dropped."""
+    it came FP8 from the checkpoint or was quantized by the compile; the checkpoint's static input scales, dropped;
+    how the compile rounded its FP8 weights (plan/fp8_calibrate.rounding_record)."""
     if not schemes:
         return None
-    out = {"method": "fp8", "lm_head": "lm_head" in schemes, "schemes": dict(schemes),
-           "from_checkpoint": sorted(stored), "ignored_input_scales": len(ignored)}
-    return out
+    return {"method": "fp8", "lm_head": "lm_head" in schemes, "schemes": dict(schemes),
+            "from_checkpoint": sorted(stored), "ignored_input_scales": len(ignored), "rounding": rounding}

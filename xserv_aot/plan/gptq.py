@@ -1,0 +1,55 @@
+"""Error-compensated rounding of one linear weight onto the e4m3 grid (GPTQ: optimal brain surgeon updates).
+
+For W [N, K] with its scales fixed beforehand (fp8.quantize_weight's, one per element after fp8.expand_scale) and
+the Hessian H = X^T X of calibration inputs X [T, K], columns are rounded one at a time (largest diag(H) first,
+"act order"); the rounding error of column j, divided by U[j, j], is spread over the columns not yet rounded
+along row j of U, the upper Cholesky factor of (H + damp * mean(diag H) * I)^-1 (so U^T U is that inverse). That
+minimises ||X (W - Q * S)^T|| greedily, where round-to-nearest treats every column alone. float64 throughout;
+blocks of BLOCK columns defer the update of the later columns to one matrix product.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from xserv_aot.dtypes import FP8_MAX, to_fp8
+
+DAMP = 0.01         # added to diag(H): this fraction of its mean (keeps H invertible for dead or rare inputs)
+BLOCK = 128         # columns rounded between two deferred updates of the rest
+
+
+def round_column(w: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """e4m3(w / scale) as float32, saturated at +-FP8_MAX, in float32 as fp8.quantize_weight rounds."""
+    return to_fp8(np.clip(w.astype(np.float32) / scale, -FP8_MAX, FP8_MAX)).astype(np.float32)
+
+
+def inverse_factor(h: np.ndarray, damp: float = DAMP) -> np.ndarray:
+    """Upper U with U^T U = (H + damp * mean(diag H) * I)^-1 (a dead input, diag 0, gets diag 1 first)."""
+    h = np.array(h, dtype=np.float64)
+    d = np.diag(h).copy()
+    d[d == 0] = 1.0
+    h[np.diag_indices_from(h)] = d + damp * d.mean()
+    lower = np.linalg.cholesky(h)
+    inv = np.linalg.solve(lower.T, np.linalg.solve(lower, np.eye(len(h))))
+    return np.linalg.cholesky((inv + inv.T) / 2).T
+
+
+def gptq_round(w: np.ndarray, scale: np.ndarray, h: np.ndarray, damp: float = DAMP, act_order: bool = True,
+               block: int = BLOCK) -> np.ndarray:
+    """w [N, K], scale [N, K] (float32, every element's), h [K, K] -> the e4m3 values Q [N, K] as float32."""
+    n, k = w.shape
+    order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)
+    w = np.array(w, dtype=np.float64)[:, order]
+    scale = np.asarray(scale, dtype=np.float32)[:, order]
+    u = inverse_factor(np.asarray(h)[np.ix_(order, order)], damp)
+    q = np.empty((n, k), dtype=np.float32)
+    for lo in range(0, k, block):
+        hi = min(k, lo + block)
+        part, err = w[:, lo:hi].copy(), np.empty((n, hi - lo))
+        for j in range(hi - lo):
+            q[:, lo + j] = round_column(part[:, j], scale[:, lo + j])
+            err[:, j] = (part[:, j] - q[:, lo + j] * scale[:, lo + j].astype(np.float64)) / u[lo + j, lo + j]
+            part[:, j + 1:] -= np.outer(err[:, j], u[lo + j, lo + j + 1:hi])
+        w[:, hi:] -= err @ u[lo:hi, hi:]
+    out = np.empty_like(q)
+    out[:, order] = q
+    return out

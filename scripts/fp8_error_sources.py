@@ -67,29 +67,8 @@ def forward(m, w, tokens, linear_weight, start=0, xs=None, keep=False):
     return (logits, kept) if keep else logits
 
 
-def rtn(a, scheme=fp8.CHANNEL):
-    return fp8.dequantize(*fp8.quantize_weight(a, scheme), scheme)
-
-
-def mse_clipped(a, grid=np.linspace(0.5, 1.0, 51)):
-    """Per row: the scale (alpha * amax / 448) of the smallest squared rounding error, alpha on the grid."""
-    best, err = None, None
-    amax = np.abs(a).max(axis=1)
-    for alpha in grid:
-        s = fp8.scale_of(alpha * amax)
-        dq = gptq_round_nearest(a, s)
-        e = ((dq - a) ** 2).sum(axis=1)
-        if best is None:
-            best, err = dq, e
-        else:
-            better = e < err
-            best[better], err[better] = dq[better], e[better]
-    return best
-
-
-def gptq_round_nearest(a, s):
-    from xserv_aot.plan.gptq import round_column
-    return round_column(a.T, s).T * s[:, None]
+def rtn(a, scheme=fp8.CHANNEL, scale=None):
+    return fp8.dequantize(*fp8.quantize_weight(a, scheme, scale), scheme)
 
 
 def stats(got, ref):
@@ -107,11 +86,11 @@ def w8a8_ops():
                                     "linear": linear})
 
 
-def gptq_weights(m, w, tok):
+def gptq_weights(m, w, tok, scale_rule):
     schemes = {f"layers.{li}.{kind}": fp8.CHANNEL for li in range(m.num_layers) for kind in quantize.LINEARS}
     tokens = [tok.encode(t) for t in calibration_text.TEXTS]
     out, t0 = {}, time.time()
-    stream = fp8_calibrate.calibrated_stream(((k, v, False) for k, v in w.items()), m, schemes, tokens)
+    stream = fp8_calibrate.calibrated_stream(((k, v, False) for k, v in w.items()), m, schemes, tokens, scale_rule)
     for name, arr, _ in stream:
         out[name] = arr
     print(f"gptq: {sum(map(len, tokens))} calibration tokens, {time.time() - t0:.1f} s")
@@ -122,6 +101,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", type=Path)
     ap.add_argument("--layers", action="store_true", help="also one layer at a time (slow)")
+    ap.add_argument("--only", choices=["gptq"], help="only the GPTQ variants")
     args = ap.parse_args()
     m, w, tok = load(args.model)
     tokens = [tok.encode(t) for t in DEV_TEXTS]
@@ -132,18 +112,21 @@ def main():
     print(f"float32 weights        {stats(f32, ref)}")
     q = {k: rtn(w[k]) for k in w if quantize.is_linear(k) and k != "lm_head"}
     print(f"RTN all                {stats(forward(m, w, tokens, lambda li, kind, a, inp: q[f'layers.{li}.{kind}']), ref)}")
-    for only in quantize.LINEARS:
-        got = forward(m, w, tokens, lambda li, kind, a, inp: (q if kind == only else bf)[f"layers.{li}.{kind}"])
-        print(f"RTN {only:<18} {stats(got, ref)}")
-    real = fp8_calibrate.ops
-    fp8_calibrate.ops = w8a8_ops()
-    got = forward(m, w, tokens, lambda li, kind, a, inp: q[f"layers.{li}.{kind}"])
-    fp8_calibrate.ops = real
-    print(f"RTN all + W8A8 acts    {stats(got, ref)}")
-    mq = {k: mse_clipped(w[k]) for k in q}
-    print(f"MSE-clipped scale all  {stats(forward(m, w, tokens, lambda li, kind, a, inp: mq[f'layers.{li}.{kind}']), ref)}")
-    g = gptq_weights(m, w, tok)
-    print(f"GPTQ all               {stats(forward(m, w, tokens, lambda li, kind, a, inp: g[f'layers.{li}.{kind}']), ref)}")
+    if not args.only:
+        for only in quantize.LINEARS:
+            got = forward(m, w, tokens, lambda li, kind, a, inp: (q if kind == only else bf)[f"layers.{li}.{kind}"])
+            print(f"RTN {only:<18} {stats(got, ref)}")
+        real = fp8_calibrate.ops
+        fp8_calibrate.ops = w8a8_ops()
+        got = forward(m, w, tokens, lambda li, kind, a, inp: q[f"layers.{li}.{kind}"])
+        fp8_calibrate.ops = real
+        print(f"RTN all + W8A8 acts    {stats(got, ref)}")
+        mq = {k: rtn(w[k], scale=fp8.mse_scale(w[k], fp8.CHANNEL)) for k in q}
+        print(f"MSE scale all          {stats(forward(m, w, tokens, lambda li, kind, a, inp: mq[f'layers.{li}.{kind}']), ref)}")
+    for rule in ("amax", "mse"):
+        g = gptq_weights(m, w, tok, rule)
+        got = forward(m, w, tokens, lambda li, kind, a, inp: g[f"layers.{li}.{kind}"])
+        print(f"GPTQ all, {rule} scale {stats(got, ref)}")
     if args.layers:
         for layer in range(m.num_layers):
             got = forward(m, w, tokens, lambda li, kind, a, inp: (q if li == layer else bf)[f"layers.{li}.{kind}"],

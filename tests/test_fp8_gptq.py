@@ -142,6 +142,7 @@ def check_gptq_plan(plan: Plan, nearest: Plan, num_tokens: int):
                                                                  "tokens": num_tokens,
                                                                  "sha256": calibration_text.digest()}}
     assert nearest.quantization["rounding"] == {"method": "nearest"} and plan.fp8_schemes == nearest.fp8_schemes
+    assert q["scale"] == nearest.quantization["scale"] == "amax"
     changed = 0
     for name in plan.fp8_schemes:
         got, ref = plan_tensor(plan, name), plan_tensor(nearest, name)
@@ -185,6 +186,54 @@ def test_gptq_compile_from_gguf(tmp_path, seed):
     check_gptq_plan(plan, nearest, num)
 
 
+def mse_reference(w, scheme):
+    """Per row (channel) or 128 x 128 block (zero-padded): the scale max(alpha * amax, 1e-12) / 448 of the least
+    squared error, alpha = 1, 0.99, ..., 0.5, the first on ties; float64 sums."""
+    rows, cols = (1, w.shape[1]) if scheme == fp8.CHANNEL else (128, 128)
+    nb, kb = -(-w.shape[0] // rows), -(-w.shape[1] // cols)
+    out = np.zeros((nb, kb), np.float32)
+    for i in range(nb):
+        for j in range(kb):
+            b = w[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols]
+            best = None
+            for alpha in np.linspace(1.0, 0.5, 51):
+                sc = np.float32(max(np.float32(alpha) * np.abs(b).max(), np.float32(1e-12))) / np.float32(448)
+                err = ((e4m3(np.clip(b / sc, -448, 448)) * np.float64(sc) - b) ** 2).sum()
+                if best is None or err < best[0]:
+                    best = (err, sc)
+            out[i, j] = best[1]
+    return out[:, 0] if scheme == fp8.CHANNEL else out
+
+
+@pytest.mark.parametrize("scheme,n,k", [(fp8.CHANNEL, 40, 96), (fp8.BLOCK128, 200, 136)])
+def test_mse_scale_matches_reference_and_never_loses(seed, scheme, n, k):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_t(3, size=(n, k)) * rng.uniform(0.01, 1.0, size=(n, 1))).astype(np.float32)
+    s = fp8.mse_scale(w, scheme)
+    np.testing.assert_array_equal(s, mse_reference(w, scheme), err_msg=f"seed {seed}")
+    amax_q, amax_s = fp8.quantize_weight(w, scheme)
+    q, s2 = fp8.quantize_weight(w, scheme, s)
+    assert np.array_equal(s2, s) and np.array_equal(e4m3(q), q)
+    assert np.linalg.norm(fp8.dequantize(q, s, scheme) - w) <= np.linalg.norm(fp8.dequantize(amax_q, amax_s, scheme) - w)
+    assert (s <= amax_s).all() and (s < amax_s).any()
+
+
+def test_gptq_with_mse_scales_compiles(tmp_path, seed):
+    """Scales are chosen from the checkpoint's weights before rounding: fp8.mse_scale of each source weight."""
+    from safetensors.numpy import load_file
+    from tests.test_fp8_compile import LINEARS
+    hf = qwen3_with_tokenizer(tmp_path, seed)
+    plan = compile_plan(hf, tmp_path / "p", BuildConfig(**BUILD, fp8_rounding="gptq", fp8_scale="mse"))
+    assert plan.quantization["scale"] == "mse" and plan.quantization["rounding"]["method"] == "gptq"
+    sd = load_file(hf / "model.safetensors")
+    for li in range(2):
+        for kind, parts in LINEARS.items():
+            src = np.concatenate([sd[f"model.layers.{li}.{p}.weight"] for p in parts]).astype(np.float32)
+            name = f"layers.{li}.{kind}"
+            np.testing.assert_array_equal(plan_tensor(plan, name + ".scale"),
+                                          fp8.mse_scale(src, plan.fp8_schemes[name]))
+
+
 def one_line(exc, *parts):
     msg = str(exc.value)
     assert msg and "\n" not in msg and all(p in msg for p in parts), msg
@@ -204,6 +253,15 @@ def test_gptq_refusals(tmp_path, seed):
     with pytest.raises(ConfigError) as e:
         BuildConfig(**BUILD, fp8_rounding="obs").validate()
     one_line(e, "fp8_rounding 'obs'", "nearest, gptq")
+    with pytest.raises(ConfigError) as e:
+        BuildConfig(**BUILD, fp8_scale="max").validate()
+    one_line(e, "fp8_scale 'max'", "amax, mse")
+    with pytest.raises(ConfigError) as e:
+        BuildConfig(**{**BUILD, "quantization": "none"}, fp8_scale="mse").validate()
+    one_line(e, "quantization fp8")
+    with pytest.raises(ConfigError) as e:
+        compile_plan(hf, tmp_path / "p", BuildConfig(**BUILD, fp8_scale="mse"), dummy_weights=True)
+    one_line(e, "--dummy-weights")
     assert not (tmp_path / "p").exists()
 
 

@@ -94,6 +94,9 @@ def compile_plan(source: Path, out: Path, build: BuildConfig, *, dummy_weights: 
     schemes = quantize.weight_schemes(model, build, stored)
     if schemes:
         check_fp8_build(build)
+    if build.fp8_scale != "amax" and dummy_weights:
+        raise ConfigError(f"fp8_scale {build.fp8_scale} fits scales to real weights; --dummy-weights has none "
+                          f"(use amax)")
     calibration = fp8_calibrate.calibration_tokens(source, fmt, stored, dummy_weights) \
         if build.fp8_rounding == "gptq" else None
     if build.max_seq_len > model.max_position_embeddings:
@@ -176,8 +179,8 @@ def weight_stream(model: ModelConfig, tensors, build: BuildConfig, schemes: dict
     """The plan's weights in order: FP8 ones rounded to nearest, or with calibration tokens by GPTQ."""
     full = plan_tensors(model, tensors, build.max_seq_len)
     if calibration:
-        return fp8_calibrate.calibrated_stream(full, model, schemes, calibration)
-    return quantize.quantized_stream(full, schemes, model.tie_word_embeddings, scales)
+        return fp8_calibrate.calibrated_stream(full, model, schemes, calibration, build.fp8_scale)
+    return quantize.quantized_stream(full, schemes, model.tie_word_embeddings, scales, build.fp8_scale)
 
 
 def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress, schemes, scales, calibration) -> dict:
@@ -236,7 +239,8 @@ def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress, schem
         manifest["tensor_parallel"] = manifest_section(model, tp)
     if schemes:
         manifest["quantization"] = quantize.manifest_section(schemes, scales, getattr(tensors, "ignored_inputs", []),
-                                                             fp8_calibrate.rounding_record(calibration))
+                                                             fp8_calibrate.rounding_record(calibration),
+                                                             build.fp8_scale)
     if build.target != "cpu":
         from xserv_aot.plan.kernel_build import build_kernels
         manifest["kernels"] = build_kernels(manifest, tmp, build.target, progress=progress)

@@ -3,8 +3,8 @@
 The float32 model runs on the calibration texts (plan/calibration_text.py) one layer at a time with the NumPy
 backend's ops, each linear's input taken from the model as quantized so far (sequential GPTQ: a layer sees the
 already rounded earlier layers and, inside the layer, qkv -> o_proj -> gate_up -> down in order). Each FP8 linear's
-Hessian X^T X of those inputs drives plan/gptq.py; its scales are fp8.quantize_weight's (round to nearest) ones, so
-the plan's formats are the same as without calibration.
+Hessian X^T X of those inputs drives plan/gptq.py; its scales are chosen before as without calibration (build
+setting fp8_scale), so the plan's formats are the same.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import numpy as np
 from xserv_aot import fp8
 from xserv_aot.config import ConfigError, ModelConfig
 from xserv_aot.plan import calibration_text, gptq
+from xserv_aot.plan.quantize import weight_scale
 from xserv_aot.plan.weights import rope_tables
 from xserv_aot.runtime import numpy_ops as ops
 
@@ -55,15 +56,15 @@ def hessian(xs: list[np.ndarray]) -> np.ndarray:
     return h
 
 
-def gptq_rounder(schemes: dict[str, str], damp: float = gptq.DAMP) -> tuple[Rounder, dict]:
-    """A Rounder that rounds the weights named in schemes with GPTQ at their scheme's round-to-nearest scales (and
+def gptq_rounder(schemes: dict[str, str], scale_rule: str, damp: float = gptq.DAMP) -> tuple[Rounder, dict]:
+    """A Rounder that rounds the weights named in schemes with GPTQ at the scales of quantize.weight_scale (and
     keeps the rest); the dict collects those quantized values and scales by name for the stream."""
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def rounder(name: str, w: np.ndarray, xs: list[np.ndarray]) -> np.ndarray:
         if name not in schemes:
             return w
-        _, s = fp8.quantize_weight(w, schemes[name])
+        s = weight_scale(w, schemes[name], scale_rule)
         q = gptq.gptq_round(w, fp8.expand_scale(s, schemes[name], *w.shape), hessian(xs), damp)
         out[name] = (q, s)
         return fp8.dequantize(q, s, schemes[name])
@@ -103,11 +104,11 @@ def layer_of(name: str) -> tuple[int, str] | None:
 
 
 def calibrated_stream(tensors: Stream, m: ModelConfig, schemes: dict[str, str], tokens: list[list[int]],
-                      damp: float = gptq.DAMP) -> Stream:
+                      scale_rule: str = "amax", damp: float = gptq.DAMP) -> Stream:
     """quantize.quantized_stream's output (same names, order and formats) for a float32 checkpoint stream, the
     FP8 weights rounded by GPTQ on the calibration token sequences, layer after layer."""
     cos, sin = rope_tables(m, max(len(t) for t in tokens))
-    rounder, done = gptq_rounder(schemes, damp)
+    rounder, done = gptq_rounder(schemes, scale_rule, damp)
     xs, layer, embedding, head_inputs = [], {}, None, []
 
     def emit(name, arr, is_rope):

@@ -38,18 +38,18 @@ def gptq_round(w: np.ndarray, scale: np.ndarray, h: np.ndarray, damp: float = DA
     """w [N, K], scale [N, K] (float32, every element's), h [K, K] -> the e4m3 values Q [N, K] as float32."""
     n, k = w.shape
     order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)
-    w = np.array(w, dtype=np.float64)[:, order]
-    scale = np.asarray(scale, dtype=np.float32)[:, order]
+    wt = np.array(np.asarray(w, dtype=np.float64).T[order])             # [K, N]: a column of W is a row here
+    st = np.ascontiguousarray(np.asarray(scale, dtype=np.float32).T[order])
     u = inverse_factor(np.asarray(h)[np.ix_(order, order)], damp)
-    q = np.empty((n, k), dtype=np.float32)
+    qt = np.empty((k, n), dtype=np.float32)
     for lo in range(0, k, block):
         hi = min(k, lo + block)
-        part, err = w[:, lo:hi].copy(), np.empty((n, hi - lo))
+        part, err = wt[lo:hi], np.empty((hi - lo, n))
         for j in range(hi - lo):
-            q[:, lo + j] = round_column(part[:, j], scale[:, lo + j])
-            err[:, j] = (part[:, j] - q[:, lo + j] * scale[:, lo + j].astype(np.float64)) / u[lo + j, lo + j]
-            part[:, j + 1:] -= np.outer(err[:, j], u[lo + j, lo + j + 1:hi])
-        w[:, hi:] -= err @ u[lo:hi, hi:]
-    out = np.empty_like(q)
-    out[:, order] = q
+            qt[lo + j] = round_column(part[j], st[lo + j])
+            err[j] = (part[j] - qt[lo + j] * st[lo + j].astype(np.float64)) / u[lo + j, lo + j]
+            part[j + 1:] -= np.outer(u[lo + j, lo + j + 1:hi], err[j])
+        wt[hi:] -= u[lo:hi, hi:].T @ err
+    out = np.empty((n, k), dtype=np.float32)
+    out[:, order] = qt.T
     return out

@@ -6,7 +6,8 @@ agrees. Then the FP8 plan generates on its own, and the script counts its tokens
 position (after a first divergence the two texts differ, so this is the stricter figure). Prompts longer than
 64 tokens run their prefill as W8A8 (quantize_fp8 + FP8 GEMM), decode steps as W8A16.
 
-    python scripts/fp8_accuracy.py build/assets/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --tokens 64 [--rounding gptq]
+    python scripts/fp8_accuracy.py build/assets/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --tokens 64 \
+        [--rounding gptq] [--scale mse]
 """
 from __future__ import annotations
 
@@ -64,13 +65,14 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def compile_pair(model: Path, root: Path, scheme: str = "auto", rounding: str = "nearest") -> tuple[Path, Path]:
+def compile_pair(model: Path, root: Path, scheme: str = "auto", rounding: str = "nearest",
+                 scale: str = "amax") -> tuple[Path, Path]:
     bf16, fp8 = root / "bf16", root / "fp8"
     compile_plan(model, bf16, BuildConfig(**BUILD), force=True)
     t0 = time.time()
-    compile_plan(model, fp8, BuildConfig(**BUILD, quantization="fp8", fp8_scheme=scheme, fp8_rounding=rounding),
-                 force=True)
-    print(f"FP8 plan ({scheme}, rounding {rounding}) compiled in {time.time() - t0:.1f} s", flush=True)
+    compile_plan(model, fp8, BuildConfig(**BUILD, quantization="fp8", fp8_scheme=scheme, fp8_rounding=rounding,
+                                         fp8_scale=scale), force=True)
+    print(f"FP8 plan ({scheme}, scale {scale}, rounding {rounding}) compiled in {time.time() - t0:.1f} s", flush=True)
     return bf16, fp8
 
 
@@ -124,11 +126,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--scheme", default="auto", help="--fp8-scheme of the FP8 plan: channel | block128 | auto")
     ap.add_argument("--rounding", default="nearest", help="--fp8-rounding of the FP8 plan: nearest | gptq")
+    ap.add_argument("--scale", default="amax", help="--fp8-scale of the FP8 plan: amax | mse")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        bf16, fp8 = compile_pair(args.model, Path(tmp), args.scheme, args.rounding)
+        bf16, fp8 = compile_pair(args.model, Path(tmp), args.scheme, args.rounding, args.scale)
         res = measure(bf16, fp8, PROMPTS[:args.prompts], args.tokens)
     res["seconds"] = round(time.time() - t0, 1)
     for i, row in enumerate(res["per_prompt"]):

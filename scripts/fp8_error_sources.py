@@ -86,14 +86,16 @@ def w8a8_ops():
                                     "linear": linear})
 
 
-def gptq_weights(m, w, tok, scale_rule):
+def gptq_weights(m, w, tok, scale_rule, damp):
     schemes = {f"layers.{li}.{kind}": fp8.CHANNEL for li in range(m.num_layers) for kind in quantize.LINEARS}
     tokens = [tok.encode(t) for t in calibration_text.TEXTS]
     out, t0 = {}, time.time()
-    stream = fp8_calibrate.calibrated_stream(((k, v, False) for k, v in w.items()), m, schemes, tokens, scale_rule)
+    stream = fp8_calibrate.calibrated_stream(((k, v, False) for k, v in w.items()), m, schemes, tokens, scale_rule,
+                                             damp)
     for name, arr, _ in stream:
         out[name] = arr
-    print(f"gptq: {sum(map(len, tokens))} calibration tokens, {time.time() - t0:.1f} s")
+    print(f"gptq ({scale_rule} scale, damp {damp}): {sum(map(len, tokens))} calibration tokens, "
+          f"{time.time() - t0:.1f} s")
     return {k: fp8.dequantize(out[k], out[k + ".scale"], fp8.CHANNEL) for k in schemes}
 
 
@@ -102,6 +104,8 @@ def main():
     ap.add_argument("model", type=Path)
     ap.add_argument("--layers", action="store_true", help="also one layer at a time (slow)")
     ap.add_argument("--only", choices=["gptq"], help="only the GPTQ variants")
+    ap.add_argument("--gptq-scales", default="amax,mse", help="fp8_scale rules of the GPTQ variants")
+    ap.add_argument("--damp", type=float, default=0.01, help="GPTQ damping (fraction of the mean diag(H))")
     args = ap.parse_args()
     m, w, tok = load(args.model)
     tokens = [tok.encode(t) for t in DEV_TEXTS]
@@ -111,7 +115,8 @@ def main():
     f32 = forward(m, w, tokens, lambda li, kind, a, inp: a)
     print(f"float32 weights        {stats(f32, ref)}")
     q = {k: rtn(w[k]) for k in w if quantize.is_linear(k) and k != "lm_head"}
-    print(f"RTN all                {stats(forward(m, w, tokens, lambda li, kind, a, inp: q[f'layers.{li}.{kind}']), ref)}")
+    got = forward(m, w, tokens, lambda li, kind, a, inp: q[f"layers.{li}.{kind}"])
+    print(f"RTN all                {stats(got, ref)}")
     if not args.only:
         for only in quantize.LINEARS:
             got = forward(m, w, tokens, lambda li, kind, a, inp: (q if kind == only else bf)[f"layers.{li}.{kind}"])
@@ -122,9 +127,10 @@ def main():
         fp8_calibrate.ops = real
         print(f"RTN all + W8A8 acts    {stats(got, ref)}")
         mq = {k: rtn(w[k], scale=fp8.mse_scale(w[k], fp8.CHANNEL)) for k in q}
-        print(f"MSE scale all          {stats(forward(m, w, tokens, lambda li, kind, a, inp: mq[f'layers.{li}.{kind}']), ref)}")
-    for rule in ("amax", "mse"):
-        g = gptq_weights(m, w, tok, rule)
+        got = forward(m, w, tokens, lambda li, kind, a, inp: mq[f"layers.{li}.{kind}"])
+        print(f"MSE scale all          {stats(got, ref)}")
+    for rule in args.gptq_scales.split(","):
+        g = gptq_weights(m, w, tok, rule, args.damp)
         got = forward(m, w, tokens, lambda li, kind, a, inp: g[f"layers.{li}.{kind}"])
         print(f"GPTQ all, {rule} scale {stats(got, ref)}")
     if args.layers:

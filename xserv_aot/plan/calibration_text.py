@@ -133,6 +133,79 @@ TEXTS = (
     "astrolabes, a cross-staff and a marine chronometer whose accuracy finally allowed sailors to fix their "
     "longitude at sea. The final case holds a well-worn notebook from a 1950s freighter, filled with star sights, "
     "dead-reckoning positions and a note in the margin: fog again, sounded twelve fathoms, proceeding slowly.",
+    "The orchestra tuned for almost ten minutes, because the hall was cold and the strings kept slipping. When the "
+    "conductor finally raised her baton, the first chord of the symphony came out thin and uncertain, but by the "
+    "second movement the players had warmed up and the cellos carried the slow melody with real confidence. In the "
+    "interval people queued for coffee and argued about the tempo: some thought the finale would be rushed, others "
+    "that the soloist had been too cautious in the cadenza. Nobody left early.",
+
+    "Installing the command-line tool\n\nRequirements: Python 3.10 or newer and a C compiler.\n\n    $ python -m venv "
+    ".venv\n    $ source .venv/bin/activate\n    $ pip install --upgrade pip\n    $ pip install mytool\n    $ "
+    "mytool --version\n    mytool 2.4.1\n\nIf the last command prints 'command not found', the virtual environment "
+    "is not active. On Windows use .venv\\Scripts\\activate instead. Configuration lives in ~/.config/mytool/"
+    "config.toml; run `mytool init` to write a default file, then edit the [storage] section to point at your data "
+    "directory.",
+
+    "Vaccines train the immune system without causing the disease. Some contain a weakened or inactivated form of "
+    "a virus, others only a single protein from its surface, and the newer messenger RNA vaccines carry "
+    "instructions that let our own cells make that protein for a short time. In each case the body produces "
+    "antibodies and memory cells. If the real pathogen arrives later, those memory cells recognise it and respond "
+    "within days instead of weeks. Because protection from some vaccines fades, booster doses are recommended at "
+    "intervals that depend on the disease and on a person's age.",
+
+    "User: Can you explain the difference between TCP and UDP in simple terms?\nAssistant: Think of TCP as a "
+    "registered letter and UDP as a postcard. TCP sets up a connection first, numbers every piece of data, and "
+    "resends anything that gets lost, so the receiver gets everything in the right order. That reliability costs "
+    "time. UDP just sends packets and hopes for the best: no handshake, no resending. It is used where speed "
+    "matters more than perfection, such as video calls, online games and DNS lookups.\nUser: So why does "
+    "streaming video often use TCP?",
+
+    "fn parse_line(line: &str) -> Option<(String, u32)> {\n    let mut parts = line.splitn(2, ',');\n    let name = "
+    "parts.next()?.trim().to_string();\n    let age = parts.next()?.trim().parse().ok()?;\n    Some((name, age))\n}"
+    "\n\nfn main() {\n    let input = \"alice, 31\\nbob, x\\ncarol, 27\";\n    let people: Vec<_> = input.lines()"
+    ".filter_map(parse_line).collect();\n    for (name, age) in &people {\n        println!(\"{name} is {age}\");\n"
+    "    }\n    assert_eq!(people.len(), 2);\n}",
+
+    "Weather report for the weekend. Saturday starts dry with sunny spells, but cloud thickens from the west during "
+    "the afternoon and rain reaches the coast by evening. Highs of 14 to 17 degrees, with a moderate south-westerly "
+    "wind, strong on exposed hills. Sunday is wet and windy at first; the rain clears eastwards around midday, "
+    "leaving bright, showery weather with a risk of hail and thunder in the north. Temperatures a little lower, "
+    "12 to 15 degrees. Overnight frost is possible in sheltered valleys.",
+
+    "The first rule of our kitchen was that nothing went to waste. Stale bread became crumbs for the schnitzel or "
+    "was soaked in milk and eggs for a sweet pudding; the outer leaves of the cabbage went into soup; bones were "
+    "roasted and simmered for a whole afternoon. My grandmother measured nothing. She added salt by the pinch and "
+    "flour until the dough felt right, and when I asked her to write the recipes down she laughed and said that "
+    "a recipe was only a rumour about a meal.",
+
+    "Minutes of the sprint review, 9 October\nAttendees: Priya (product), Tom, Lena, Jorge (engineering), Mei (QA)"
+    "\n- Search filters shipped to 10% of users; error rate unchanged at 0.3%.\n- The export job still times out "
+    "for accounts with more than 50,000 records. Jorge will split it into batches of 5,000 and add a progress bar."
+    "\n- Mei found two accessibility issues in the settings page (missing labels on toggles). Fix planned for next "
+    "sprint.\n- Decision: postpone the dark theme until the design system update lands.\nNext review: 23 October.",
+
+    "import pandas as pd\n\ndf = pd.read_csv('sales.csv', parse_dates=['date'])\ndf['month'] = df['date'].dt.to_"
+    "period('M')\nmonthly = (df.groupby(['month', 'region'])['amount']\n           .sum()\n           .unstack("
+    "fill_value=0))\nprint(monthly.tail())\ngrowth = monthly.pct_change().mul(100).round(1)\nbest = growth.iloc[-1]"
+    ".idxmax()\nprint(f'fastest growing region last month: {best}')",
+
+    "Honeybees communicate the location of food with a dance. A forager returning to the hive walks in a figure of "
+    "eight on the vertical comb, waggling her abdomen during the straight middle run. The angle of that run "
+    "relative to vertical matches the angle between the food and the sun, and the length of the waggle phase "
+    "grows with the distance to the flowers. Other bees follow the dancer in the dark, sensing the vibrations and "
+    "the smell of nectar, and then fly out to search in the indicated direction.",
+
+    "Terms of use (summary). You may use the service for personal and commercial projects. You must not upload "
+    "content that you do not have the right to share, attempt to access other users' accounts, or send automated "
+    "requests at a rate that degrades the service for others. We may suspend accounts that break these rules after "
+    "a warning, or immediately in serious cases. Paid plans renew monthly and can be cancelled at any time; "
+    "refunds are given for the unused part of an annual plan within 30 days of purchase.",
+
+    "Exercise 4. Let f(x) = 3x^2 - 12x + 7.\n(a) Find the vertex of the parabola. Completing the square gives "
+    "f(x) = 3(x - 2)^2 - 5, so the vertex is at (2, -5).\n(b) Find where f is increasing. The leading coefficient "
+    "is positive, so f decreases for x < 2 and increases for x > 2.\n(c) Solve f(x) = 0. From 3(x - 2)^2 = 5 we get "
+    "x = 2 +/- sqrt(5/3), approximately 0.709 and 3.291.\n(d) Compute the integral of f from 0 to 3: [x^3 - 6x^2 "
+    "+ 7x] from 0 to 3 equals 27 - 54 + 21 = -6.",
 )
 
 

@@ -158,7 +158,7 @@ def check_gptq_plan(plan: Plan, nearest: Plan, num_tokens: int):
     assert np.isfinite(a).all() and np.linalg.norm(a - b) < 0.2 * np.linalg.norm(b)
 
 
-@pytest.mark.parametrize("tie,lm_head", [(False, False), (True, True)])
+@pytest.mark.parametrize("tie,lm_head", [(False, False), (False, True), (True, True)])
 def test_gptq_compile_from_hf_dir(tmp_path, seed, tie, lm_head):
     hf = qwen3_with_tokenizer(tmp_path, seed, tie=tie)
     build = dict(BUILD, quantize_lm_head=lm_head)

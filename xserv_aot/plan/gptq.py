@@ -24,14 +24,26 @@ def round_column(w: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 def inverse_factor(h: np.ndarray, damp: float = DAMP) -> np.ndarray:
-    """Upper U with U^T U = (H + damp * mean(diag H) * I)^-1 (a dead input, diag 0, gets diag 1 first)."""
+    """Upper U with U^T U = (H + damp * mean(diag H) * I)^-1 (a dead input, diag 0, gets diag 1 first): with J the
+    order reversal and J H J = M M^T (Cholesky), U = J M^-1 J; one factorisation and one triangular inverse."""
     h = np.array(h, dtype=np.float64)
     d = np.diag(h).copy()
     d[d == 0] = 1.0
     h[np.diag_indices_from(h)] = d + damp * d.mean()
-    lower = np.linalg.cholesky(h)
-    inv = np.linalg.solve(lower.T, np.linalg.solve(lower, np.eye(len(h))))
-    return np.linalg.cholesky((inv + inv.T) / 2).T
+    return lower_inverse(np.linalg.cholesky(h[::-1, ::-1]))[::-1, ::-1].copy()
+
+
+def lower_inverse(m: np.ndarray, leaf: int = 256) -> np.ndarray:
+    """M^-1 of a lower-triangular M by halves: [[A, 0], [B, C]]^-1 = [[A^-1, 0], [-C^-1 B A^-1, C^-1]]."""
+    k = len(m)
+    if k <= leaf:
+        return np.linalg.inv(m)
+    half = k // 2
+    a, c = lower_inverse(m[:half, :half], leaf), lower_inverse(m[half:, half:], leaf)
+    out = np.zeros_like(m)
+    out[:half, :half], out[half:, half:] = a, c
+    out[half:, :half] = -(c @ (m[half:, :half] @ a))
+    return out
 
 
 def gptq_round(w: np.ndarray, scale: np.ndarray, h: np.ndarray, damp: float = DAMP, act_order: bool = True,

@@ -76,7 +76,7 @@ def compile(
     quantize_lm_head: Optional[bool] = typer.Option(None, help="fp8: the lm_head too (default: it stays bf16)"),
     fp8_rounding: Optional[str] = typer.Option(None, help="fp8: nearest (default) | gptq: error-compensated "
                                                "rounding calibrated on built-in texts (same plan formats; compile "
-                                               "time on a 2-core CPU: minutes for 135M, about 3 hours for 8B)"),
+                                               "time on a 2-core CPU: a minute for 135M, about 2 hours for 8B)"),
     fp8_scale: Optional[str] = typer.Option(None, help="fp8: amax (default: amax / 448 per row or block) | mse: "
                                             "the clipped scale of least squared rounding error"),
     prefill_attention: Optional[str] = typer.Option(None, help="prefill attention kernel variant (auto: the "

@@ -1,6 +1,7 @@
 """FP8 (e4m3fn) numerics shared by compile-time weight quantization and the NumPy ops (docs/plan-format.md "FP8").
 
-A scale is s = max(amax, 1e-12) / 448 in float32 and a value is stored as e4m3(x / s), round to nearest even.
+A scale is s = max(amax, 1e-12) / 448 in float32 (or, for weights with fp8_scale "mse", mse_scale's clipped one)
+and a value is stored as e4m3(x / s), round to nearest even.
 Weights: "fp8_channel" scale [N] (one per output row), "fp8_block128" scale [ceil(N/128), ceil(K/128)].
 Activations (W8A8): per token row and K-group of act_group(scheme, k) columns, the last group possibly shorter.
 """
@@ -75,7 +76,8 @@ def quantize_weight(w: np.ndarray, scheme: str, scale: np.ndarray | None = None)
     """Weight [N, K] -> (e4m3 values as float32 [N, K], float32 scales of weight_scale_shape): at `scale` when
     given, else amax / 448 per row or block."""
     rows, cols = _weight_block(scheme, w.shape[1])
-    q, s = _quantize_blocks(w, rows, cols, None if scale is None else np.reshape(scale, (-1, groups(w.shape[1], cols))))
+    blocks = None if scale is None else np.reshape(scale, (-1, groups(w.shape[1], cols)))
+    q, s = _quantize_blocks(w, rows, cols, blocks)
     return q, (s[:, 0] if scheme == CHANNEL else s)
 
 

@@ -97,8 +97,10 @@ def compile_plan(source: Path, out: Path, build: BuildConfig, *, dummy_weights: 
     if build.fp8_scale != "amax" and dummy_weights:
         raise ConfigError(f"fp8_scale {build.fp8_scale} fits scales to real weights; --dummy-weights has none "
                           f"(use amax)")
-    calibration = fp8_calibrate.calibration_tokens(source, fmt, stored, dummy_weights) \
-        if build.fp8_rounding == "gptq" else None
+    calibration = None
+    if build.fp8_rounding == "gptq":
+        fp8_calibrate.check_calibratable(source, stored, dummy_weights)
+        calibration = fp8_calibrate.calibration_tokens(source, source_tokenizer(source, fmt))
     if build.max_seq_len > model.max_position_embeddings:
         raise ConfigError(f"max_seq_len {build.max_seq_len} exceeds the model's max_position_embeddings "
                           f"{model.max_position_embeddings}")

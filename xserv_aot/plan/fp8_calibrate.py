@@ -23,19 +23,21 @@ Stream = Iterator[tuple[str, np.ndarray, bool]]
 Rounder = Callable[[str, np.ndarray, list[np.ndarray]], np.ndarray]   # (name, W, inputs) -> W as the plan holds it
 
 
-def calibration_tokens(source, fmt: str, stored: dict, dummy: bool) -> list[list[int]]:
-    """The calibration texts as token ids of the checkpoint's tokenizer; one line when GPTQ cannot run."""
+def check_calibratable(source, stored: dict, dummy: bool) -> None:
+    """One line when GPTQ cannot run: no weights, or weights that already are FP8."""
     if dummy:
         raise ConfigError("fp8_rounding gptq calibrates real weights; --dummy-weights has none (use nearest)")
     if stored:
         raise ConfigError(f"fp8_rounding gptq rounds float weights; {source} already stores {len(stored)} FP8 "
                           f"weights (compile it with fp8_rounding nearest)")
-    from xserv_aot.plan.builder import source_tokenizer
-    tok = source_tokenizer(source, fmt)
-    if tok is None:
+
+
+def calibration_tokens(source, tokenizer) -> list[list[int]]:
+    """The calibration texts as token ids of the checkpoint's tokenizer (None: refused in one line)."""
+    if tokenizer is None:
         raise ConfigError(f"fp8_rounding gptq needs the model's tokenizer for its calibration texts; {source} has "
                           f"no tokenizer.json")
-    return [tok.encode(t) for t in calibration_text.TEXTS]
+    return [tokenizer.encode(t) for t in calibration_text.TEXTS]
 
 
 def rounding_record(tokens: list[list[int]] | None) -> dict:

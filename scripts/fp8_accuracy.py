@@ -6,7 +6,8 @@ agrees. Then the FP8 plan generates on its own, and the script counts its tokens
 position (after a first divergence the two texts differ, so this is the stricter figure). Prompts longer than
 64 tokens run their prefill as W8A8 (quantize_fp8 + FP8 GEMM), decode steps as W8A16.
 
-    python scripts/fp8_accuracy.py build/assets/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --tokens 64
+    python scripts/fp8_accuracy.py build/assets/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --tokens 64 \
+        [--rounding gptq] [--scale mse]
 """
 from __future__ import annotations
 
@@ -65,12 +66,18 @@ def rel_err(a, b) -> float:
 
 
 def compile_pair(model: Path, root: Path, scheme: str = "auto", kv_cache_dtype: str = "auto",
-                 quantization: str = "fp8", kv_cache_scales: str = "auto") -> tuple[Path, Path]:
-    """The bf16 plan and the one under test (quantization and KV cache dtype as given)."""
+                 quantization: str = "fp8", kv_cache_scales: str = "auto", rounding: str = "nearest",
+                 scale: str = "amax") -> tuple[Path, Path]:
+    """The bf16 plan and the one under test (quantization, FP8 rounding / scale and KV cache dtype as given)."""
     bf16, fp8 = root / "bf16", root / "fp8"
     compile_plan(model, bf16, BuildConfig(**BUILD), force=True)
+    t0 = time.time()
+    fp8_opts = dict(fp8_rounding=rounding, fp8_scale=scale) if quantization == "fp8" else {}
     compile_plan(model, fp8, BuildConfig(**BUILD, quantization=quantization, fp8_scheme=scheme,
-                                         kv_cache_dtype=kv_cache_dtype, kv_cache_scales=kv_cache_scales), force=True)
+                                         kv_cache_dtype=kv_cache_dtype, kv_cache_scales=kv_cache_scales, **fp8_opts),
+                 force=True)
+    print(f"plan under test ({quantization}, {scheme}, scale {scale}, rounding {rounding}, KV {kv_cache_dtype}) "
+          f"compiled in {time.time() - t0:.1f} s", flush=True)
     return bf16, fp8
 
 
@@ -126,12 +133,14 @@ def main() -> None:
     ap.add_argument("--quantization", default="fp8", help="weights of the plan under test: fp8 | none (bf16)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="KV cache of the plan under test: auto | fp8_e4m3")
     ap.add_argument("--kv-cache-scales", default="auto", help="fp8_e4m3 KV scales: auto | calibrate")
+    ap.add_argument("--rounding", default="nearest", help="--fp8-rounding of the FP8 plan: nearest | gptq")
+    ap.add_argument("--scale", default="amax", help="--fp8-scale of the FP8 plan: amax | mse")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         bf16, fp8 = compile_pair(args.model, Path(tmp), args.scheme, args.kv_cache_dtype, args.quantization,
-                                 args.kv_cache_scales)
+                                 args.kv_cache_scales, args.rounding, args.scale)
         res = measure(bf16, fp8, PROMPTS[:args.prompts], args.tokens)
     res["seconds"] = round(time.time() - t0, 1)
     for i, row in enumerate(res["per_prompt"]):

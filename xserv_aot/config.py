@@ -21,6 +21,8 @@ FP8_W8A16_MAX_ROWS = 64      # default of fp8_w8a16_max_rows (the W8A16 skinny k
 FP8_SCHEME_CHOICES = ("channel", "block128", "auto")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3")   # auto: build dtype (xserv_aot/kv_cache.py)
 KV_CACHE_SCALES = ("auto", "calibrate")   # fp8 KV: the checkpoint's per-layer scales, else 1.0 | calibrated
+FP8_ROUNDINGS = ("nearest", "gptq")
+FP8_SCALES = ("amax", "mse")
 HF_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 
 
@@ -188,6 +190,10 @@ class BuildConfig:
     quantization: str = "none"            # none | fp8: linear weights stored as e4m3 with scales (plan/quantize.py)
     fp8_scheme: str = "auto"              # fp8: channel | block128 | auto (block128 where N and K divide by 128)
     quantize_lm_head: bool = False        # fp8: the lm_head too (embedding and norms always stay in dtype)
+    fp8_rounding: str = "nearest"         # fp8: nearest | gptq (error-compensated on calibration text at compile
+                                          # time, plan/fp8_calibrate.py; same formats and scales, slower compile)
+    fp8_scale: str = "amax"               # fp8: amax (amax / 448 per row or block) | mse (the clip factor of least
+                                          # squared rounding error per row or block, fp8.mse_scale)
     prefill_attention: str = "auto"       # CUDA: a prefill attention variant (plan/attention_plan.py), auto: the default
     prefill_row_kernels: str = "auto"     # CUDA: v1 | rows | auto: the norms / silu_mul / rope kernels of prefill
                                           # buckets (plan/row_kernels.py)
@@ -257,6 +263,14 @@ class BuildConfig:
             raise ConfigError(f"fp8_scheme {self.fp8_scheme!r} is not one of {', '.join(FP8_SCHEME_CHOICES)}")
         from xserv_aot.kv_cache import check_kv_build
         check_kv_build(self)
+        if self.fp8_rounding not in FP8_ROUNDINGS:
+            raise ConfigError(f"fp8_rounding {self.fp8_rounding!r} is not one of {', '.join(FP8_ROUNDINGS)}")
+        if self.fp8_scale not in FP8_SCALES:
+            raise ConfigError(f"fp8_scale {self.fp8_scale!r} is not one of {', '.join(FP8_SCALES)}")
+        if self.fp8_rounding != "nearest" and self.quantization != "fp8":
+            raise ConfigError(f"fp8_rounding {self.fp8_rounding} rounds FP8 weights; it needs quantization fp8")
+        if self.fp8_scale != "amax" and self.quantization != "fp8":
+            raise ConfigError(f"fp8_scale {self.fp8_scale} scales FP8 weights; it needs quantization fp8")
         if isinstance(self.megakernel_sms, bool) or not isinstance(self.megakernel_sms, int) or self.megakernel_sms < 0:
             raise ConfigError(f"megakernel_sms must be a block count >= 0 (the GPU's SMs), got {self.megakernel_sms!r}")
         if isinstance(self.megakernel_max_context, bool) or not isinstance(self.megakernel_max_context, int) \

@@ -19,7 +19,7 @@ from xserv_aot.plan.manifest import SCHEMA_VERSION, Plan, layout
 from xserv_aot.plan.ops import arena_buffers, bucket_ops, bucket_shapes
 from xserv_aot.plan.tensor_parallel import (check_divisible, local_model, local_shapes, manifest_section,
                                             rank_shards, tensor_sharding)
-from xserv_aot.plan import quantize
+from xserv_aot.plan import fp8_calibrate, quantize
 from xserv_aot.plan.weights import plan_tensors, weight_specs, write_rank_weights, write_weights
 
 Progress = Callable[[str, int, int], None]   # (stage, done, total)
@@ -40,16 +40,22 @@ def read_source(source: Path, dummy: bool):
     return open_checkpoint(source)
 
 
-def save_tokenizer(source: Path, fmt: str, out: Path) -> bool:
+def source_tokenizer(source: Path, fmt: str):
+    """The checkpoint's Tokenizer (a GGUF's own, or tokenizer.json beside the weights), None without one."""
     from xserv_aot.tokenizer import Tokenizer
     src_dir = source if source.is_dir() else source.parent
     if fmt == "gguf":
-        Tokenizer.from_gguf(source).save(out)
-        return True
+        return Tokenizer.from_gguf(source)
     if (src_dir / "tokenizer.json").is_file():
-        Tokenizer.from_dir(src_dir).save(out)
-        return True
-    return False
+        return Tokenizer.from_dir(src_dir)
+    return None
+
+
+def save_tokenizer(source: Path, fmt: str, out: Path) -> bool:
+    tok = source_tokenizer(source, fmt)
+    if tok is not None:
+        tok.save(out)
+    return tok is not None
 
 
 def full_tensor_shapes(m: ModelConfig, b: BuildConfig, schemes: dict[str, str] | None = None
@@ -86,6 +92,13 @@ def compile_plan(source: Path, out: Path, build: BuildConfig, *, dummy_weights: 
     schemes = quantize.weight_schemes(model, build, stored)
     if schemes:
         check_fp8_build(build)
+    if build.fp8_scale != "amax" and dummy_weights:
+        raise ConfigError(f"fp8_scale {build.fp8_scale} fits scales to real weights; --dummy-weights has none "
+                          f"(use amax)")
+    calibration = None
+    if build.fp8_rounding == "gptq":
+        fp8_calibrate.check_calibratable(source, stored, dummy_weights)
+        calibration = fp8_calibrate.calibration_tokens(source, source_tokenizer(source, fmt))
     if build.max_seq_len > model.max_position_embeddings:
         raise ConfigError(f"max_seq_len {build.max_seq_len} exceeds the model's max_position_embeddings "
                           f"{model.max_position_embeddings}")
@@ -95,7 +108,7 @@ def compile_plan(source: Path, out: Path, build: BuildConfig, *, dummy_weights: 
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
             manifest = _build(source, tmp, model, tensors, fmt, build, dummy_weights, dummy_seed, progress,
-                              schemes, scales)
+                              schemes, scales, calibration)
             manifest["generation_defaults"] = defaults
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
             _replace_dir(tmp, out)
@@ -161,7 +174,16 @@ def weights_file(name: str, size: int, chunks: list[str]) -> dict:
             "chunks": {"size": CHUNK_BYTES, "sha256": chunks}}
 
 
-def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress, schemes, scales) -> dict:
+def weight_stream(model: ModelConfig, tensors, build: BuildConfig, schemes: dict, scales: dict,
+                  calibration: list[list[int]] | None):
+    """The plan's weights in order: FP8 ones rounded to nearest, or with calibration tokens by GPTQ."""
+    full = plan_tensors(model, tensors, build.max_seq_len)
+    if calibration:
+        return fp8_calibrate.calibrated_stream(full, model, schemes, calibration, build.fp8_scale)
+    return quantize.quantized_stream(full, schemes, model.tie_word_embeddings, scales, build.fp8_scale)
+
+
+def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress, schemes, scales, calibration) -> dict:
     specs, tp, sharding = weight_specs(model), build.tensor_parallel, sharding_of(model, build)
     shapes = full_tensor_shapes(model, build, schemes)
     dtypes = {name: dt for name, (_, dt) in (local_shapes(shapes, sharding) if sharding else shapes).items()}
@@ -177,8 +199,7 @@ def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress, schem
             if progress:
                 progress("weights", done[0], total)
 
-        full = quantize.quantized_stream(plan_tensors(model, tensors, build.max_seq_len), schemes,
-                                         model.tie_word_embeddings, scales)
+        full = weight_stream(model, tensors, build, schemes, scales, calibration)
         if sharding:
             names = [f"weights.rank{r}.bin" for r in range(tp)]
             written = write_rank_weights([tmp / n for n in names], rank_shards(full, sharding, tp), dtypes,
@@ -220,7 +241,9 @@ def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress, schem
     if tp > 1:
         manifest["tensor_parallel"] = manifest_section(model, tp)
     if schemes:
-        manifest["quantization"] = quantize.manifest_section(schemes, scales, getattr(tensors, "ignored_inputs", []))
+        manifest["quantization"] = quantize.manifest_section(schemes, scales, getattr(tensors, "ignored_inputs", []),
+                                                             fp8_calibrate.rounding_record(calibration),
+                                                             build.fp8_scale)
     if kv_cache.is_fp8(kv_section) and build.kv_cache_scales == "calibrate":
         if not has_tok:
             raise ConfigError("kv_cache_scales calibrate needs the model's tokenizer (tokenizer.json or GGUF)")

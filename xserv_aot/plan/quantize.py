@@ -72,11 +72,18 @@ def tensor_table(m: ModelConfig, b: BuildConfig, schemes: dict[str, str]) -> dic
     return out
 
 
+def weight_scale(w: np.ndarray, scheme: str, rule: str) -> np.ndarray:
+    """The scales of an FP8 weight by build setting fp8_scale: amax (amax / 448 per row or block) or mse."""
+    return fp8.mse_scale(w, scheme) if rule == "mse" else fp8.quantize_weight(w, scheme)[1]
+
+
 def quantized_stream(tensors: Iterator[tuple[str, np.ndarray, bool]], schemes: dict[str, str], tied: bool,
-                     stored_scales: dict[str, np.ndarray] | None = None) -> Iterator[tuple[str, np.ndarray, bool]]:
+                     stored_scales: dict[str, np.ndarray] | None = None, scale_rule: str = "amax"
+                     ) -> Iterator[tuple[str, np.ndarray, bool]]:
     """The plan weight stream in tensor_table order: weights named in `schemes` as e4m3 values (float32 arrays)
-    followed by their scales; with a scale in stored_scales the values already are e4m3 (a pre-quantized
-    checkpoint) and pass through. tied: the model ties its head, so an FP8 lm_head is quantized from embed_tokens."""
+    followed by their scales (scale_rule: weight_scale); with a scale in stored_scales the values already are e4m3
+    (a pre-quantized checkpoint) and pass through. tied: the model ties its head, so an FP8 lm_head is quantized
+    from embed_tokens."""
     stored_scales = stored_scales or {}
     embedding = None
     for name, arr, is_rope in tensors:
@@ -86,15 +93,15 @@ def quantized_stream(tensors: Iterator[tuple[str, np.ndarray, bool]], schemes: d
             yield name, arr, False
             yield scale_name(name), stored_scales[name], True
         else:
-            yield from _quantized(name, arr, schemes[name])
+            yield from _quantized(name, arr, schemes[name], scale_rule)
         if name == "embed_tokens":
             embedding = arr
         if name == "final_norm" and tied and "lm_head" in schemes:
-            yield from _quantized("lm_head", embedding, schemes["lm_head"])
+            yield from _quantized("lm_head", embedding, schemes["lm_head"], scale_rule)
 
 
-def _quantized(name: str, arr: np.ndarray, scheme: str) -> Iterator[tuple[str, np.ndarray, bool]]:
-    q, s = fp8.quantize_weight(arr, scheme)
+def _quantized(name: str, arr: np.ndarray, scheme: str, scale_rule: str) -> Iterator[tuple[str, np.ndarray, bool]]:
+    q, s = fp8.quantize_weight(arr, scheme, weight_scale(arr, scheme, scale_rule))
     yield name, q, False
     yield scale_name(name), s, True
 
@@ -104,11 +111,13 @@ def is_linear(name: str) -> bool:
     return name == "lm_head" or name.rsplit(".", 1)[-1] in LINEARS
 
 
-def manifest_section(schemes: dict[str, str], stored: dict, ignored: list[str]) -> dict | None:
+def manifest_section(schemes: dict[str, str], stored: dict, ignored: list[str], rounding: dict,
+                     scale_rule: str) -> dict | None:
     """The manifest's `quantization` entry (None for a plan without FP8 weights): per weight its scheme and whether
-    it came FP8 from the checkpoint or was quantized by the compile; the checkpoint's static input scales, dropped."""
+    it came FP8 from the checkpoint or was quantized by the compile; the checkpoint's static input scales, dropped;
+    how the compile chose the scales of its FP8 weights and rounded them (plan/fp8_calibrate.rounding_record)."""
     if not schemes:
         return None
-    out = {"method": "fp8", "lm_head": "lm_head" in schemes, "schemes": dict(schemes),
-           "from_checkpoint": sorted(stored), "ignored_input_scales": len(ignored)}
-    return out
+    return {"method": "fp8", "lm_head": "lm_head" in schemes, "schemes": dict(schemes),
+            "from_checkpoint": sorted(stored), "ignored_input_scales": len(ignored), "scale": scale_rule,
+            "rounding": rounding}

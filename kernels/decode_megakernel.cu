@@ -19,7 +19,7 @@
 #define MK_REGS_CONSUMER 240
 #define MK_REGS_PRODUCER 24
 // setmaxnreg moves registers inside the block's launch allotment (ptxas: 168 a thread for 12 warps): the consumers'
-// increase must fit what the producer warpgroup gives up, or setmaxnreg.inc waits forever (32 here hung the kernel)
+// increase must fit what the producer warpgroup gives up, or setmaxnreg.inc waits forever (32 hung the kernel)
 static_assert(MK_CONSUMERS * (MK_REGS_CONSUMER - 168) <= 4 * (168 - MK_REGS_PRODUCER), "setmaxnreg pool");
 #define MK_CTHREADS (MK_CONSUMERS * 32)
 // MK_STAGE_BYTES (a ring slot), MK_H_SEQ_BYTES (GEMV input a sequence / attention scratch), MK_PART_FLOATS
@@ -568,44 +568,18 @@ __device__ __forceinline__ void load_tile(const Args& a, const AttnItem& it, con
     }
 }
 
-// L2 prefetch of the split's keys from p0 on (K and V rows): a.kv_prefetch 0 (and 2), prefetch.global.L2 of each
-// 128-B line; 1, one cp.async.bulk.prefetch.L2 (the copy engine) of each 256-B row.
+// L2 prefetch of the split's keys from p0 on (K and V rows): a.kv_prefetch 0, prefetch.global.L2 of each 128-B
+// line; 1, one cp.async.bulk.prefetch.L2 (the copy engine) of each 256-B row.
 __device__ __forceinline__ void prefetch_keys(const Args& a, const AttnItem& it, const bf16* kvl, int p0) {
     const size_t stride = (size_t)a.nkv * MK_HD;
     for (int p = p0 + (threadIdx.x >> 1); p < it.k1; p += MK_CTHREADS / 2) {
         const bf16* k = kvl + key_slot(a, it, p) * stride + (size_t)it.kvh * MK_HD;
         const bf16* v = k + (size_t)a.num_slots * stride;
-        if (a.kv_prefetch == 1) {
+        if (a.kv_prefetch) {
             prefetch_l2(threadIdx.x & 1 ? v : k, MK_HD * 2);
         } else {
             asm volatile("prefetch.global.L2 [%0];" :: "l"(k + (threadIdx.x & 1) * (MK_HD / 2)));
             asm volatile("prefetch.global.L2 [%0];" :: "l"(v + (threadIdx.x & 1) * (MK_HD / 2)));
-        }
-    }
-}
-
-// a.kv_prefetch 2 (the _tl2_p4 variants): the split's first tile of cached keys (K rows at MK_KS_PITCH, then V rows)
-// in the two ring slots the attention block gives up, copied by producer warp 1 one layer ahead: layer l's copies
-// start once layer l - 1's attention released the tile (empty), and complete full's phase l.
-#define MK_KS_PITCH (MK_HD + 8)                        // bf16 elements a staged K row: 8 rows hit 8 bank groups
-static_assert(MK_TILE * (MK_KS_PITCH + MK_HD) * 2 <= 2 * MK_STAGE_BYTES, "the staged tile fits two ring slots");
-__device__ __forceinline__ int staged_keys(const AttnItem& it) {
-    return it.ctx <= 0 ? 0 : max(0, min(min(it.k0 + MK_TILE, it.k1), it.ctx - 1) - it.k0);
-}
-__device__ __forceinline__ void stage_kv(const Args& a, const AttnItem& it, bf16* ks, u64* full, u64* empty) {
-    const int lane = threadIdx.x & 31, n = staged_keys(it);
-    const size_t stride = (size_t)a.nkv * MK_HD;
-    u64 policy;
-    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
-    for (int l = 0; l < a.layers; l++) {
-        if (l) mbar_wait(empty, (l - 1) & 1);
-        if (lane == 0) mbar_expect_tx(full, 2 * n * MK_HD * 2);
-        __syncwarp();
-        const bf16* kvl = a.kv + (size_t)l * 2 * a.num_slots * stride + (size_t)it.kvh * MK_HD;
-        for (int i = lane; i < n; i += 32) {
-            const bf16* k = kvl + key_slot(a, it, it.k0 + i) * stride;
-            bulk_load(ks + i * MK_KS_PITCH, k, MK_HD * 2, full, policy);
-            bulk_load(ks + MK_TILE * MK_KS_PITCH + i * MK_HD, k + a.num_slots * stride, MK_HD * 2, full, policy);
         }
     }
 }
@@ -642,8 +616,7 @@ __device__ __forceinline__ void prefetch_attention(const Args& a, const AttnItem
 // combines.
 template <int M, int G, bool RT>
 __device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& it, int layer, KVTile& t,
-                                                const AttnConst& c, float* sm, long long* tr, const bf16* ks,
-                                                u64* kv_full) {
+                                                const AttnConst& c, float* sm, long long* tr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nh = a.nh;
     float* qs = sm;                             // [G][HD] rounded q
     float* kn = qs + G * MK_HD;                 // [HD] new k, then [HD] new v
@@ -693,9 +666,7 @@ __device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& i
     }
     const bf16* kvl = a.kv + (size_t)layer * 2 * a.num_slots * a.nkv * MK_HD;
     for (int t0 = it.k0; t0 < it.k1; t0 += MK_TILE) {
-        const bool st = ks && t0 == it.k0;            // the first tile from the staged copy
-        if (st) mbar_wait(kv_full, layer & 1);
-        else if (!RT || t0 != it.k0) load_tile(a, it, kvl, t0, t);
+        if (!RT || t0 != it.k0) load_tile(a, it, kvl, t0, t);
         const int p = t0 + (threadIdx.x >> 1), half = (threadIdx.x & 1) * (MK_HD / 2);
         float s[G];
 #pragma unroll
@@ -708,7 +679,7 @@ __device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& i
 #pragma unroll
                     for (int i = 0; i < 8; i++) kf[i] = kn[half + e * 8 + i];
                 } else {
-                    unpack8(st ? ld16(ks + (p - it.k0) * MK_KS_PITCH + half + e * 8) : t.k[e], kf);
+                    unpack8(t.k[e], kf);
                 }
 #pragma unroll
                 for (int g = 0; g < G; g++) {
@@ -750,9 +721,7 @@ __device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& i
                 if (q == it.ctx - 1) {
                     v[0] = vn[lane * 4]; v[1] = vn[lane * 4 + 1]; v[2] = vn[lane * 4 + 2]; v[3] = vn[lane * 4 + 3];
                 } else {
-                    const uint2 w = st ? *(const uint2*)(ks + MK_TILE * MK_KS_PITCH + j * MK_HD + lane * 4)
-                                       : make_uint2(t.v[i][0], t.v[i][1]);
-                    v[0] = bflo(w.x); v[1] = bfhi(w.x); v[2] = bflo(w.y); v[3] = bfhi(w.y);
+                    v[0] = bflo(t.v[i][0]); v[1] = bfhi(t.v[i][0]); v[2] = bflo(t.v[i][1]); v[3] = bfhi(t.v[i][1]);
                 }
 #pragma unroll
                 for (int g = 0; g < G; g++) {
@@ -854,17 +823,11 @@ __device__ void megakernel(const Args& a) {
     bf16* hs = (bf16*)(smem + (size_t)a.stages * MK_STAGE_BYTES);
     float* part = (float*)(smem + (size_t)a.stages * MK_STAGE_BYTES + M * MK_H_SEQ_BYTES);
     u64* bars = (u64*)(part + MK_PART_FLOATS);
-    u64* kv_full = bars + 2 * a.stages;               // the staged KV tile (a.kv_prefetch 2): landed / released
-    u64* kv_empty = kv_full + 1;
-    float* scratch = (float*)(kv_empty + 1);
+    float* scratch = (float*)(bars + 2 * a.stages);
     float* scl = scratch + 64;                        // [2][MK_SCALE_FLOATS]: FP8 scales of layers l, l + 1
-    const bool kvs = PW == 4 && !RT && a.kv_prefetch == 2 && attn_item(a, M).live;
-    bf16* ks = (bf16*)(slots + (size_t)(a.stages - 2) * MK_STAGE_BYTES);
-    Ring ring{bars, bars + a.stages, slots, kvs ? a.stages - 2 : a.stages, 0, 0u};
+    Ring ring{bars, bars + a.stages, slots, a.stages, 0, 0u};
     if (threadIdx.x == 0) {
         for (int s = 0; s < a.stages; s++) { mbar_init(&ring.full[s], 1); mbar_init(&ring.empty[s], MK_CONSUMERS); }
-        mbar_init(kv_full, 1);
-        mbar_init(kv_empty, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -873,7 +836,6 @@ __device__ void megakernel(const Args& a) {
     const int q0 = rows.q0, q1 = rows.q1, h0 = rows.h0, h1 = rows.h1, i0 = rows.i0, i1 = rows.i1;
     if (threadIdx.x >= MK_CTHREADS) {                      // producer warp(s)
         if (PW == 4) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(MK_REGS_PRODUCER));
-        if (kvs && (threadIdx.x >> 5) == MK_CONSUMERS + 1) stage_kv(a, attn_item(a, M), ks, kv_full, kv_empty);
         if (threadIdx.x != MK_CTHREADS) return;
         u64 policy;
         asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
@@ -927,8 +889,7 @@ __device__ void megakernel(const Args& a) {
         grid_sync(a.bar, base + (++nbar) * NB);
         // (2) attention
         STAMP(3);
-        if (it.live) attention_phase<M, G, RT>(a, it, l, tile, ac, (float*)hs, tr, kvs ? ks : nullptr, kv_full);
-        if (kvs && threadIdx.x == 0) mbar_arrive(kv_empty);
+        if (it.live) attention_phase<M, G, RT>(a, it, l, tile, ac, (float*)hs, tr);
         STAMP(4);
         grid_sync(a.bar, base + (++nbar) * NB);
         STAMP(5);

@@ -33,11 +33,9 @@ def sms():
 
 # kernel variants (plan/megakernel_plan.py constants): first KV tile in registers before the qkv barrier or
 # loaded after it, producer warps, the producer's L2 prefetch window while the ring is full, the KV prefetch kind
-# (kv-smem: the first tile staged in shared memory one layer ahead)
 VARIANTS = {"default": {}, "rt-bulkpf": dict(MK_TILE_IN_REGS=True, MK_KV_PREFETCH=1),
             "p1-rt": dict(MK_PRODUCER_WARPS=1, MK_TILE_IN_REGS=True),
-            "p1-l2pf8": dict(MK_PRODUCER_WARPS=1, MK_TILE_IN_REGS=False, MK_L2_AHEAD=8),
-            "kv-smem": dict(MK_KV_PREFETCH=2)}
+            "p1-l2pf8": dict(MK_PRODUCER_WARPS=1, MK_TILE_IN_REGS=False, MK_L2_AHEAD=8)}
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))

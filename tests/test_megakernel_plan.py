@@ -62,7 +62,7 @@ def test_decode_1_and_2_run_one_persistent_launch(tmp_path):
         assert args[30] == ("ptr", None)                      # the trace buffer: only scripts/megakernel_trace.py
         assert args[39] == ("i32", 132 // (seqs * 4))        # splits a seq: blocks / (seqs x kv heads)
         stages = args[40][1]
-        fixed = seqs * MK_H_SEQ_BYTES + 4 * MK_PART_FLOATS + 16 + 256 + 2 * 4 * MK_SCALE_FLOATS
+        fixed = seqs * MK_H_SEQ_BYTES + 4 * MK_PART_FLOATS + 256 + 2 * 4 * MK_SCALE_FLOATS
         assert 2 <= stages and rec.smem == stages * (MK_STAGE_BYTES + 16) + fixed
     assert not any(op.cuda.kernel.startswith(MK_PREFIX) for op in bucket(plan, "decode_4").ops)
     buffers = plan.manifest["arena"]["buffers"]

@@ -25,9 +25,7 @@ MK_PRODUCER_WARPS = 4            # the weight-stream producer: one warp, or a wa
 MK_FP8_SEQS = (2,)               # bucket sizes whose FP8 plans take the megakernel (H200: decode_2 4.13 vs 4.38 ms
                                  # per-op; decode_1 3.37 vs 3.20: the e4m3 conversions bind the consumer warps)
 MK_FP8_TC = False                # FP8 decode_1 through the tensor cores (_f8ct / _f8bt: padded slot rows, mma.sync)
-MK_KV_PREFETCH = 0               # the layer-start KV prefetch: 0 per 128-B line, 1 per 256-B row by the copy engine;
-                                 # 2 as 0, and a split's first tile copied into two of its ring slots one layer
-                                 # ahead (the _tl2_p4 variants; the attention blocks' ring is 2 slots shorter)
+MK_KV_PREFETCH = 0               # the layer-start KV prefetch: 0 per 128-B line, 1 per 256-B row by the copy engine
 
 MK_MAX_STAGES = 5                # H200, decode_1: 6 slots measured 0.1 ms slower than 5 (docs/cuda-notes.md)
 MK_L2_AHEAD = 0                  # ring slots the producer prefetches into L2 while every slot holds landed rows
@@ -65,9 +63,9 @@ class NotEligible(Exception):
 
 def smem_layout(seqs: int) -> tuple[int, int]:
     """(ring slots, dynamic shared memory bytes) of the kernel for seqs sequences: the GEMV input, partial sums,
-    mbarriers (two a slot, two for the staged KV tile), scratch and two layers' FP8 scales first, the ring gets the rest of MK_SMEM_MAX, at most
+    mbarriers, scratch and two layers' FP8 scales first, the ring gets the rest of MK_SMEM_MAX, at most
     MK_MAX_STAGES slots."""
-    fixed = seqs * MK_H_SEQ_BYTES + 4 * MK_PART_FLOATS + 2 * 8 + 64 * 4 + 2 * 4 * MK_SCALE_FLOATS
+    fixed = seqs * MK_H_SEQ_BYTES + 4 * MK_PART_FLOATS + 64 * 4 + 2 * 4 * MK_SCALE_FLOATS
     stages = min(MK_MAX_STAGES, (MK_SMEM_MAX - fixed) // (MK_STAGE_BYTES + 2 * 8))
     return stages, stages * (MK_STAGE_BYTES + 2 * 8) + fixed
 

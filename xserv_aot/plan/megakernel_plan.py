@@ -221,9 +221,9 @@ def plan_megakernel(kind: str, ops: list[Op], choices: list[KernelChoice], manif
         raise NotEligible(f"FP8 weights at {seqs} seqs: the per-op kernels measured faster (MK_FP8_SEQS)")
     fn = kernel_name(seqs, m["num_heads"] // m["num_kv_heads"], quant)
     smax = check_shapes(m, seqs, sms, WEIGHT_BYTES[quant], tensor_cores(seqs, quant))
-    if quant and layer_scale_floats(m, sms, quant) > MK_SCALE_FLOATS:
-        raise NotEligible(f"{layer_scale_floats(m, sms, quant)} FP8 scales a block and layer: more than the "
-                          f"{MK_SCALE_FLOATS} staged in shared memory")
+    if quant and (n := layer_scale_floats(m, sms, quant)) > MK_SCALE_FLOATS:
+        raise NotEligible(f"{n} FP8 scales a block and layer: more than the {MK_SCALE_FLOATS} staged in shared "
+                          "memory")
     stride = layer_stride(manifest["weights"]["tensors"], layer_weights(ops, start, layers), quant)
     rope, attn, final = layers[0][1], layers[0][2], ops[end]
     stages, smem = smem_layout(seqs)

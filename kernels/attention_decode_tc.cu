@@ -12,15 +12,19 @@
 // split; one split writes out directly). Before
 // griddepcontrol.wait (programmatic dependent launch) it only reads what no kernel of the step writes (the step's
 // inputs, the RoPE tables, the context's KV): block ids of its keys into shared memory, the first tiles' copies.
-// KVT e4m3 (the _f8kv kernels, an FP8 cache: kv_fp8.cuh): the ring holds e4m3 rows of HD bytes; each landed tile is
-// converted into one bf16 tile (rows padded to HD + 8) that the same MMA code reads; k_scale joins the softmax
-// scale and v_scale the output; the new token's k / v go to the ring and the cache as e4m3.
+// KVT e4m3 (the _f8kv kernels, an FP8 cache: kv_fp8.cuh): the ring holds unpadded e4m3 rows of HD bytes (32-byte
+// spans swizzled by the row: tc_span), read as 8 bytes a lane and converted in registers (e4m3 -> f16 is exact) for
+// f16 MMAs: QK^T with q as f16 x 2^-4 and each k16 step's dims permuted alike on both sides (lane tig's 8 bytes of a
+// 32-dim span feed two k16 steps), PV with the V fragment transposed by movmatrix and P as f16; so no staging tile,
+// and a ring of the same bytes holds twice the tiles. k_scale joins the softmax scale and v_scale the output; the
+// new token's k / v go to the ring and the cache as e4m3.
 #include "attention_split.cuh"
 #include "qk_rope.cuh"
 #include "kv_fp8.cuh"
 
 #define TC_THREADS 128
 #define TC_TILE 64
+#define TC_LAZY_LOG2 8.f    // online softmax: a row's running max (log2 units) moves when passed by more than this
 
 // The inputs of the fused QK-norm / RoPE / KV write (FUSED kernels only).
 template <typename KVT>
@@ -29,15 +33,28 @@ struct FusedRope {
     const float* cos_t; const float* sin_t; bf16* q_out; KVT* kv_out; float eps; int min_tiles; int solo_tiles;
 };
 
-// Shared memory of a block (bytes): the ring of STAGES K/V tile pairs (rows of HD + 8 bf16, or HD e4m3 bytes), for
-// an FP8 cache the converted bf16 tile pair, then (fused) q [16][HD + 8] bf16, the new k / v [2][HD] bf16 space.
+// Shared memory of a block (bytes): the ring of STAGES K/V tile pairs (rows of HD + 8 bf16, or HD e4m3 bytes), then
+// (fused) q [16][HD + 8] bf16, the new k / v [2][HD] bf16 space (plan: attention_plan.tc_ring_smem, few_seq_smem).
 template <int HD, int STAGES, typename KVT>
 struct TcSmem {
     static constexpr bool F8 = KvF8<KVT>::value;
     static constexpr int LD = HD + 8, ROW = F8 ? HD : LD * 2, STAGE = 2 * TC_TILE * ROW;
-    static constexpr int CVT = STAGES * STAGE, QS = CVT + (F8 ? 2 * TC_TILE * LD * 2 : 0);
-    static constexpr int KVNEW = QS + 16 * LD * 2, BTS = KVNEW + 2 * HD * 2;
+    static constexpr int QS = STAGES * STAGE, KVNEW = QS + 16 * LD * 2, BTS = KVNEW + 2 * HD * 2;
 };
+
+// e4m3 rows: where 32-byte span s of ring row r lies (s ^ (r & 3); HD 64: s ^ ((r >> 1) & 1)), so the 8-byte reads
+// of four rows at one span (a half warp) hit distinct banks.
+template <int HD>
+__device__ __forceinline__ int tc_span(int r, int s) {
+    static_assert(HD % 64 == 0, "e4m3 rows of whole 64-byte pairs of spans");
+    return HD >= 128 ? s ^ (r & 3) : s ^ ((r >> 1) & 1);
+}
+// Byte offset of 16-byte chunk u of ring row r (K rows 0..63, V rows 64..127 of a stage).
+template <int HD, typename KVT>
+__device__ __forceinline__ int tc_chunk(int r, int u) {
+    if constexpr (KvF8<KVT>::value) return r * HD + (tc_span<HD>(r, u >> 1) << 5) + ((u & 1) << 4);
+    else return r * (HD + 8) * 2 + u * 16;
+}
 
 // Tiles a split of a sequence of Lc keys holds at least: all of them (one split, no combine) when they are at
 // most solo_tiles, else min_tiles.
@@ -48,30 +65,34 @@ __device__ __forceinline__ int fused_min_tiles(const FusedRope<KVT>& fr, int Lc)
 }
 
 // NEW: key position newkey gets no copy; its K / V rows come from knew / vnew (null: the prologue writes them);
-// bt[p / block_size - b0] is the block of key p.
+// bt[(p >> bs_shift) - b0] is the block of key p (block sizes are powers of two: BuildConfig). The thread's block
+// ids are loaded first, all at once (keys past kend read the last key's block and copy nothing).
 // stage: one ring slot (K rows, then V rows, of TcSmem::ROW bytes); 16-byte chunks of KVT elements.
 template <int HD, bool NEW = false, typename KVT = bf16>
 __device__ __forceinline__ void tc_issue(unsigned char* stage, const KVT* kbase, const KVT* vbase, size_t kv_stride,
-                                         const int* bt, int block_size, int k0, int kend, int newkey = -1,
+                                         const int* bt, int bs_shift, int k0, int kend, int newkey = -1,
                                          const unsigned char* knew = nullptr, const unsigned char* vnew = nullptr,
                                          int b0 = 0) {
-    constexpr int ROW = TcSmem<HD, 2, KVT>::ROW, DCH = HD * (int)sizeof(KVT) / 16, EPC = 16 / (int)sizeof(KVT);
+    constexpr int DCH = HD * (int)sizeof(KVT) / 16, EPC = 16 / (int)sizeof(KVT), N = TC_TILE * DCH / TC_THREADS;
+    int blk[N];
 #pragma unroll
-    for (int j = 0; j < TC_TILE * DCH / TC_THREADS; j++) {
+    for (int j = 0; j < N; j++) blk[j] = bt[(min(k0 + (threadIdx.x + j * TC_THREADS) / DCH, kend - 1) >> bs_shift) - b0];
+#pragma unroll
+    for (int j = 0; j < N; j++) {
         const int idx = threadIdx.x + j * TC_THREADS, key = idx / DCH, u = idx % DCH, p = k0 + key;
         const bool ok = p < kend;
         if constexpr (NEW) {
             if (p == newkey) {
                 if (knew) {
-                    st16(stage + key * ROW + u * 16, ld16(knew + u * 16));
-                    st16(stage + (TC_TILE + key) * ROW + u * 16, ld16(vnew + u * 16));
+                    st16(stage + tc_chunk<HD, KVT>(key, u), ld16(knew + u * 16));
+                    st16(stage + tc_chunk<HD, KVT>(TC_TILE + key, u), ld16(vnew + u * 16));
                 }
                 continue;
             }
         }
-        const size_t slot = ok ? (size_t)bt[p / block_size - b0] * block_size + p % block_size : 0;
-        cp_async16(stage + key * ROW + u * 16, kbase + slot * kv_stride + u * EPC, ok ? 16 : 0);
-        cp_async16(stage + (TC_TILE + key) * ROW + u * 16, vbase + slot * kv_stride + u * EPC, ok ? 16 : 0);
+        const size_t slot = ((size_t)blk[j] << bs_shift) + (p & ((1 << bs_shift) - 1));
+        cp_async16(stage + tc_chunk<HD, KVT>(key, u), kbase + slot * kv_stride + u * EPC, ok ? 16 : 0);
+        cp_async16(stage + tc_chunk<HD, KVT>(TC_TILE + key, u), vbase + slot * kv_stride + u * EPC, ok ? 16 : 0);
     }
 }
 
@@ -84,7 +105,7 @@ __device__ __forceinline__ void fused_qkv_rope(const FusedRope<KVT>& fr, bf16 (*
                                                unsigned char* stages, int row, int nh, int nkv, int kvh,
                                                int num_slots, int newkey, int k0, const float* cs, const float* sn,
                                                int slot, float k_scale, float v_scale) {
-    constexpr int E = HD / 32, ROW = TcSmem<HD, STAGES, KVT>::ROW, STAGE = TcSmem<HD, STAGES, KVT>::STAGE;
+    constexpr int E = HD / 32, STAGE = TcSmem<HD, STAGES, KVT>::STAGE;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, G = nh / nkv;
     const bf16* src = fr.qkv + (size_t)row * (nh + 2 * nkv) * HD;
     for (int g = warp; g < G; g += TC_THREADS / 32) {
@@ -110,16 +131,18 @@ __device__ __forceinline__ void fused_qkv_rope(const FusedRope<KVT>& fr, bf16 (*
 #pragma unroll
         for (int e = 0; e < E; e++) y[e] = x[e];
     }
-    const int key = newkey - k0, t = key / TC_TILE;
-    KVT* ring = t < STAGES - 1 ? reinterpret_cast<KVT*>(stages + t * STAGE + (warp * TC_TILE + key % TC_TILE) * ROW)
-                               : nullptr;
+    const int key = newkey - k0, t = key / TC_TILE, r = warp * TC_TILE + key % TC_TILE;
+    unsigned char* ring = t < STAGES - 1 ? stages + t * STAGE : nullptr;
     KVT* cache = slot >= 0 ? fr.kv_out + ((size_t)warp * num_slots + slot) * nkv * HD + (size_t)kvh * HD : nullptr;
 #pragma unroll
     for (int e = 0; e < E; e++) {
         KVT b;
         kv_put(&b, y[e], warp == 0 ? k_scale : v_scale);
         kv_new[warp][lane + 32 * e] = b;
-        if (ring) ring[lane + 32 * e] = b;
+        if (ring) {
+            if constexpr (KvF8<KVT>::value) ring[r * HD + (tc_span<HD>(r, e) << 5) + lane] = b;
+            else reinterpret_cast<KVT*>(ring + r * TcSmem<HD, STAGES, KVT>::ROW)[lane + 32 * e] = b;
+        }
         if (cache) cache[lane + 32 * e] = b;
     }
 }
@@ -135,9 +158,8 @@ __device__ __forceinline__ void attn_decode_tc_impl(
     constexpr int LD = HD + 8, KS = HD / 16, DT = HD / 8, STAGE = SM::STAGE, GM = 16;
     extern __shared__ __align__(16) unsigned char tc_smem[];
     unsigned char* stages = tc_smem;                                  // [STAGES][K, V][TC_TILE][ROW bytes]
-    bf16* cvt = reinterpret_cast<bf16*>(tc_smem + SM::CVT);           // FP8: the landed tile as bf16 [K, V][TC_TILE][LD]
     __shared__ float wm[4][GM], wl[4][GM];
-    // fused: after the ring (and cvt), this block's q heads [GM][LD], the new token's k, v [2][HD] (KVT), then the
+    // fused: after the ring, this block's q heads [GM][LD], the new token's k, v [2][HD] (KVT), then the
     // block ids of its keys (as many ints as the rest of the dynamic shared memory holds)
     bf16 (*qs)[LD] = reinterpret_cast<bf16 (*)[LD]>(tc_smem + SM::QS);
     KVT (*kv_new)[HD] = reinterpret_cast<KVT (*)[HD]>(tc_smem + SM::KVNEW);
@@ -165,7 +187,8 @@ __device__ __forceinline__ void attn_decode_tc_impl(
     const KVT* kbase = kv_layer + (size_t)kvh * HD;
     const KVT* vbase = kv_layer + (size_t)num_slots * kv_stride + (size_t)kvh * HD;
     const int* bt = block_tables + (size_t)i * max_blocks;
-    int b0 = 0;                                                  // fused: bt[k / block_size - b0] = block of key k
+    const int bs_shift = __ffs(block_size) - 1;
+    int b0 = 0;                                                  // fused: bt[(k >> bs_shift) - b0] = block of key k
     float cs[FUSED ? HD / 64 : 1], sn[FUSED ? HD / 64 : 1];
     int slot = -1;
     if constexpr (FUSED) {
@@ -186,7 +209,7 @@ __device__ __forceinline__ void attn_decode_tc_impl(
 #pragma unroll
     for (int st = 0; st < STAGES - 1; st++) {
         if (st < sr.ntiles)
-            tc_issue<HD, FUSED, KVT>(stages + st * STAGE, kbase, vbase, kv_stride, bt, block_size,
+            tc_issue<HD, FUSED, KVT>(stages + st * STAGE, kbase, vbase, kv_stride, bt, bs_shift,
                                      sr.k0 + st * TC_TILE, sr.kend, newkey, nullptr, nullptr, b0);
         cp_async_commit();
     }
@@ -198,7 +221,8 @@ __device__ __forceinline__ void attn_decode_tc_impl(
         __syncthreads();
     }
 
-    // A fragments of Q: rows = heads ga = lane / 4 and gb = ga + 8 (zero past G), k = head dims.
+    // A fragments of Q: rows = heads ga = lane / 4 and gb = ga + 8 (zero past G), k = head dims. e4m3 cache: f16 of
+    // q x 2^-4, k16 step 2c + h's k pairs (2 tig, 2 tig + 8) = dims 32 c + 8 tig + 4 h + (0, 2) (the K reads' order).
     const int ga = lane >> 2, gb = ga + 8, tig = lane & 3;
     u32 qa[KS][4];
     {
@@ -208,14 +232,19 @@ __device__ __forceinline__ void attn_decode_tc_impl(
                                                            : q + ((size_t)sr.row * nh + kvh * G + min(gb, G - 1)) * HD);
 #pragma unroll
         for (int ks = 0; ks < KS; ks++) {
-            const int c = ks * 8 + tig;
-            qa[ks][0] = ga < G ? pa[c] : 0u;
-            qa[ks][1] = gb < G ? pb[c] : 0u;
-            qa[ks][2] = ga < G ? pa[c + 4] : 0u;
-            qa[ks][3] = gb < G ? pb[c + 4] : 0u;
+            int c0 = ks * 8 + tig, c1 = c0 + 4;                      // u32 (dim pair) indices of the two k pairs
+            if constexpr (SM::F8) { c0 = (ks >> 1) * 16 + tig * 4 + (ks & 1) * 2; c1 = c0 + 1; }
+            qa[ks][0] = ga < G ? pa[c0] : 0u;
+            qa[ks][1] = gb < G ? pb[c0] : 0u;
+            qa[ks][2] = ga < G ? pa[c1] : 0u;
+            qa[ks][3] = gb < G ? pb[c1] : 0u;
+            if constexpr (SM::F8) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) qa[ks][e] = bf16x2_f16x2_scaled(qa[ks][e]);
+            }
         }
     }
-    const float sl2 = scale * k_scale * 1.4426950408889634f;
+    const float sl2 = scale * k_scale * 1.4426950408889634f * (SM::F8 ? FP8_F16_UNSCALE : 1.f);
     const float NEG = -__int_as_float(0x7f800000);
     float o[DT][4];
 #pragma unroll
@@ -229,39 +258,56 @@ __device__ __forceinline__ void attn_decode_tc_impl(
         {
             const int nt = t + STAGES - 1;
             if (nt < sr.ntiles)
-                tc_issue<HD, FUSED, KVT>(stages + (nt % STAGES) * STAGE, kbase, vbase, kv_stride, bt, block_size,
+                tc_issue<HD, FUSED, KVT>(stages + (nt % STAGES) * STAGE, kbase, vbase, kv_stride, bt, bs_shift,
                                          sr.k0 + nt * TC_TILE, sr.kend, newkey,
                                          reinterpret_cast<const unsigned char*>(kv_new[0]),
                                          reinterpret_cast<const unsigned char*>(kv_new[FUSED ? 1 : 0]), b0);
             cp_async_commit();
         }
-        const bf16* Ks = reinterpret_cast<const bf16*>(stages + (t % STAGES) * STAGE);
-        if constexpr (SM::F8) {                                 // e4m3 tile -> cvt (free: all passed tile t - 1)
-            kv_tile_to_bf16<2 * TC_TILE, HD, LD, TC_THREADS>(reinterpret_cast<const e4m3*>(Ks), cvt);
-            __syncthreads();
-            Ks = cvt;
-        }
-        const bf16* Vs = Ks + TC_TILE * LD;
+        const unsigned char* tile = stages + (t % STAGES) * STAGE;
         float s[2][4];
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-            const u32* kr = reinterpret_cast<const u32*>(Ks + (warp * 16 + j * 8 + ga) * LD);
+            const int r = warp * 16 + j * 8 + ga;
+            if constexpr (SM::F8) {                             // 8 e4m3 of span c: k16 steps 2c, 2c + 1
 #pragma unroll
-            for (int ks = 0; ks < KS; ks++)
-                mma_bf16(s[j], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], kr[ks * 8 + tig], kr[ks * 8 + 4 + tig]);
+                for (int c = 0; c < HD / 32; c++) {
+                    const uint2 w = *reinterpret_cast<const uint2*>(tile + r * HD + (tc_span<HD>(r, c) << 5) + tig * 8);
+                    u32 b0, b1, b2, b3;
+                    e4m3x4_f16x4(w.x, b0, b1);
+                    e4m3x4_f16x4(w.y, b2, b3);
+                    mma_f16(s[j], qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], b0, b1);
+                    mma_f16(s[j], qa[2 * c + 1][0], qa[2 * c + 1][1], qa[2 * c + 1][2], qa[2 * c + 1][3], b2, b3);
+                }
+            } else {
+                const u32* kr = reinterpret_cast<const u32*>(reinterpret_cast<const bf16*>(tile) + r * LD);
+#pragma unroll
+                for (int ks = 0; ks < KS; ks++)
+                    mma_bf16(s[j], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], kr[ks * 8 + tig], kr[ks * 8 + 4 + tig]);
+            }
         }
         const int kb = sr.k0 + t * TC_TILE + warp * 16;
         float mxa = NEG, mxb = NEG;
+        if (kb + 16 <= sr.kend) {                               // all 16 keys of the warp are in the split
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
+            for (int j = 0; j < 2; j++) {
 #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const bool valid = kb + j * 8 + tig * 2 + e < sr.kend;
-                s[j][e] = valid ? s[j][e] * sl2 : NEG;
-                s[j][2 + e] = valid ? s[j][2 + e] * sl2 : NEG;
-                mxa = fmaxf(mxa, s[j][e]);
-                mxb = fmaxf(mxb, s[j][2 + e]);
+                for (int e = 0; e < 4; e++) s[j][e] *= sl2;
+                mxa = fmaxf(mxa, fmaxf(s[j][0], s[j][1]));
+                mxb = fmaxf(mxb, fmaxf(s[j][2], s[j][3]));
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const bool valid = kb + j * 8 + tig * 2 + e < sr.kend;
+                    s[j][e] = valid ? s[j][e] * sl2 : NEG;
+                    s[j][2 + e] = valid ? s[j][2 + e] * sl2 : NEG;
+                    mxa = fmaxf(mxa, s[j][e]);
+                    mxb = fmaxf(mxb, s[j][2 + e]);
+                }
             }
         }
 #pragma unroll
@@ -269,11 +315,19 @@ __device__ __forceinline__ void attn_decode_tc_impl(
             mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, o2));
             mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, o2));
         }
-        const float na = fmaxf(m_a, mxa), nb = fmaxf(m_b, mxb);
-        const float ba = na == NEG ? 0.f : na, bb = nb == NEG ? 0.f : nb;   // a warp past the end sees no key
-        const float ca = exp2f(m_a - ba), cb = exp2f(m_b - bb);
-        m_a = na;
-        m_b = nb;
+        // The running max moves only when a row's tile max passes it by more than TC_LAZY_LOG2 (else P <= 2^8:
+        // exact enough in f16, bf16 hi + lo and the f32 sums); then every row of the warp rescales to its new max.
+        if (__any_sync(0xffffffffu, mxa > m_a + TC_LAZY_LOG2 || mxb > m_b + TC_LAZY_LOG2)) {
+            const float na = fmaxf(m_a, mxa), nb = fmaxf(m_b, mxb);
+            const float ca = exp2f(m_a - (na == NEG ? 0.f : na)), cb = exp2f(m_b - (nb == NEG ? 0.f : nb));
+            m_a = na;
+            m_b = nb;
+            l_a *= ca;
+            l_b *= cb;
+#pragma unroll
+            for (int d = 0; d < DT; d++) { o[d][0] *= ca; o[d][1] *= ca; o[d][2] *= cb; o[d][3] *= cb; }
+        }
+        const float ba = m_a == NEG ? 0.f : m_a, bb = m_b == NEG ? 0.f : m_b;   // a row without keys so far
         float suma = 0.f, sumb = 0.f;
 #pragma unroll
         for (int j = 0; j < 2; j++) {
@@ -282,29 +336,55 @@ __device__ __forceinline__ void attn_decode_tc_impl(
             suma += s[j][0] + s[j][1];
             sumb += s[j][2] + s[j][3];
         }
-        l_a = l_a * ca + suma;
-        l_b = l_b * cb + sumb;
+        l_a += suma;
+        l_b += sumb;
+        if constexpr (SM::F8) {
+            // P as f16 (11 bits). V: lane (ga, tig) reads 8 e4m3 of rows 16 warp + ga (+ 8) at span c, i.e. dims
+            // 32 c + 8 tig + 2 q + (0, 1) as f16x2 q; movmatrix.trans of each gives the B fragment of n tile 4 c + q
+            // (column n = dim 32 c + 8 (n / 2) + 2 q + n % 2), whose accumulator holds dims 32 c + 8 tig + 2 q + (0, 1).
+            u32 ap[4];
 #pragma unroll
-        for (int d = 0; d < DT; d++) { o[d][0] *= ca; o[d][1] *= ca; o[d][2] *= cb; o[d][3] *= cb; }
-        // P = hi + lo, both bf16 (P to ~16 bits: the PV product is as exact as the fp32 CUDA-core kernels')
-        u32 ah[4], al[4];
+            for (int j = 0; j < 2; j++) {
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const float x0 = s[j][2 * h], x1 = s[j][2 * h + 1];
-                ah[2 * j + h] = pack2(x0, x1);
-                al[2 * j + h] = pack2(x0 - round_bf(x0), x1 - round_bf(x1));
+                for (int h = 0; h < 2; h++) ap[2 * j + h] = f32x2_f16x2(s[j][2 * h], s[j][2 * h + 1]);
             }
-        }
+            const unsigned char* vt = tile + TC_TILE * HD;
+            const int r0 = warp * 16 + ga, r1 = r0 + 8;
 #pragma unroll
-        for (int d = 0; d < DT; d += 2) {
-            u32 b0, b1, b2, b3;
-            ldmatrix_x4_trans(b0, b1, b2, b3, Vs + (warp * 16 + r8 + (qm & 1) * 8) * LD + d * 8 + (qm >> 1) * 8);
-            mma_bf16(o[d], ah[0], ah[1], ah[2], ah[3], b0, b1);
-            mma_bf16(o[d + 1], ah[0], ah[1], ah[2], ah[3], b2, b3);
-            mma_bf16(o[d], al[0], al[1], al[2], al[3], b0, b1);
-            mma_bf16(o[d + 1], al[0], al[1], al[2], al[3], b2, b3);
+            for (int c = 0; c < HD / 32; c++) {
+                const uint2 w0 = *reinterpret_cast<const uint2*>(vt + r0 * HD + (tc_span<HD>(r0, c) << 5) + tig * 8);
+                const uint2 w1 = *reinterpret_cast<const uint2*>(vt + r1 * HD + (tc_span<HD>(r1, c) << 5) + tig * 8);
+                u32 p0[4], p1[4];
+                e4m3x4_f16x4(w0.x, p0[0], p0[1]);
+                e4m3x4_f16x4(w0.y, p0[2], p0[3]);
+                e4m3x4_f16x4(w1.x, p1[0], p1[1]);
+                e4m3x4_f16x4(w1.y, p1[2], p1[3]);
+#pragma unroll
+                for (int qd = 0; qd < 4; qd++)
+                    mma_f16(o[4 * c + qd], ap[0], ap[1], ap[2], ap[3], movmatrix_trans(p0[qd]), movmatrix_trans(p1[qd]));
+            }
+        } else {
+            // P = hi + lo, both bf16 (P to ~16 bits: the PV product is as exact as the fp32 CUDA-core kernels')
+            u32 ah[4], al[4];
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const float x0 = s[j][2 * h], x1 = s[j][2 * h + 1];
+                    ah[2 * j + h] = pack2(x0, x1);
+                    al[2 * j + h] = pack2(x0 - round_bf(x0), x1 - round_bf(x1));
+                }
+            }
+            const bf16* Vs = reinterpret_cast<const bf16*>(tile) + TC_TILE * LD;
+#pragma unroll
+            for (int d = 0; d < DT; d += 2) {
+                u32 b0, b1, b2, b3;
+                ldmatrix_x4_trans(b0, b1, b2, b3, Vs + (warp * 16 + r8 + (qm & 1) * 8) * LD + d * 8 + (qm >> 1) * 8);
+                mma_bf16(o[d], ah[0], ah[1], ah[2], ah[3], b0, b1);
+                mma_bf16(o[d + 1], ah[0], ah[1], ah[2], ah[3], b2, b3);
+                mma_bf16(o[d], al[0], al[1], al[2], al[3], b0, b1);
+                mma_bf16(o[d + 1], al[0], al[1], al[2], al[3], b2, b3);
+            }
         }
     }
     cp_async_wait<0>();
@@ -320,7 +400,7 @@ __device__ __forceinline__ void attn_decode_tc_impl(
     if (tig == 0) { wm[warp][ga] = m_a; wl[warp][ga] = l_a; wm[warp][gb] = m_b; wl[warp][gb] = l_b; }
 #pragma unroll
     for (int d = 0; d < DT; d++) {
-        const int col = d * 8 + tig * 2;
+        const int col = SM::F8 ? (d >> 2) * 32 + tig * 8 + (d & 3) * 2 : d * 8 + tig * 2;
         if (ga < G) { red[(warp * GM + ga) * HD + col] = o[d][0]; red[(warp * GM + ga) * HD + col + 1] = o[d][1]; }
         if (gb < G) { red[(warp * GM + gb) * HD + col] = o[d][2]; red[(warp * GM + gb) * HD + col + 1] = o[d][3]; }
     }
@@ -369,8 +449,10 @@ DECODE_TC_KERNEL(128, 4)
                                                      k_scale, v_scale); }
 
 DECODE_TC_F8KV_KERNEL(64, 2)
+DECODE_TC_F8KV_KERNEL(64, 4)
 DECODE_TC_F8KV_KERNEL(128, 2)
 DECODE_TC_F8KV_KERNEL(128, 3)
+DECODE_TC_F8KV_KERNEL(128, 4)
 
 // attn_decode_fused_sSTAGES_hdHD: decode buckets of 1-2 seqs, QK-norm / RoPE / KV write included (q_norm, k_norm
 // null: no norm). kv_layer is read (the context) and written (the new token's k / v). Dynamic shared memory:

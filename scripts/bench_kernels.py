@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from xserv_aot.plan import nvrtc_build  # noqa: E402
-from xserv_aot.runtime.cuda.driver import Launch, _cu, check  # noqa: E402
+from xserv_aot.runtime.cuda.driver import Launch, _cu, allow_dynamic_smem, check  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
@@ -59,9 +59,7 @@ class Kernels:
     def fn(self, src: str, name: str, smem: int = 0):
         cu = _cu()
         f = check(cu.cuModuleGetFunction(self.funcs[src], name.encode()), name)
-        if smem > 48 * 1024:
-            check(cu.cuFuncSetAttribute(f, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                        smem), "smem attr")
+        allow_dynamic_smem(f, smem, name)
         return f
 
 

@@ -1,5 +1,6 @@
 """`bench_kernels.py kv-fp8`: batched decode attention over a bf16 vs an FP8 (e4m3, per-layer scales) KV cache,
-Qwen3-8B heads: the tensor-core kernel attn_decode_tc[_f8kv]_s{2,3} (* = the plan's stages) with the plan's splits,
+Qwen3-8B heads: the tensor-core kernels attn_decode_tc_s{2,3} and attn_decode_tc_f8kv_s{TC_F8KV_STAGES} (* = the plan's
+ring depth) with the plan's splits,
 for every batch of --batches >= 3 (smaller ones run the fused few-seq kernel: the step benchmark covers them).
 Each output is checked against torch float32 attention over the cache as the kernel reads it (the FP8 one
 dequantized: float(e4m3) x scale); times are graph-replay medians over cache copies that together exceed L2; GB/s
@@ -52,12 +53,13 @@ def bench_kv_fp8(args) -> None:
                 splits = max(1, min(-(-ctx // ap.BATCHED_ATTN_TILE), -(-ap.BATCHED_ATTN_BLOCKS // (B * NKV))))
                 part_o = torch.empty(B * NH * splits * HD, device="cuda")
                 part_ml = torch.empty(B * NH * splits * 2, device="cuda")
-                for stages in (2, 3):
+                default = ap.BATCHED_ATTN_F8KV_STAGES if fp8 else ap.BATCHED_ATTN_STAGES
+                for stages in ap.TC_F8KV_STAGES if fp8 else (2, 3):
                     name = f"attn_decode_tc{sfx}_s{stages}_hd{HD}"
                     smem = ap.tc_ring_smem(stages, HD, fp8)
                     fn = kern.fn("attention_decode_tc.cu", name, smem)
 
-                    def launch(kvc, fn=fn, smem=smem):
+                    def launch(kvc, fn=fn, smem=smem, name=name):
                         return Launch(name, fn, (B, NKV, splits), (128, 1, 1), smem,
                                       [("ptr", q.data_ptr()), ("ptr", kvc.data_ptr()), ("ptr", qsl.data_ptr()),
                                        ("ptr", lens.data_ptr()), ("ptr", bt.data_ptr()), ("ptr", part_o.data_ptr()),
@@ -71,7 +73,7 @@ def bench_kv_fp8(args) -> None:
                     err = rel_err(out, ref)
                     lts = [launch(c) for c in copies]
                     ms = time_graph(lambda j: lts[j](stream()), ncopy)
-                    mark = "*" if stages == ap.BATCHED_ATTN_STAGES else ""
+                    mark = "*" if stages == default else ""
                     print(f"{B:5} {ctx:5} {name + mark:34} {ms * 1e3:9.1f} {kv_bytes / ms / 1e6:7.0f} {err:8.1e}",
                           flush=True)
                 del copies

@@ -11,6 +11,7 @@ import pytest
 from xserv_aot import kv_cache
 from xserv_aot.config import BuildConfig, ConfigError
 from xserv_aot.dtypes import FP8, round_to
+from xserv_aot.plan import attention_plan as ap
 from xserv_aot.plan.builder import compile_plan
 from xserv_aot.plan.integrity import PlanError
 from xserv_aot.plan.manifest import Plan
@@ -262,7 +263,8 @@ def test_every_kv_kernel_is_its_fp8_variant_with_the_layer_scales(tmp_path):
     assert [bk.name for bk in f8.buckets] == [bk.name for bk in bf16.buckets if not bk.name.endswith("_mk")]
     records = kv_launches(f8)
     assert {rec.fn for _, _, rec in records} == {
-        "attn_decode_fused_f8kv_s3_hd128", "attn_decode_tc_f8kv_s2_hd128", "qk_norm_rope_cache_f8kv_hd128",
+        "attn_decode_fused_f8kv_s3_hd128", f"attn_decode_tc_f8kv_s{ap.BATCHED_ATTN_F8KV_STAGES}_hd128",
+        "qk_norm_rope_cache_f8kv_hd128",
         "qk_norm_rope_cache_rows_f8kv_hd128", "attn_prefill_f8kv_w4m2k16s4_hd128"}
     for _, op, rec in records:
         assert rec.args[-2:] == (("f32", 1.0), ("f32", 1.0)), rec.fn

@@ -46,7 +46,8 @@ PREFILL_ATTN_OTHER_HD = "w8m1k64s2"         # head sizes without a sweep (hd 64:
 PREFILL_ATTN_F8KV = ("w4m2k16s4", "w8m1k64s2", "w8m1k64s3")
 PREFILL_ATTN_F8KV_HD64 = "w8m1k64s2"
 FEW_ATTN_F8KV_STAGES = (3, 4)   # fused few-seq kernel over an FP8 cache: the ring depths built (hd 64: 3)
-TC_F8KV_STAGES = (2, 3)         # batched tensor-core kernel over an FP8 cache (hd 64: 2)
+TC_F8KV_STAGES = (2, 3, 4)      # batched tensor-core kernel over an FP8 cache: the ring depths built (hd 64: 2, 4)
+BATCHED_ATTN_F8KV_STAGES = 4    # ... the one plans take (H200 sweep, docs/cuda-notes.md)
 _PIPE = re.compile(r"w(\d+)m(\d+)k(\d+)s(\d+)")
 _WGMMA = re.compile(r"w([gs])(\d)h(\d)k(\d+)s(\d)o?p?l?q?e?")
 FEW_ATTN_STAGES = 3          # fused few-seq kernel: tiles of 64 keys in its cp.async ring (2, 3, 4, 6 built)
@@ -57,10 +58,10 @@ TC_TILE = 64                 # keys per tile of attention_decode_tc.cu (both ker
 
 
 def tc_ring_smem(stages: int, hd: int, fp8: bool = False) -> int:
-    """The K/V ring of attention_decode_tc.cu (TcSmem): rows padded to hd + 8 bf16, or (fp8) hd e4m3 bytes and
-    one converted bf16 tile pair."""
+    """The K/V ring of attention_decode_tc.cu (TcSmem): rows padded to hd + 8 bf16, or (fp8) unpadded rows of hd
+    e4m3 bytes (read and converted in registers)."""
     if fp8:
-        return stages * 2 * TC_TILE * hd + 2 * TC_TILE * (hd + 8) * 2
+        return stages * 2 * TC_TILE * hd
     return stages * 2 * TC_TILE * (hd + 8) * 2
 
 
@@ -126,12 +127,12 @@ def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, 
     seqs, nkv, hd = op.num_seqs, m["num_kv_heads"], m["head_dim"]
     g = m["num_heads"] // nkv
     splits = max(1, min(-(-max_seq_len // BATCHED_ATTN_TILE), -(-BATCHED_ATTN_BLOCKS // (seqs * nkv))))
-    if scales and (BATCHED_ATTN_KERNEL != "tc" or BATCHED_ATTN_STAGES not in TC_F8KV_STAGES):
-        raise KernelBuildError(f"FP8 KV cache: batched decode attention is built only as the tc kernel with "
-                               f"{TC_F8KV_STAGES} stages")
-    if BATCHED_ATTN_KERNEL == "tc":                                 # K and V tiles, rows padded to hd + 8
-        smem = tc_ring_smem(BATCHED_ATTN_STAGES, hd, bool(scales))
-        name = f"attn_decode_tc{kv_suffix(scales)}_s{BATCHED_ATTN_STAGES}_hd{hd}"
+    if scales and BATCHED_ATTN_KERNEL != "tc":
+        raise KernelBuildError("FP8 KV cache: batched decode attention is built only as the tc kernel")
+    if BATCHED_ATTN_KERNEL == "tc":
+        stages = BATCHED_ATTN_F8KV_STAGES if scales else BATCHED_ATTN_STAGES
+        smem = tc_ring_smem(stages, hd, bool(scales))
+        name = f"attn_decode_tc{kv_suffix(scales)}_s{stages}_hd{hd}"
     else:
         smem = BATCHED_ATTN_STAGES * 2 * BATCHED_ATTN_TILE * hd * 2
         name = f"attn_decode_b_t{BATCHED_ATTN_TILE}s{BATCHED_ATTN_STAGES}_hd{hd}_g{4 if g <= 4 else 8}"

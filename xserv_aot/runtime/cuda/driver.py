@@ -30,6 +30,14 @@ def check(result, what: str = "CUDA call"):
     return rest[0] if len(rest) == 1 else tuple(rest)
 
 
+def allow_dynamic_smem(fn, smem: int, name: str) -> None:
+    """Opt fn in to `smem` bytes of dynamic shared memory (needed once static + dynamic pass 48 KB; set for any)."""
+    if smem > 0:
+        cu = _cu()
+        check(cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                    smem), f"cuFuncSetAttribute({name})")
+
+
 C_TYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int, "u32": ctypes.c_uint, "f32": ctypes.c_float,
            "u64": ctypes.c_ulonglong}
 TMAP_BYTES, TMAP_ALIGN = 128, 64           # an encoded tensor map (CUtensorMap), passed by value
@@ -195,9 +203,7 @@ class Device:
     def function(self, module, name: str, max_smem: int = 0):
         cu = _cu()
         fn = check(cu.cuModuleGetFunction(module, name.encode()), f"cuModuleGetFunction({name})")
-        if max_smem > 48 * 1024:
-            check(cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                        max_smem), f"cuFuncSetAttribute({name})")
+        allow_dynamic_smem(fn, max_smem, name)
         return fn
 
     def capture(self, body) -> object:

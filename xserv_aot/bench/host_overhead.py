@@ -14,6 +14,7 @@ import asyncio
 import functools
 import json
 import multiprocessing
+import shutil
 import socket
 import tempfile
 import time
@@ -35,18 +36,26 @@ TINY_CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vo
 BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
-def make_tiny_plan(root: Path, max_seq_len: int = 128) -> Path:
+def make_tiny_plan(root: Path, max_seq_len: int = 128, tokenizer_dir: Path | None = None,
+                   vocab_size: int = VOCAB) -> Path:
+    """The tiny plan with its word-level tokenizer, or with the tokenizer files of tokenizer_dir (vocab_size then
+    covers that tokenizer's ids; its eos is the config's eos_token_id vocab_size - 1 unless the tokenizer says)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from xserv_aot.config import BuildConfig
     from xserv_aot.plan.builder import compile_plan
 
     src, out = Path(root) / "config.json", Path(root) / "plan"
-    src.write_text(json.dumps(TINY_CONFIG))
+    src.write_text(json.dumps({**TINY_CONFIG, "vocab_size": vocab_size, "eos_token_id": vocab_size - 1,
+                               "max_position_embeddings": max(512, max_seq_len)}))
     blocks = BUCKETS[-1] * (max_seq_len // 16 + 1)
     build = BuildConfig(max_num_seqs=BUCKETS[-1], decode_buckets=BUCKETS, prefill_buckets=[256, 512],
                         max_seq_len=max_seq_len, block_size=16, num_blocks=blocks, dtype="float32", target="cpu")
     compile_plan(src, out, build, dummy_weights=True, force=True)
+    if tokenizer_dir is not None:
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(tokenizer_dir) / f, out / f)
+        return out
     vocab = {f"w{i}": i for i in range(EOS)} | {"<eos>": EOS}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

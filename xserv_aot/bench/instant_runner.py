@@ -20,28 +20,35 @@ from xserv_aot.runtime.batch import BatchDescription, StepResult
 
 
 class StepLog:
-    """float64 [capacity + 2, 2] on disk: row 0 = (steps recorded, capacity), row 1 = (released, waiting),
-    row k + 1 = (time, num_seqs) of step k."""
+    """float64 [capacity + 2, width] on disk (width >= 3): row 0 = (steps recorded, capacity, width), row 1 =
+    (released, waiting), row k + 2 = step k's values, zero-padded (InstantRunner: time, num_seqs)."""
 
     def __init__(self, path: Path, mode: str = "r+"):
-        self.data = np.memmap(path, dtype=np.float64, mode=mode).reshape(-1, 2)
+        width = int(np.fromfile(path, dtype=np.float64, count=3)[2])
+        self.data = np.memmap(path, dtype=np.float64, mode=mode).reshape(-1, width)
 
     @classmethod
-    def create(cls, path: Path, capacity: int = 1 << 16) -> "StepLog":
-        np.zeros((capacity + 2, 2), dtype=np.float64).tofile(path)
-        log = cls(path)
-        log.data[0, 1] = capacity
-        return log
+    def create(cls, path: Path, capacity: int = 1 << 16, width: int = 3) -> "StepLog":
+        if width < 3:
+            raise ValueError(f"a step log row holds at least 3 values, got {width}")
+        head = np.zeros((capacity + 2, width), dtype=np.float64)
+        head[0, :3] = (0, capacity, width)
+        head.tofile(path)
+        return cls(path)
 
-    def record(self, t: float, num_seqs: int) -> None:
+    def record(self, *values: float) -> None:
         k = int(self.data[0, 0])
         if k < self.data[0, 1]:
-            self.data[k + 2] = (t, num_seqs)
+            self.data[k + 2, :len(values)] = values
             self.data[0, 0] = k + 1
 
+    def rows(self) -> np.ndarray:
+        """[steps recorded, width] copy."""
+        return np.array(self.data[2:int(self.data[0, 0]) + 2])
+
     def steps(self) -> tuple[np.ndarray, np.ndarray]:
-        k = int(self.data[0, 0])
-        return self.data[2:k + 2, 0].copy(), self.data[2:k + 2, 1].astype(np.int64)
+        rows = self.rows()
+        return rows[:, 0], rows[:, 1].astype(np.int64)
 
     def wait_for_release(self) -> None:
         self.data[1, 1] = 1.0

@@ -78,6 +78,18 @@ class RequestOutput:
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
     error: str | None = None            # set with finish_reason == "error"
 
+    def extend(self, later: "RequestOutput") -> "RequestOutput":
+        """This output followed by a later one of the same request, as one: tokens, text and logprobs appended,
+        finish, error and counts from the later one (in place; returns self)."""
+        self.new_token_ids = self.new_token_ids + later.new_token_ids
+        self.text += later.text
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.finish_reason, self.error = later.finish_reason, later.error
+        self.num_prompt_tokens, self.num_generated_tokens = later.num_prompt_tokens, later.num_generated_tokens
+        self.num_cached_tokens = later.num_cached_tokens
+        return self
+
 
 class QueueFullError(XservError, RuntimeError):
     """The waiting queue is at --max-waiting; the server answers 429."""

@@ -29,12 +29,17 @@ from xserv_aot.engine.llm_engine import LLMEngine, one_line
 log = logging.getLogger(__name__)
 
 
-async def until_finished(q: asyncio.Queue, closed: Callable[[bool], None]) -> AsyncIterator[RequestOutput]:
-    """Yield a request's outputs up to its final one; closed(finished) runs however the consumer stops."""
+async def until_finished(q: asyncio.Queue, closed: Callable[[bool], None], coalesce: bool = False
+                         ) -> AsyncIterator[RequestOutput]:
+    """Yield a request's outputs up to its final one; closed(finished) runs however the consumer stops.
+    coalesce: the outputs already queued when the consumer asks come as one (RequestOutput.extend), so a consumer
+    that fell behind catches up with one chunk, not one per token."""
     finished = False
     try:
         while not finished:
             out = await q.get()
+            while coalesce and out.finish_reason is None and not q.empty():
+                out = out.extend(q.get_nowait())
             finished = out.finish_reason is not None
             yield out
     finally:

@@ -38,7 +38,10 @@ log = logging.getLogger(__name__)
 class EngineCoreClient:
     def __init__(self, plan_dir, *, backend: str = "auto", model_name: str = "", max_waiting: int = 256,
                  verify: str = "full", runner_wrapper: Callable | None = None, engine_kwargs: dict | None = None,
-                 output_hwm: int = 64, socket_buffer: int = 0, start_timeout: float = 900.0):
+                 output_hwm: int = 64, socket_buffer: int = 0, start_timeout: float = 900.0,
+                 coalesce_outputs: bool = False):
+        """coalesce_outputs: a stream whose consumer fell behind gets the outputs queued meanwhile as one
+        (engine.async_engine.until_finished)."""
         from xserv_aot.plan.manifest import Plan, PlanError
         from xserv_aot.tokenizer import Tokenizer
         plan = Plan.load(plan_dir, verify="none")           # the core verifies the weights
@@ -51,7 +54,7 @@ class EngineCoreClient:
         self.eos_token_ids = frozenset(int(t) for t in [*(plan.model.eos_token_ids or []),
                                                         *self.tokenizer.eos_token_ids])   # the core's set too
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)   # 400s here
-        self.start_timeout = start_timeout
+        self.start_timeout, self.coalesce_outputs = start_timeout, coalesce_outputs
         self._spec = dict(plan_dir=str(plan.dir), backend=backend, verify=verify,
                           eos_token_ids=list(self.tokenizer.eos_token_ids), runner_wrapper=runner_wrapper,
                           engine_kwargs=engine_kwargs or {}, output_hwm=output_hwm, socket_buffer=socket_buffer)
@@ -169,7 +172,7 @@ class EngineCoreClient:
                 self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
-        async for out in until_finished(stream.queue, closed):
+        async for out in until_finished(stream.queue, closed, self.coalesce_outputs):
             yield out
 
     def abort(self, request_id: str) -> None:
@@ -254,19 +257,28 @@ class EngineCoreClient:
         with self._lock:
             self._stats, self._num_adds_received = msg.stats, msg.num_adds_received
             targets = [(self._streams.get(w.request_id), w) for w in msg.outputs]
+        ready = []
         for stream, w in targets:
             if stream is None or stream.done:
                 continue
             out, stopped_here = stream.process(w)
             if stopped_here:
                 self.abort(w.request_id)
-            self._put(stream, out)
+            ready.append((stream, out))
+        self._put(ready)
 
-    def _put(self, stream: RequestStream, out: RequestOutput) -> None:
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
-        except RuntimeError:                          # that event loop is closed; nobody is listening
-            pass
+    @staticmethod
+    def _put(ready: list[tuple[RequestStream, RequestOutput]]) -> None:
+        """Hand outputs to their streams' event loops: one wake-up per loop for the whole list (a call_soon_threadsafe
+        per output makes this thread and the loop's trade the GIL at every self-pipe write)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, out in ready:
+            by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:                      # that event loop is closed; nobody is listening
+                pass
 
     def _end_streams(self, reason: str, error: str | None) -> None:
         with self._lock:
@@ -274,7 +286,7 @@ class EngineCoreClient:
             targets = [(rid, s) for rid, s in self._streams.items() if not s.done]
         for rid, stream in targets:
             stream.done = True
-            self._put(stream, RequestOutput(rid, [], "", finish_reason=reason, error=error))
+        self._put([(stream, RequestOutput(rid, [], "", finish_reason=reason, error=error)) for rid, stream in targets])
 
     def _die(self, reason: str) -> None:
         log.error("%s: ending every open request with an error", reason)
@@ -289,3 +301,8 @@ class EngineCoreClient:
                 cb(reason)
             except Exception:
                 log.exception("on_death callback failed")
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)

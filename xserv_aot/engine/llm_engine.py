@@ -273,14 +273,6 @@ class LLMEngine(FailurePolicy):
         merged = {rid: RequestOutput(rid, [], "", logprobs=None) for rid in ids}
         while any(merged[r].finish_reason is None for r in ids):
             for o in self.step():
-                m = merged.get(o.request_id)
-                if m is None:
-                    continue
-                m.new_token_ids += o.new_token_ids
-                m.text += o.text
-                if o.logprobs is not None:
-                    m.logprobs = (m.logprobs or []) + o.logprobs
-                m.finish_reason, m.error = o.finish_reason, o.error
-                m.num_prompt_tokens, m.num_generated_tokens = o.num_prompt_tokens, o.num_generated_tokens
-                m.num_cached_tokens = o.num_cached_tokens
+                if o.request_id in merged:
+                    merged[o.request_id].extend(o)
         return [merged[r] for r in ids]

@@ -7,7 +7,7 @@ position (after a first divergence the two texts differ, so this is the stricter
 64 tokens run their prefill as W8A8 (quantize_fp8 + FP8 GEMM), decode steps as W8A16.
 
     python scripts/fp8_accuracy.py build/assets/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --tokens 64 \
-        [--rounding gptq] [--scale mse]
+        [--rounding gptq] [--scale mse|refit]
 """
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", help="KV cache of the plan under test: auto | fp8_e4m3")
     ap.add_argument("--kv-cache-scales", default="auto", help="fp8_e4m3 KV scales: auto | calibrate")
     ap.add_argument("--rounding", default="nearest", help="--fp8-rounding of the FP8 plan: nearest | gptq")
-    ap.add_argument("--scale", default="amax", help="--fp8-scale of the FP8 plan: amax | mse")
+    ap.add_argument("--scale", default="amax", help="--fp8-scale of the FP8 plan: amax | mse | refit")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     t0 = time.time()

@@ -22,7 +22,7 @@ FP8_SCHEME_CHOICES = ("channel", "block128", "auto")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3")   # auto: build dtype (xserv_aot/kv_cache.py)
 KV_CACHE_SCALES = ("auto", "calibrate")   # fp8 KV: the checkpoint's per-layer scales, else 1.0 | calibrated
 FP8_ROUNDINGS = ("nearest", "gptq")
-FP8_SCALES = ("amax", "mse")
+FP8_SCALES = ("amax", "mse", "refit")
 HF_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 
 
@@ -193,7 +193,8 @@ class BuildConfig:
     fp8_rounding: str = "nearest"         # fp8: nearest | gptq (error-compensated on calibration text at compile
                                           # time, plan/fp8_calibrate.py; same formats and scales, slower compile)
     fp8_scale: str = "amax"               # fp8: amax (amax / 448 per row or block) | mse (the clip factor of least
-                                          # squared rounding error per row or block, fp8.mse_scale)
+                                          # squared rounding error per row or block, fp8.mse_scale) | refit (least
+                                          # squares on calibration text after rounding, plan/scale_refit.py)
     prefill_attention: str = "auto"       # CUDA: a prefill attention variant (plan/attention_plan.py), auto: the default
     prefill_row_kernels: str = "auto"     # CUDA: v1 | rows | auto: the norms / silu_mul / rope kernels of prefill
                                           # buckets (plan/row_kernels.py)

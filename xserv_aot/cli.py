@@ -78,7 +78,8 @@ def compile(
                                                "rounding calibrated on built-in texts (same plan formats; compile "
                                                "time on a 2-core CPU: a minute for 135M, about 2 hours for 8B)"),
     fp8_scale: Optional[str] = typer.Option(None, help="fp8: amax (default: amax / 448 per row or block) | mse: "
-                                            "the clipped scale of least squared rounding error"),
+                                            "the clipped scale of least squared rounding error | refit: least-squares "
+                                            "scales on calibration text after rounding"),
     prefill_attention: Optional[str] = typer.Option(None, help="prefill attention kernel variant (auto: the "
                                                     "H200 default; see docs/cuda-notes.md)"),
     prefill_row_kernels: Optional[str] = typer.Option(None, help="v1 | rows | auto: the norm / silu_mul / rope "

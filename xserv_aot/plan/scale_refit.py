@@ -5,7 +5,7 @@ output error on the calibration inputs, sum_n (w_n - q_n * s_n)^T H (w_n - q_n *
 every element):
 - fp8_channel: one unknown per row, s_n = (q_n^T H w_n) / (q_n^T H q_n);
 - fp8_block128: per block of 128 rows the G = ceil(K / 128) scales of its column blocks, the G x G normal
-  equations A s = b with A[c, d] = sum_n q_nc^T H_cd q_nd and b[c] = sum_n q_nc^T (H w_n)_c.
+  equations A s = b with A[c, d] = sum_n q_nc^T H_cd q_nd and b[d] = sum_n w_n^T H_:d q_nd.
 A scale the data does not determine (a row or block of zero values, a singular system) or that comes out <= 0
 keeps the given one. One H product per row: N K^2 multiply-adds, float64.
 """
@@ -27,15 +27,15 @@ def refit_scales(w: np.ndarray, q: np.ndarray, h: np.ndarray, scheme: str, scale
     n, k = w.shape
     groups = fp8.groups(k, fp8.BLOCK)
     out = scale.copy()
-    hw = w @ h
     for rb in range(fp8.groups(n, fp8.BLOCK)):
         rows = slice(rb * fp8.BLOCK, min(n, (rb + 1) * fp8.BLOCK))
-        qr = q[rows]
-        a = np.empty((groups, groups))
+        qr, wr = q[rows], w[rows]
+        a, b = np.empty((groups, groups)), np.empty(groups)
         for d in range(groups):
             cols = slice(d * fp8.BLOCK, (d + 1) * fp8.BLOCK)
-            a[:, d] = _block_sums((qr * (qr[:, cols] @ h[cols])).sum(axis=0), groups)
-        b = _block_sums((qr * hw[rows]).sum(axis=0), groups)
+            hq = qr[:, cols] @ h[cols]                      # row n: (H q_nd)^T, q_nd row n's values in block d
+            a[:, d] = _block_sums((qr * hq).sum(axis=0), groups)
+            b[d] = float((wr * hq).sum())
         out[rb] = _solve(a, b, scale[rb])
     return out
 

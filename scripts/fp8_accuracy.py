@@ -98,12 +98,13 @@ def rel_err(a, b) -> float:
 
 def compile_pair(model: Path, root: Path, scheme: str = "auto", kv_cache_dtype: str = "auto",
                  quantization: str = "fp8", kv_cache_scales: str = "auto", rounding: str = "nearest",
-                 scale: str = "amax") -> tuple[Path, Path]:
+                 scale: str = "amax", refit_rounds: int = 0) -> tuple[Path, Path]:
     """The bf16 plan and the one under test (quantization, FP8 rounding / scale and KV cache dtype as given)."""
     bf16, fp8 = root / "bf16", root / "fp8"
     compile_plan(model, bf16, BuildConfig(**BUILD), force=True)
     t0 = time.time()
-    fp8_opts = dict(fp8_rounding=rounding, fp8_scale=scale) if quantization == "fp8" else {}
+    fp8_opts = dict(fp8_rounding=rounding, fp8_scale=scale, fp8_refit_rounds=refit_rounds) \
+        if quantization == "fp8" else {}
     compile_plan(model, fp8, BuildConfig(**BUILD, quantization=quantization, fp8_scheme=scheme,
                                          kv_cache_dtype=kv_cache_dtype, kv_cache_scales=kv_cache_scales, **fp8_opts),
                  force=True)
@@ -167,12 +168,13 @@ def main() -> None:
     ap.add_argument("--kv-cache-scales", default="auto", help="fp8_e4m3 KV scales: auto | calibrate")
     ap.add_argument("--rounding", default="nearest", help="--fp8-rounding of the FP8 plan: nearest | gptq")
     ap.add_argument("--scale", default="amax", help="--fp8-scale of the FP8 plan: amax | mse | refit")
+    ap.add_argument("--refit-rounds", type=int, default=0, help="--fp8-refit-rounds of --scale refit (0: default)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         bf16, fp8 = compile_pair(args.model, Path(tmp), args.scheme, args.kv_cache_dtype, args.quantization,
-                                 args.kv_cache_scales, args.rounding, args.scale)
+                                 args.kv_cache_scales, args.rounding, args.scale, args.refit_rounds)
         res = measure(bf16, fp8, (DEV_PROMPTS if args.dev else PROMPTS)[:args.prompts], args.tokens)
     res["seconds"] = round(time.time() - t0, 1)
     for i, row in enumerate(res["per_prompt"]):

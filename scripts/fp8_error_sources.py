@@ -98,12 +98,12 @@ def dev_docs(tok, root=Path(__file__).resolve().parents[1], per_file=3, cut=200)
     return out
 
 
-def gptq_weights(m, w, tok, scale_rule, damp, rounding="gptq"):
+def gptq_weights(m, w, tok, scale_rule, damp, rounding="gptq", rounds=0):
     schemes = {f"layers.{li}.{kind}": fp8.CHANNEL for li in range(m.num_layers) for kind in quantize.LINEARS}
     tokens = [tok.encode(t) for t in calibration_text.TEXTS]
     out, t0 = {}, time.time()
     stream = fp8_calibrate.calibrated_stream(((k, v, False) for k, v in w.items()), m, schemes, tokens, scale_rule,
-                                             damp, rounding)
+                                             damp, rounding, rounds)
     for name, arr, _ in stream:
         out[name] = arr
     print(f"{rounding} ({scale_rule} scale, damp {damp}): {sum(map(len, tokens))} calibration tokens, "
@@ -119,11 +119,9 @@ def main():
     ap.add_argument("--gptq-scales", default="amax,mse", help="fp8_scale rules of the GPTQ variants")
     ap.add_argument("--damp", type=float, default=0.01, help="GPTQ damping (fraction of the mean diag(H))")
     ap.add_argument("--roundings", default="gptq", help="fp8_rounding of the calibrated variants: gptq,nearest")
-    ap.add_argument("--refit-rounds", type=int, help="refits per weight of fp8_scale refit (default: the compile's)")
+    ap.add_argument("--refit-rounds", type=int, default=0, help="refits per weight of fp8_scale refit (0: default)")
     ap.add_argument("--dev-docs", action="store_true", help="more held-out text: README / architecture paragraphs")
     args = ap.parse_args()
-    if args.refit_rounds:
-        fp8_calibrate.REFIT_ROUNDS.update(nearest=args.refit_rounds, gptq=args.refit_rounds)
     m, w, tok = load(args.model)
     tokens = [tok.encode(t) for t in DEV_TEXTS] if not args.dev_docs else \
         [tok.encode(t)[:200] for t in DEV_TEXTS] + dev_docs(tok)
@@ -149,7 +147,7 @@ def main():
         print(f"MSE scale all          {stats(got, ref)}")
     for rounding in args.roundings.split(","):
         for rule in args.gptq_scales.split(","):
-            g = gptq_weights(m, w, tok, rule, args.damp, rounding)
+            g = gptq_weights(m, w, tok, rule, args.damp, rounding, args.refit_rounds)
             got = forward(m, w, tokens, lambda li, kind, a, inp: g[f"layers.{li}.{kind}"])
             print(f"{rounding} all, {rule} scale {stats(got, ref)}")
     if args.layers:

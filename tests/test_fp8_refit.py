@@ -142,4 +142,35 @@ def test_refit_refusals(tmp_path, seed):
     with pytest.raises(ConfigError) as e:
         BuildConfig(**{**BUILD, "quantization": "none"}, fp8_scale="refit").validate()
     one_line(e, "quantization fp8")
+    for bad in (-1, 2):
+        with pytest.raises(ConfigError) as e:
+            BuildConfig(**BUILD, fp8_refit_rounds=bad, fp8_scale="refit" if bad < 0 else "amax").validate()
+        one_line(e, f"fp8_refit_rounds {bad}", "fp8_scale refit")
     assert not (tmp_path / "p").exists()
+
+
+def test_refit_rounds_setting(tmp_path, seed):
+    """fp8_refit_rounds 2 with nearest: round at amax, refit, round again at that scale, refit (the plan's scales
+    are the second refit of the values rounded at the first), recorded in the manifest."""
+    from xserv_aot.tokenizer import Tokenizer
+    hf = qwen3_with_tokenizer(tmp_path, seed)
+    plan = compile_plan(hf, tmp_path / "p", BuildConfig(**BUILD, fp8_scale="refit", fp8_refit_rounds=2))
+    assert plan.quantization["rounding"]["refit"] == {"rounds": 2}
+    from safetensors.numpy import load_file
+    from tests.test_fp8_compile import LINEARS
+    sd = load_file(hf / "model.safetensors")
+    src = np.concatenate([sd[f"model.layers.0.{p}.weight"] for p in LINEARS["qkv"]]).astype(np.float32)
+    tok = Tokenizer.from_dir(hf)
+    from xserv_aot.plan import calibration_text
+    from xserv_aot.runtime import numpy_ops as ops
+    xs = [ops.rmsnorm(ops.embedding(np.asarray(tok.encode(t)), sd["model.embed_tokens.weight"].astype(np.float32)),
+                      sd["model.layers.0.input_layernorm.weight"].astype(np.float32), 1e-6)
+          for t in calibration_text.TEXTS]
+    h = fp8_calibrate.hessian(xs)
+    scheme = plan.fp8_schemes["layers.0.qkv"]
+    q, s = codes(src, scheme)
+    s1 = refit_scales(src, q, h, scheme, s)
+    q1 = fp8.quantize_weight(src, scheme, s1)[0]
+    s2 = refit_scales(src, q1, h, scheme, s1)
+    np.testing.assert_array_equal(plan_tensor(plan, "layers.0.qkv"), q1)
+    np.testing.assert_allclose(plan_tensor(plan, "layers.0.qkv.scale"), s2, rtol=1e-5)

@@ -182,7 +182,7 @@ def weight_stream(model: ModelConfig, tensors, build: BuildConfig, schemes: dict
     full = plan_tensors(model, tensors, build.max_seq_len)
     if calibration:
         return fp8_calibrate.calibrated_stream(full, model, schemes, calibration, build.fp8_scale,
-                                               rounding=build.fp8_rounding)
+                                               rounding=build.fp8_rounding, rounds=build.fp8_refit_rounds)
     return quantize.quantized_stream(full, schemes, model.tie_word_embeddings, scales, build.fp8_scale)
 
 
@@ -244,10 +244,10 @@ def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress, schem
     if tp > 1:
         manifest["tensor_parallel"] = manifest_section(model, tp)
     if schemes:
+        rounding = fp8_calibrate.rounding_record(calibration, build.fp8_rounding, build.fp8_scale,
+                                                 build.fp8_refit_rounds)
         manifest["quantization"] = quantize.manifest_section(schemes, scales, getattr(tensors, "ignored_inputs", []),
-                                                             fp8_calibrate.rounding_record(
-                                                                 calibration, build.fp8_rounding, build.fp8_scale),
-                                                             build.fp8_scale)
+                                                             rounding, build.fp8_scale)
     if kv_cache.is_fp8(kv_section) and build.kv_cache_scales == "calibrate":
         if not has_tok:
             raise ConfigError("kv_cache_scales calibrate needs the model's tokenizer (tokenizer.json or GGUF)")

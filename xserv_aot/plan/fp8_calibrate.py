@@ -6,7 +6,7 @@ backend's ops, each linear's input taken from the model as quantized so far (seq
 already rounded earlier layers and, inside the layer, qkv -> o_proj -> gate_up -> down in order). Each FP8 linear's
 Hessian X^T X of those inputs drives plan/gptq.py (rounding "gptq"; "nearest" rounds each value alone); its scales
 are chosen before as without calibration (fp8_scale amax or mse), or with fp8_scale "refit" start at amax and are
-then refitted to the rounded values by least squares on the same Hessian (plan/scale_refit.py), REFIT_ROUNDS times,
+then refitted to the rounded values by least squares on the same Hessian (plan/scale_refit.py), refit_rounds times,
 rounding again at each new scale between two refits. The plan's formats are the same in every case.
 """
 from __future__ import annotations
@@ -27,6 +27,12 @@ Stream = Iterator[tuple[str, np.ndarray, bool]]
 Rounder = Callable[[str, np.ndarray, list[np.ndarray]], np.ndarray]   # (name, W, inputs) -> W as the plan holds it
 REFIT_ROUNDS = {"nearest": 4, "gptq": 1}   # refits per weight, a rounding at the new scale between two (chosen on
                                            # held-out texts: docs/benchmarks/2026-12-01-fp8-accuracy-s7-cpu.md)
+
+
+def refit_rounds(rounding: str, scale_rule: str, asked: int = 0) -> int:
+    """Refits per weight: none without fp8_scale refit, else `asked` (build setting fp8_refit_rounds) or the
+    rounding's REFIT_ROUNDS."""
+    return 0 if scale_rule != "refit" else asked or REFIT_ROUNDS[rounding]
 
 
 def needs_calibration(rounding: str, scale_rule: str) -> bool:
@@ -57,7 +63,8 @@ def calibration_tokens(source, tokenizer, what: str) -> list[list[int]]:
     return [tokenizer.encode(t) for t in calibration_text.TEXTS]
 
 
-def rounding_record(tokens: list[list[int]] | None, rounding: str = "nearest", scale_rule: str = "amax") -> dict:
+def rounding_record(tokens: list[list[int]] | None, rounding: str = "nearest", scale_rule: str = "amax",
+                    rounds: int = 0) -> dict:
     """The manifest's quantization.rounding: nearest, or gptq with its settings; with calibration its set, and
     with fp8_scale refit the refits per weight."""
     if not tokens:
@@ -65,7 +72,7 @@ def rounding_record(tokens: list[list[int]] | None, rounding: str = "nearest", s
     out = {"method": "gptq", "damp": gptq.DAMP, "block": gptq.BLOCK, "act_order": True} if rounding == "gptq" \
         else {"method": "nearest"}
     if scale_rule == "refit":
-        out["refit"] = {"rounds": REFIT_ROUNDS[rounding]}
+        out["refit"] = {"rounds": refit_rounds(rounding, scale_rule, rounds)}
     return {**out, "sequential": True, "calibration": {"texts": len(tokens), "tokens": sum(map(len, tokens)),
                                                        "sha256": calibration_text.digest()}}
 
@@ -79,8 +86,8 @@ def hessian(xs: list[np.ndarray]) -> np.ndarray:
     return h
 
 
-def calibrated_rounder(schemes: dict[str, str], scale_rule: str, rounding: str = "gptq", damp: float = gptq.DAMP
-                       ) -> tuple[Rounder, dict]:
+def calibrated_rounder(schemes: dict[str, str], scale_rule: str, rounding: str = "gptq", damp: float = gptq.DAMP,
+                       rounds: int = 0) -> tuple[Rounder, dict]:
     """A Rounder that rounds the weights named in schemes (GPTQ or nearest) at the scales of
     quantize.weight_scale, refitted with fp8_scale refit (and keeps the rest); the dict collects those quantized
     values and scales by name for the stream."""
@@ -97,10 +104,10 @@ def calibrated_rounder(schemes: dict[str, str], scale_rule: str, rounding: str =
             return fp8.quantize_weight(w, scheme, s)[0]
         s = weight_scale(w, scheme, "amax" if scale_rule == "refit" else scale_rule)
         q = rounded(s)
-        rounds = REFIT_ROUNDS[rounding] if scale_rule == "refit" else 0
-        for i in range(rounds):
+        n = refit_rounds(rounding, scale_rule, rounds)
+        for i in range(n):
             s = refit_scales(w, q, h, scheme, s)
-            if i < rounds - 1:
+            if i < n - 1:
                 q = rounded(s)
         out[name] = (q, s)
         return fp8.dequantize(q, s, scheme)
@@ -140,12 +147,13 @@ def layer_of(name: str) -> tuple[int, str] | None:
 
 
 def calibrated_stream(tensors: Stream, m: ModelConfig, schemes: dict[str, str], tokens: list[list[int]],
-                      scale_rule: str = "amax", damp: float = gptq.DAMP, rounding: str = "gptq") -> Stream:
+                      scale_rule: str = "amax", damp: float = gptq.DAMP, rounding: str = "gptq", rounds: int = 0
+                      ) -> Stream:
     """quantize.quantized_stream's output (same names, order and formats) for a float32 checkpoint stream, the
     FP8 weights rounded (GPTQ or nearest) and scaled (refit) on the calibration token sequences, layer after
     layer."""
     cos, sin = rope_tables(m, max(len(t) for t in tokens))
-    rounder, done = calibrated_rounder(schemes, scale_rule, rounding, damp)
+    rounder, done = calibrated_rounder(schemes, scale_rule, rounding, damp, rounds)
     xs, layer, embedding, head_inputs = [], {}, None, []
 
     def emit(name, arr, is_rope):

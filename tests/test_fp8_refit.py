@@ -70,7 +70,7 @@ def test_block_refit_matches_lstsq_reference(seed):
     q, s = codes(w, fp8.BLOCK128)
     got = refit_scales(w, q, h, fp8.BLOCK128, s)
     want = block_reference(w, q, h, s)
-    np.testing.assert_allclose(got, want, rtol=2e-6, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(got, want, rtol=2e-5, err_msg=f"seed {seed}")
     per = fp8.expand_scale(got, fp8.BLOCK128, *w.shape)
     before = h_error(w, q, fp8.expand_scale(s, fp8.BLOCK128, *w.shape), h)
     assert h_error(w, q, per, h) <= before, seed

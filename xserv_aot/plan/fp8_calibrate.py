@@ -18,8 +18,8 @@ import numpy as np
 from xserv_aot import fp8
 from xserv_aot.config import ConfigError, ModelConfig
 from xserv_aot.plan import calibration_text, gptq
-from xserv_aot.plan.scale_refit import refit_scales
 from xserv_aot.plan.quantize import weight_scale
+from xserv_aot.plan.scale_refit import refit_scales
 from xserv_aot.plan.weights import rope_tables
 from xserv_aot.runtime import numpy_ops as ops
 

@@ -110,12 +110,14 @@ def test_refit_after_gptq_lowers_output_error(seed, scheme):
     assert np.array_equal(e4m3(q), q)
 
 
-@pytest.mark.parametrize("rounding", ["nearest", "gptq"])
-def test_refit_compile(tmp_path, seed, rounding):
+@pytest.mark.parametrize("rounding,scheme", [("nearest", "auto"), ("gptq", "auto"), ("nearest", "block128")])
+def test_refit_compile(tmp_path, seed, rounding, scheme):
     """Each FP8 linear's scales refitted to its plan values on the calibration inputs; the plan runs."""
     hf = qwen3_with_tokenizer(tmp_path, seed)
-    plan = compile_plan(hf, tmp_path / "p", BuildConfig(**BUILD, fp8_rounding=rounding, fp8_scale="refit"))
-    amax = compile_plan(hf, tmp_path / "a", BuildConfig(**BUILD, fp8_rounding=rounding))
+    build = dict(BUILD, fp8_rounding=rounding, fp8_scheme=scheme)
+    plan = compile_plan(hf, tmp_path / "p", BuildConfig(**build, fp8_scale="refit"))
+    amax = compile_plan(hf, tmp_path / "a", BuildConfig(**build))
+    assert set(plan.fp8_schemes.values()) == {fp8.BLOCK128 if scheme == "block128" else fp8.CHANNEL}
     record = plan.quantization
     assert record["scale"] == "refit" and record["rounding"]["method"] == rounding
     assert record["rounding"]["refit"]["rounds"] == fp8_calibrate.REFIT_ROUNDS[rounding]

@@ -7,7 +7,10 @@ position (after a first divergence the two texts differ, so this is the stricter
 64 tokens run their prefill as W8A8 (quantize_fp8 + FP8 GEMM), decode steps as W8A16.
 
     python scripts/fp8_accuracy.py build/assets/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --tokens 64 \
-        [--rounding gptq] [--scale mse]
+        [--rounding gptq] [--scale mse|refit] [--dev]
+
+--dev measures on DEV_PROMPTS, held-out prompts of the same kind (short questions, code, two long passages) on
+which settings are chosen before PROMPTS, the evaluation, is run.
 """
 from __future__ import annotations
 
@@ -56,6 +59,34 @@ PROMPTS = [
      "centuries before it reached Europe. When Gutenberg combined movable metal type with an oil-based ink and a "
      "screw press around 1440, the consequences for European society were"),
 ]
+DEV_PROMPTS = [                      # held-out prompts of the same kind, for choosing settings (never PROMPTS)
+    "The largest planet in the solar system is",
+    "def is_prime(n):",
+    "It was a dark and stormy night, and the old house",
+    "The main idea of the theory of evolution is that",
+    "Here is how to make a cup of green tea:",
+    "In 1492, Christopher Columbus",
+    "A limerick about a cat:",
+    "The difference between a process and a thread is",
+    "The human heart pumps blood by",
+    "To find the area of a circle, you",
+    "Every good boy does fine. Music students learn this phrase because",
+    "import json\n\ndef load_config(path):",
+    "Dear customer, thank you for your order of",
+    "The main causes of the First World War were",
+    "Ice melts at zero degrees Celsius, but salt water",
+    "Neural networks learn by adjusting",
+    "UPDATE users SET email =",
+    "The easiest way to start running is",
+    ("A compiler translates a program written in a high-level language into machine code. It first reads the "
+     "source text and splits it into tokens, then builds a syntax tree, checks the types of every expression, "
+     "and finally emits instructions for the target processor. Doing this work ahead of time, rather than while "
+     "the program runs, matters because"),
+    ("The story of the bicycle starts in the early nineteenth century. The first two-wheeled machines had no "
+     "pedals at all: riders pushed themselves along the ground with their feet. Pedals attached to the front "
+     "wheel came decades later, and the chain drive and air-filled tyres that made cycling comfortable arrived "
+     "near the end of the century, when the effect on how ordinary people travelled was"),
+]
 BUILD = dict(max_num_seqs=4, decode_buckets=[1, 2, 4], prefill_buckets=[32, 128], max_seq_len=256, block_size=16,
              dtype="bfloat16", target="cpu")
 
@@ -67,12 +98,13 @@ def rel_err(a, b) -> float:
 
 def compile_pair(model: Path, root: Path, scheme: str = "auto", kv_cache_dtype: str = "auto",
                  quantization: str = "fp8", kv_cache_scales: str = "auto", rounding: str = "nearest",
-                 scale: str = "amax") -> tuple[Path, Path]:
+                 scale: str = "amax", refit_rounds: int = 0) -> tuple[Path, Path]:
     """The bf16 plan and the one under test (quantization, FP8 rounding / scale and KV cache dtype as given)."""
     bf16, fp8 = root / "bf16", root / "fp8"
     compile_plan(model, bf16, BuildConfig(**BUILD), force=True)
     t0 = time.time()
-    fp8_opts = dict(fp8_rounding=rounding, fp8_scale=scale) if quantization == "fp8" else {}
+    fp8_opts = dict(fp8_rounding=rounding, fp8_scale=scale, fp8_refit_rounds=refit_rounds) \
+        if quantization == "fp8" else {}
     compile_plan(model, fp8, BuildConfig(**BUILD, quantization=quantization, fp8_scheme=scheme,
                                          kv_cache_dtype=kv_cache_dtype, kv_cache_scales=kv_cache_scales, **fp8_opts),
                  force=True)
@@ -129,19 +161,21 @@ def main() -> None:
     ap.add_argument("model", type=Path, help="checkpoint (HF dir or .gguf) to compile bf16 and fp8")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
+    ap.add_argument("--dev", action="store_true", help="measure on DEV_PROMPTS (choosing settings), not PROMPTS")
     ap.add_argument("--scheme", default="auto", help="--fp8-scheme of the FP8 plan: channel | block128 | auto")
     ap.add_argument("--quantization", default="fp8", help="weights of the plan under test: fp8 | none (bf16)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="KV cache of the plan under test: auto | fp8_e4m3")
     ap.add_argument("--kv-cache-scales", default="auto", help="fp8_e4m3 KV scales: auto | calibrate")
     ap.add_argument("--rounding", default="nearest", help="--fp8-rounding of the FP8 plan: nearest | gptq")
-    ap.add_argument("--scale", default="amax", help="--fp8-scale of the FP8 plan: amax | mse")
+    ap.add_argument("--scale", default="amax", help="--fp8-scale of the FP8 plan: amax | mse | refit")
+    ap.add_argument("--refit-rounds", type=int, default=0, help="--fp8-refit-rounds of --scale refit (0: default)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         bf16, fp8 = compile_pair(args.model, Path(tmp), args.scheme, args.kv_cache_dtype, args.quantization,
-                                 args.kv_cache_scales, args.rounding, args.scale)
-        res = measure(bf16, fp8, PROMPTS[:args.prompts], args.tokens)
+                                 args.kv_cache_scales, args.rounding, args.scale, args.refit_rounds)
+        res = measure(bf16, fp8, (DEV_PROMPTS if args.dev else PROMPTS)[:args.prompts], args.tokens)
     res["seconds"] = round(time.time() - t0, 1)
     for i, row in enumerate(res["per_prompt"]):
         print(f"prompt {i:>2} ({row['prompt_tokens']:>3} tokens): err mean {row['mean_err']:.4f} max "

@@ -3,10 +3,13 @@ backend) of the model with bf16 weights against the same model with some weights
 held-out texts (DEV_TEXTS: neither scripts/fp8_accuracy.py's prompts nor the calibration texts).
 
 Variants: every linear round-to-nearest (RTN) per channel; one linear type at a time; one layer at a time; the
-W8A8 activations (every linear input quantized per token); an MSE-clipped per-channel scale; GPTQ (the compile's
-fp8_rounding "gptq", calibrated on plan/calibration_text.py).
+W8A8 activations (every linear input quantized per token); an MSE-clipped per-channel scale; the compile's
+calibrated weights (fp8_rounding "gptq" or "nearest" with fp8_scale amax, mse or refit, calibrated on
+plan/calibration_text.py). --dev-docs adds the first long prose paragraphs of README.md and docs/architecture.md
+(each cut to 200 tokens) to the held-out texts.
 
     python scripts/fp8_error_sources.py build/assets/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf [--layers]
+    python scripts/fp8_error_sources.py MODEL --only gptq --roundings gptq,nearest --gptq-scales refit --dev-docs
 """
 from __future__ import annotations
 
@@ -86,15 +89,24 @@ def w8a8_ops():
                                     "linear": linear})
 
 
-def gptq_weights(m, w, tok, scale_rule, damp):
+def dev_docs(tok, root=Path(__file__).resolve().parents[1], per_file=3, cut=200):
+    """Token ids of the first long prose paragraphs (no table, no code) of README.md and docs/architecture.md."""
+    out = []
+    for f in ("README.md", "docs/architecture.md"):
+        paras = [p for p in (root / f).read_text().split("\n\n") if len(p) > 400 and "|" not in p and "```" not in p]
+        out += [tok.encode(p)[:cut] for p in paras[:per_file]]
+    return out
+
+
+def gptq_weights(m, w, tok, scale_rule, damp, rounding="gptq", rounds=0):
     schemes = {f"layers.{li}.{kind}": fp8.CHANNEL for li in range(m.num_layers) for kind in quantize.LINEARS}
     tokens = [tok.encode(t) for t in calibration_text.TEXTS]
     out, t0 = {}, time.time()
     stream = fp8_calibrate.calibrated_stream(((k, v, False) for k, v in w.items()), m, schemes, tokens, scale_rule,
-                                             damp)
+                                             damp, rounding, rounds)
     for name, arr, _ in stream:
         out[name] = arr
-    print(f"gptq ({scale_rule} scale, damp {damp}): {sum(map(len, tokens))} calibration tokens, "
+    print(f"{rounding} ({scale_rule} scale, damp {damp}): {sum(map(len, tokens))} calibration tokens, "
           f"{time.time() - t0:.1f} s")
     return {k: fp8.dequantize(out[k], out[k + ".scale"], fp8.CHANNEL) for k in schemes}
 
@@ -106,9 +118,13 @@ def main():
     ap.add_argument("--only", choices=["gptq"], help="only the GPTQ variants")
     ap.add_argument("--gptq-scales", default="amax,mse", help="fp8_scale rules of the GPTQ variants")
     ap.add_argument("--damp", type=float, default=0.01, help="GPTQ damping (fraction of the mean diag(H))")
+    ap.add_argument("--roundings", default="gptq", help="fp8_rounding of the calibrated variants: gptq,nearest")
+    ap.add_argument("--refit-rounds", type=int, default=0, help="refits per weight of fp8_scale refit (0: default)")
+    ap.add_argument("--dev-docs", action="store_true", help="more held-out text: README / architecture paragraphs")
     args = ap.parse_args()
     m, w, tok = load(args.model)
-    tokens = [tok.encode(t) for t in DEV_TEXTS]
+    tokens = [tok.encode(t) for t in DEV_TEXTS] if not args.dev_docs else \
+        [tok.encode(t)[:200] for t in DEV_TEXTS] + dev_docs(tok)
     print(f"{sum(map(len, tokens))} dev tokens in {len(tokens)} texts")
     bf = {k: round_to(v, "bfloat16") for k, v in w.items()}
     ref, kept = forward(m, w, tokens, lambda li, kind, a, inp: bf[f"layers.{li}.{kind}"], keep=True)
@@ -129,10 +145,11 @@ def main():
         mq = {k: rtn(w[k], scale=fp8.mse_scale(w[k], fp8.CHANNEL)) for k in q}
         got = forward(m, w, tokens, lambda li, kind, a, inp: mq[f"layers.{li}.{kind}"])
         print(f"MSE scale all          {stats(got, ref)}")
-    for rule in args.gptq_scales.split(","):
-        g = gptq_weights(m, w, tok, rule, args.damp)
-        got = forward(m, w, tokens, lambda li, kind, a, inp: g[f"layers.{li}.{kind}"])
-        print(f"GPTQ all, {rule} scale {stats(got, ref)}")
+    for rounding in args.roundings.split(","):
+        for rule in args.gptq_scales.split(","):
+            g = gptq_weights(m, w, tok, rule, args.damp, rounding, args.refit_rounds)
+            got = forward(m, w, tokens, lambda li, kind, a, inp: g[f"layers.{li}.{kind}"])
+            print(f"{rounding} all, {rule} scale {stats(got, ref)}")
     if args.layers:
         for layer in range(m.num_layers):
             got = forward(m, w, tokens, lambda li, kind, a, inp: (q if li == layer else bf)[f"layers.{li}.{kind}"],

@@ -78,7 +78,11 @@ def compile(
                                                "rounding calibrated on built-in texts (same plan formats; compile "
                                                "time on a 2-core CPU: a minute for 135M, about 2 hours for 8B)"),
     fp8_scale: Optional[str] = typer.Option(None, help="fp8: amax (default: amax / 448 per row or block) | mse: "
-                                            "the clipped scale of least squared rounding error"),
+                                            "the clipped scale of least squared rounding error | refit: least-squares "
+                                            "scales on calibration text after rounding"),
+    fp8_refit_rounds: Optional[int] = typer.Option(None, help="fp8 --fp8-scale refit: refits per weight, a "
+                                                   "rounding between two (default 4 with nearest, 1 with gptq; "
+                                                   "each more with gptq costs one more GPTQ pass)"),
     prefill_attention: Optional[str] = typer.Option(None, help="prefill attention kernel variant (auto: the "
                                                     "H200 default; see docs/cuda-notes.md)"),
     prefill_row_kernels: Optional[str] = typer.Option(None, help="v1 | rows | auto: the norm / silu_mul / rope "
@@ -101,7 +105,7 @@ def compile(
                  max_seq_len=max_seq_len, block_size=block_size, num_blocks=num_blocks, dtype=dtype, target=target,
                  gemm_library=gemm_library, pdl=pdl, gemm_residual=gemm_residual, tensor_parallel=tensor_parallel,
                  quantization=quantization, fp8_scheme=fp8_scheme, quantize_lm_head=quantize_lm_head,
-                 fp8_rounding=fp8_rounding, fp8_scale=fp8_scale,
+                 fp8_rounding=fp8_rounding, fp8_scale=fp8_scale, fp8_refit_rounds=fp8_refit_rounds,
                  prefill_attention=prefill_attention, prefill_row_kernels=prefill_row_kernels,
                  kv_cache_dtype=kv_cache_dtype, kv_cache_scales=kv_cache_scales)
     run_compile(model, out, base, given, kv_memory_gib, dummy_weights, seed, force, generation_config)

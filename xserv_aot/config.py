@@ -22,7 +22,7 @@ FP8_SCHEME_CHOICES = ("channel", "block128", "auto")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3")   # auto: build dtype (xserv_aot/kv_cache.py)
 KV_CACHE_SCALES = ("auto", "calibrate")   # fp8 KV: the checkpoint's per-layer scales, else 1.0 | calibrated
 FP8_ROUNDINGS = ("nearest", "gptq")
-FP8_SCALES = ("amax", "mse")
+FP8_SCALES = ("amax", "mse", "refit")
 HF_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 
 
@@ -193,7 +193,10 @@ class BuildConfig:
     fp8_rounding: str = "nearest"         # fp8: nearest | gptq (error-compensated on calibration text at compile
                                           # time, plan/fp8_calibrate.py; same formats and scales, slower compile)
     fp8_scale: str = "amax"               # fp8: amax (amax / 448 per row or block) | mse (the clip factor of least
-                                          # squared rounding error per row or block, fp8.mse_scale)
+                                          # squared rounding error per row or block, fp8.mse_scale) | refit (least
+                                          # squares on calibration text after rounding, plan/scale_refit.py)
+    fp8_refit_rounds: int = 0             # fp8_scale refit: refits per weight, a rounding between two (0: the
+                                          # rounding's default, plan/fp8_calibrate.REFIT_ROUNDS)
     prefill_attention: str = "auto"       # CUDA: a prefill attention variant (plan/attention_plan.py), auto: the default
     prefill_row_kernels: str = "auto"     # CUDA: v1 | rows | auto: the norms / silu_mul / rope kernels of prefill
                                           # buckets (plan/row_kernels.py)
@@ -269,6 +272,9 @@ class BuildConfig:
             raise ConfigError(f"fp8_scale {self.fp8_scale!r} is not one of {', '.join(FP8_SCALES)}")
         if self.fp8_rounding != "nearest" and self.quantization != "fp8":
             raise ConfigError(f"fp8_rounding {self.fp8_rounding} rounds FP8 weights; it needs quantization fp8")
+        if self.fp8_refit_rounds < 0 or (self.fp8_refit_rounds and self.fp8_scale != "refit"):
+            raise ConfigError(f"fp8_refit_rounds {self.fp8_refit_rounds}: a count >= 1 of fp8_scale refit (0: its "
+                              f"default)")
         if self.fp8_scale != "amax" and self.quantization != "fp8":
             raise ConfigError(f"fp8_scale {self.fp8_scale} scales FP8 weights; it needs quantization fp8")
         if isinstance(self.megakernel_sms, bool) or not isinstance(self.megakernel_sms, int) or self.megakernel_sms < 0:

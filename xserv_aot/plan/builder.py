@@ -96,9 +96,10 @@ def compile_plan(source: Path, out: Path, build: BuildConfig, *, dummy_weights: 
         raise ConfigError(f"fp8_scale {build.fp8_scale} fits scales to real weights; --dummy-weights has none "
                           f"(use amax)")
     calibration = None
-    if build.fp8_rounding == "gptq":
-        fp8_calibrate.check_calibratable(source, stored, dummy_weights)
-        calibration = fp8_calibrate.calibration_tokens(source, source_tokenizer(source, fmt))
+    if schemes and fp8_calibrate.needs_calibration(build.fp8_rounding, build.fp8_scale):
+        what = fp8_calibrate.setting(build.fp8_rounding, build.fp8_scale)
+        fp8_calibrate.check_calibratable(source, stored, dummy_weights, what)
+        calibration = fp8_calibrate.calibration_tokens(source, source_tokenizer(source, fmt), what)
     if build.max_seq_len > model.max_position_embeddings:
         raise ConfigError(f"max_seq_len {build.max_seq_len} exceeds the model's max_position_embeddings "
                           f"{model.max_position_embeddings}")
@@ -176,10 +177,12 @@ def weights_file(name: str, size: int, chunks: list[str]) -> dict:
 
 def weight_stream(model: ModelConfig, tensors, build: BuildConfig, schemes: dict, scales: dict,
                   calibration: list[list[int]] | None):
-    """The plan's weights in order: FP8 ones rounded to nearest, or with calibration tokens by GPTQ."""
+    """The plan's weights in order: FP8 ones rounded to nearest, or with calibration tokens calibrated
+    (fp8_calibrate: GPTQ rounding, refitted scales)."""
     full = plan_tensors(model, tensors, build.max_seq_len)
     if calibration:
-        return fp8_calibrate.calibrated_stream(full, model, schemes, calibration, build.fp8_scale)
+        return fp8_calibrate.calibrated_stream(full, model, schemes, calibration, build.fp8_scale,
+                                               rounding=build.fp8_rounding, rounds=build.fp8_refit_rounds)
     return quantize.quantized_stream(full, schemes, model.tie_word_embeddings, scales, build.fp8_scale)
 
 
@@ -241,9 +244,10 @@ def _build(source, tmp, model, tensors, fmt, build, dummy, seed, progress, schem
     if tp > 1:
         manifest["tensor_parallel"] = manifest_section(model, tp)
     if schemes:
+        rounding = fp8_calibrate.rounding_record(calibration, build.fp8_rounding, build.fp8_scale,
+                                                 build.fp8_refit_rounds)
         manifest["quantization"] = quantize.manifest_section(schemes, scales, getattr(tensors, "ignored_inputs", []),
-                                                             fp8_calibrate.rounding_record(calibration),
-                                                             build.fp8_scale)
+                                                             rounding, build.fp8_scale)
     if kv_cache.is_fp8(kv_section) and build.kv_cache_scales == "calibrate":
         if not has_tok:
             raise ConfigError("kv_cache_scales calibrate needs the model's tokenizer (tokenizer.json or GGUF)")

@@ -1,10 +1,13 @@
-"""Compile-time FP8 weights rounded with calibration (build setting fp8_rounding "gptq", docs/plan-format.md "FP8").
+"""Compile-time FP8 weights calibrated on text (build settings fp8_rounding "gptq", fp8_scale "refit";
+docs/plan-format.md "FP8").
 
 The float32 model runs on the calibration texts (plan/calibration_text.py) one layer at a time with the NumPy
 backend's ops, each linear's input taken from the model as quantized so far (sequential GPTQ: a layer sees the
 already rounded earlier layers and, inside the layer, qkv -> o_proj -> gate_up -> down in order). Each FP8 linear's
-Hessian X^T X of those inputs drives plan/gptq.py; its scales are chosen before as without calibration (build
-setting fp8_scale), so the plan's formats are the same.
+Hessian X^T X of those inputs drives plan/gptq.py (rounding "gptq"; "nearest" rounds each value alone); its scales
+are chosen before as without calibration (fp8_scale amax or mse), or with fp8_scale "refit" start at amax and are
+then refitted to the rounded values by least squares on the same Hessian (plan/scale_refit.py), refit_rounds times,
+rounding again at each new scale between two refits. The plan's formats are the same in every case.
 """
 from __future__ import annotations
 
@@ -16,37 +19,62 @@ from xserv_aot import fp8
 from xserv_aot.config import ConfigError, ModelConfig
 from xserv_aot.plan import calibration_text, gptq
 from xserv_aot.plan.quantize import weight_scale
+from xserv_aot.plan.scale_refit import refit_scales
 from xserv_aot.plan.weights import rope_tables
 from xserv_aot.runtime import numpy_ops as ops
 
 Stream = Iterator[tuple[str, np.ndarray, bool]]
 Rounder = Callable[[str, np.ndarray, list[np.ndarray]], np.ndarray]   # (name, W, inputs) -> W as the plan holds it
+REFIT_ROUNDS = {"nearest": 4, "gptq": 1}   # refits per weight, a rounding at the new scale between two (chosen on
+                                           # held-out texts: docs/benchmarks/2026-12-01-fp8-accuracy-s7-cpu.md)
 
 
-def check_calibratable(source, stored: dict, dummy: bool) -> None:
-    """One line when GPTQ cannot run: no weights, or weights that already are FP8."""
+def refit_rounds(rounding: str, scale_rule: str, asked: int = 0) -> int:
+    """Refits per weight: none without fp8_scale refit, else `asked` (build setting fp8_refit_rounds) or the
+    rounding's REFIT_ROUNDS."""
+    return 0 if scale_rule != "refit" else asked or REFIT_ROUNDS[rounding]
+
+
+def needs_calibration(rounding: str, scale_rule: str) -> bool:
+    return rounding == "gptq" or scale_rule == "refit"
+
+
+def setting(rounding: str, scale_rule: str) -> str:
+    """The build setting that asks for calibration, for refusals."""
+    return "fp8_rounding gptq" if rounding == "gptq" else f"fp8_scale {scale_rule}"
+
+
+def check_calibratable(source, stored: dict, dummy: bool, what: str) -> None:
+    """One line when calibration (`what`: the setting asking for it) cannot run: no weights, or weights that
+    already are FP8."""
     if dummy:
-        raise ConfigError("fp8_rounding gptq calibrates real weights; --dummy-weights has none (use nearest)")
+        raise ConfigError(f"{what} calibrates real weights; --dummy-weights has none (use fp8_rounding nearest and "
+                          f"fp8_scale amax)")
     if stored:
-        raise ConfigError(f"fp8_rounding gptq rounds float weights; {source} already stores {len(stored)} FP8 "
-                          f"weights (compile it with fp8_rounding nearest)")
+        raise ConfigError(f"{what} calibrates float weights; {source} already stores {len(stored)} FP8 weights "
+                          f"(compile it with fp8_rounding nearest and fp8_scale amax)")
 
 
-def calibration_tokens(source, tokenizer) -> list[list[int]]:
+def calibration_tokens(source, tokenizer, what: str) -> list[list[int]]:
     """The calibration texts as token ids of the checkpoint's tokenizer (None: refused in one line)."""
     if tokenizer is None:
-        raise ConfigError(f"fp8_rounding gptq needs the model's tokenizer for its calibration texts; {source} has "
-                          f"no tokenizer.json")
+        raise ConfigError(f"{what} needs the model's tokenizer for its calibration texts; {source} has no "
+                          f"tokenizer.json")
     return [tokenizer.encode(t) for t in calibration_text.TEXTS]
 
 
-def rounding_record(tokens: list[list[int]] | None) -> dict:
-    """The manifest's quantization.rounding: nearest, or gptq with its settings and calibration set."""
+def rounding_record(tokens: list[list[int]] | None, rounding: str = "nearest", scale_rule: str = "amax",
+                    rounds: int = 0) -> dict:
+    """The manifest's quantization.rounding: nearest, or gptq with its settings; with calibration its set, and
+    with fp8_scale refit the refits per weight."""
     if not tokens:
         return {"method": "nearest"}
-    return {"method": "gptq", "damp": gptq.DAMP, "block": gptq.BLOCK, "act_order": True, "sequential": True,
-            "calibration": {"texts": len(tokens), "tokens": sum(map(len, tokens)),
-                            "sha256": calibration_text.digest()}}
+    out = {"method": "gptq", "damp": gptq.DAMP, "block": gptq.BLOCK, "act_order": True} if rounding == "gptq" \
+        else {"method": "nearest"}
+    if scale_rule == "refit":
+        out["refit"] = {"rounds": refit_rounds(rounding, scale_rule, rounds)}
+    return {**out, "sequential": True, "calibration": {"texts": len(tokens), "tokens": sum(map(len, tokens)),
+                                                       "sha256": calibration_text.digest()}}
 
 
 def hessian(xs: list[np.ndarray]) -> np.ndarray:
@@ -58,18 +86,31 @@ def hessian(xs: list[np.ndarray]) -> np.ndarray:
     return h
 
 
-def gptq_rounder(schemes: dict[str, str], scale_rule: str, damp: float = gptq.DAMP) -> tuple[Rounder, dict]:
-    """A Rounder that rounds the weights named in schemes with GPTQ at the scales of quantize.weight_scale (and
-    keeps the rest); the dict collects those quantized values and scales by name for the stream."""
+def calibrated_rounder(schemes: dict[str, str], scale_rule: str, rounding: str = "gptq", damp: float = gptq.DAMP,
+                       rounds: int = 0) -> tuple[Rounder, dict]:
+    """A Rounder that rounds the weights named in schemes (GPTQ or nearest) at the scales of
+    quantize.weight_scale, refitted with fp8_scale refit (and keeps the rest); the dict collects those quantized
+    values and scales by name for the stream."""
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def rounder(name: str, w: np.ndarray, xs: list[np.ndarray]) -> np.ndarray:
         if name not in schemes:
             return w
-        s = weight_scale(w, schemes[name], scale_rule)
-        q = gptq.gptq_round(w, fp8.expand_scale(s, schemes[name], *w.shape), hessian(xs), damp)
+        scheme, h = schemes[name], hessian(xs)
+
+        def rounded(s):
+            if rounding == "gptq":
+                return gptq.gptq_round(w, fp8.expand_scale(s, scheme, *w.shape), h, damp)
+            return fp8.quantize_weight(w, scheme, s)[0]
+        s = weight_scale(w, scheme, "amax" if scale_rule == "refit" else scale_rule)
+        q = rounded(s)
+        n = refit_rounds(rounding, scale_rule, rounds)
+        for i in range(n):
+            s = refit_scales(w, q, h, scheme, s)
+            if i < n - 1:
+                q = rounded(s)
         out[name] = (q, s)
-        return fp8.dequantize(q, s, schemes[name])
+        return fp8.dequantize(q, s, scheme)
     return rounder, out
 
 
@@ -106,11 +147,13 @@ def layer_of(name: str) -> tuple[int, str] | None:
 
 
 def calibrated_stream(tensors: Stream, m: ModelConfig, schemes: dict[str, str], tokens: list[list[int]],
-                      scale_rule: str = "amax", damp: float = gptq.DAMP) -> Stream:
+                      scale_rule: str = "amax", damp: float = gptq.DAMP, rounding: str = "gptq", rounds: int = 0
+                      ) -> Stream:
     """quantize.quantized_stream's output (same names, order and formats) for a float32 checkpoint stream, the
-    FP8 weights rounded by GPTQ on the calibration token sequences, layer after layer."""
+    FP8 weights rounded (GPTQ or nearest) and scaled (refit) on the calibration token sequences, layer after
+    layer."""
     cos, sin = rope_tables(m, max(len(t) for t in tokens))
-    rounder, done = gptq_rounder(schemes, scale_rule, damp)
+    rounder, done = calibrated_rounder(schemes, scale_rule, rounding, damp, rounds)
     xs, layer, embedding, head_inputs = [], {}, None, []
 
     def emit(name, arr, is_rope):

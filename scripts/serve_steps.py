@@ -43,7 +43,8 @@ def _serve(plan_dir: str, backend: str, port: int, wrapper, engine_kwargs: dict,
     from xserv_aot.serve import build_engine
     from xserv_aot.server.run import run_server
     engine = build_engine(plan_dir, backend=backend, max_waiting=4096, engine_process=True,
-                          runner_wrapper=wrapper, engine_kwargs=engine_kwargs, coalesce_outputs=coalesce)
+                          runner_wrapper=wrapper, engine_kwargs=engine_kwargs,
+                          **({"coalesce_outputs": True} if coalesce else {}))
     run_server(engine, port=port, log_level="warning", max_in_flight=4096, shutdown_grace=1.0)
 
 

@@ -68,7 +68,8 @@ def test_profile_without_driver(plan):
 
 @pytest.mark.parametrize("args, needle", [(["--api-key", ""], "empty"), (["--api-key", "   "], "empty"),
                                           (["--api-key", "a b"], "whitespace"),
-                                          (["--max-waiting", "-5"], "--max-waiting")])
+                                          (["--max-waiting", "-5"], "--max-waiting"),
+                                          (["--no-engine-process", "--coalesce-stream-outputs"], "engine process")])
 def test_serve_refuses_bad_options(plan, args, needle):
     assert_one_line_error(cli("serve", plan, "--backend", "cpu", "--port", "1", *args), needle)
 

@@ -246,6 +246,28 @@ def gather_started(engine, rid, ids, params):
         engine.shutdown()
 
 
+def test_coalesced_outputs_of_a_stream_read_late_come_as_one_and_equal_the_plain_stream(plan):
+    p = SamplingParams(max_tokens=24, **GREEDY)
+    plain = build_engine(plan, backend="cpu", engine_process=True)
+    ids = plain.tokenizer.encode("lantern orbit signal")
+    want = merged(gather_started(plain, "p", ids, p))
+    remote = build_engine(plan, backend="cpu", engine_process=True, coalesce_outputs=True)
+    remote.start()
+
+    async def read_late():
+        it = remote.generate("c", ids, p)
+        first = await anext(it)                  # then the request runs to its end in the core
+        await asyncio.to_thread(wait_until, lambda: remote.debug_state()["seqs"] == 0)
+        return [first] + [o async for o in it]
+
+    try:
+        outs = asyncio.run(read_late())
+    finally:
+        remote.shutdown()
+    assert len(outs) <= 2 and outs[-1].finish_reason == "length"    # everything queued after the first: one output
+    assert merged(outs) == want
+
+
 def test_engine_core_that_cannot_start_is_one_line_error(plan):
     ae = build_engine(plan, backend="cpu", engine_process=True, runner_wrapper=functools.partial(broken_runner))
     with pytest.raises(RuntimeError, match=r"^the engine core failed to start: RuntimeError: no device here$"):

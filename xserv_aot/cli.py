@@ -218,7 +218,9 @@ def serve(plan_dir: Path = typer.Argument(..., metavar="PLAN"),
           metrics_require_key: bool = typer.Option(True, help="with --api-key, /metrics needs the key too; "
                                                    "--no-metrics-require-key opens it, as vLLM's is"),
           engine_process: bool = typer.Option(True, help="run the scheduler and runner in their own process "
-                                              "(--no-engine-process: an engine thread in the server process)")):
+                                              "(--no-engine-process: an engine thread in the server process)"),
+          coalesce_stream_outputs: bool = typer.Option(False, help="a stream that fell behind the engine gets the "
+                                                       "tokens queued meanwhile as one chunk (engine process only)")):
     """Serve PLAN with an OpenAI-compatible HTTP API."""
     from xserv_aot.serve import launch
 
@@ -226,7 +228,8 @@ def serve(plan_dir: Path = typer.Argument(..., metavar="PLAN"),
            model_name=model_name or Path(plan_dir).resolve().name, max_request_bytes=max_request_bytes, backend=backend,
            request_timeout=request_timeout, shutdown_grace=shutdown_grace,
            special_tokens_in_content=special_tokens_in_content, tool_call_parser=tool_call_parser,
-           metrics_require_key=metrics_require_key, engine_process=engine_process)
+           metrics_require_key=metrics_require_key, engine_process=engine_process,
+           coalesce_outputs=coalesce_stream_outputs)
 
 
 @app.command()

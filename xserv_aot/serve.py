@@ -48,7 +48,7 @@ def build_engine(plan_dir: Path, *, backend: str = "auto", max_waiting: int = 25
 def launch(plan_dir: Path, *, host: str, port: int, api_key: str | None, max_waiting: int, model_name: str,
            max_request_bytes: int, backend: str, request_timeout: float | None = None,
            shutdown_grace: float = 30.0, special_tokens_in_content: bool = False, tool_call_parser: str | None = None,
-           metrics_require_key: bool = True, engine_process: bool = True) -> None:
+           metrics_require_key: bool = True, engine_process: bool = True, coalesce_outputs: bool = False) -> None:
     """Blocks until SIGTERM/SIGINT: then drains (shutdown_grace seconds for requests in flight) and returns.
     Raises EngineFailedError when the engine core process died (the server stopped; the CLI exits 1)."""
     from xserv_aot.server.run import bind_socket, run_server
@@ -59,6 +59,8 @@ def launch(plan_dir: Path, *, host: str, port: int, api_key: str | None, max_wai
         raise UsageError(f"--shutdown-grace must be >= 0 seconds, got {shutdown_grace}")
     if max_waiting < 1:
         raise UsageError(f"--max-waiting must be >= 1, got {max_waiting}")
+    if coalesce_outputs and not engine_process:
+        raise UsageError("--coalesce-stream-outputs needs the engine process (not --no-engine-process)")
     check_api_key(api_key)
     from xserv_aot.server.tools import PARSERS
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
@@ -69,7 +71,7 @@ def launch(plan_dir: Path, *, host: str, port: int, api_key: str | None, max_wai
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine = build_engine(plan_dir, backend=backend, max_waiting=max_waiting, model_name=model_name,
-                              engine_process=engine_process)
+                              engine_process=engine_process, coalesce_outputs=coalesce_outputs)
         engine.start()                             # startup errors end here, as one line
         try:
             run_server(engine, host=host, port=port, api_key=api_key, model_name=model_name,

@@ -109,7 +109,8 @@ def timed_emulated(inner, *, step_log: Path, decode_ms: float = 12.0) -> StepTim
 
 def summarize(rows: np.ndarray, max_num_seqs: int) -> dict:
     """StepLog rows (COLUMNS) -> where the time of a step went, for full decode steps (>= 90% of max_num_seqs, one
-    token each), the other steps, and all; ms medians. interval: launch to next launch; host: interval - wait."""
+    token each), smaller decode steps, steps with prompt tokens, and all; ms medians. interval: launch to next
+    launch; host: interval - wait; gaps_over_100ms: launch-to-launch intervals over 100 ms (the engine idle)."""
     r = {c: rows[:, i] for i, c in enumerate(COLUMNS)}
     order = np.argsort(r["launch_start"])
     r = {c: v[order] for c, v in r.items()}
@@ -117,16 +118,20 @@ def summarize(rows: np.ndarray, max_num_seqs: int) -> dict:
     wait = (r["wait_end"] - r["wait_start"]) * 1e3
     decode = (r["num_tokens"] == r["num_seqs"]) & (r["num_seqs"] >= 0.9 * max_num_seqs)
     other = r["num_tokens"] != r["num_seqs"]
+    partial = (r["num_tokens"] == r["num_seqs"]) & ~decode
     out = {"steps": int(len(order)), "wall_s": float(r["wait_end"][-1] - r["launch_start"][0]) if len(order) else 0.0}
     if len(order):
         out["gpu_busy_fraction"] = float(np.nansum(r["gpu_ms"]) / 1e3 / out["wall_s"]) if out["wall_s"] else None
-    for name, sel in (("full_decode", decode), ("mixed_or_prefill", other), ("all", np.ones(len(order), bool))):
+    for name, sel in (("full_decode", decode), ("partial_decode", partial), ("mixed_or_prefill", other),
+                      ("all", np.ones(len(order), bool))):
         sel = sel & ~np.isnan(interval)
         med = lambda v: float(np.nanmedian(v[sel])) if sel.any() and not np.isnan(v[sel]).all() else None
         out[name] = {"steps": int(sel.sum()), "interval_ms": med(interval), "wait_ms": med(wait),
                      "host_ms": med(interval - wait), "gpu_ms": med(r["gpu_ms"]), "gpu_idle_ms": med(r["gpu_idle_ms"]),
                      "interval_p90_ms": float(np.percentile(interval[sel], 90)) if sel.any() else None,
                      "sum_interval_s": float(np.sum(interval[sel]) / 1e3), "tokens": int(r["num_tokens"][sel].sum())}
+    gaps = interval[interval > 100.0]
+    out["gaps_over_100ms"] = {"count": int(gaps.size), "sum_s": float(gaps.sum() / 1e3)}
     worst = np.argsort(-np.nan_to_num(interval, nan=-1.0))[:10]
     out["longest_intervals"] = [{"step": int(i), "interval_ms": float(interval[i]), "wait_ms": float(wait[i]),
                                  "num_tokens": int(r["num_tokens"][i]), "num_seqs": int(r["num_seqs"][i]),

@@ -28,11 +28,10 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from xserv_aot.bench.host_overhead import wait_healthy  # noqa: E402
 from xserv_aot.bench.instant_runner import StepLog  # noqa: E402
 from xserv_aot.bench.step_timer import COLUMNS, StepTimer, summarize, timed_emulated  # noqa: E402
 
@@ -127,17 +126,9 @@ def main() -> int:
     server.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or not server.is_alive():
-                print("the server did not start", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+        if not wait_healthy(url, server, 600, poll=0.5):
+            print("the server did not start", file=sys.stderr)
+            return 1
         cmd = [sys.executable, "-m", "xserv_aot.bench.serve", "--base-url", url, "--tokenizer", str(plan_dir),
                "--seed", "0", "--dataset-name", "random", "--disable-tqdm", "--save-result", str(a.out / "client.json"),
                "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),

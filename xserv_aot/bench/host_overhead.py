@@ -133,6 +133,20 @@ async def _clients(url: str, batch: int, max_tokens: int, prompt_len: int, log: 
         return await asyncio.gather(*tasks)
 
 
+def wait_healthy(url: str, process, timeout: float, poll: float = 0.1) -> bool:
+    """Poll url/health until it answers 200 (True), or the server process dies or `timeout` s pass (False)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or not process.is_alive():
+            return False
+        time.sleep(poll)
+
+
 def served(plan_dir: Path, batch: int, max_tokens: int, prompt_len: int, start_timeout: float = 120.0) -> dict:
     with tempfile.TemporaryDirectory() as d:
         log_path = Path(d) / "steps"
@@ -143,16 +157,8 @@ def served(plan_dir: Path, batch: int, max_tokens: int, prompt_len: int, start_t
         child.start()
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + start_timeout
-            while True:
-                try:
-                    if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline or not child.is_alive():
-                    raise RuntimeError("the benchmark server did not start")
-                time.sleep(0.1)
+            if not wait_healthy(url, child, start_timeout):
+                raise RuntimeError("the benchmark server did not start")
             results = asyncio.run(_clients(url, batch, max_tokens, prompt_len, log))
         finally:
             child.terminate()

@@ -46,26 +46,22 @@ __device__ __forceinline__ void e4m3x4_f16x4(u32 w, u32& lo, u32& hi) {
     asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
         : "=r"(lo), "=r"(hi) : "r"(w));
 }
-// Eight bf16 -> eight f16 of value * 2^-4 (exact for magnitudes in [2^-13, 2^20): the tensor-core FP8 GEMV input).
-#define FP8_F16_IN_SCALE 0.0625f
-#define FP8_F16_UNSCALE 16.f
-__device__ __forceinline__ vec16 bf16x8_f16x8_scaled(const vec16& v) {
-    float f[8]; unpack8(v, f);
-    u32 h[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h[i]) : "f"(f[2 * i + 1] * FP8_F16_IN_SCALE), "f"(f[2 * i] * FP8_F16_IN_SCALE));
-    return vec16{h[0], h[1], h[2], h[3]};
-}
 // Two floats -> f16x2 (lo -> low half), round to nearest even.
 __device__ __forceinline__ u32 f32x2_f16x2(float lo, float hi) {
     u32 h;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(hi), "f"(lo));
     return h;
 }
-// bf16x2 -> f16x2 of value * 2^-4 (exact in the range of bf16x8_f16x8_scaled).
+// bf16 -> f16 of value * 2^-4 (exact for magnitudes in [2^-13, 2^20)): two, or eight (the tensor-core FP8 GEMV
+// input).
+#define FP8_F16_IN_SCALE 0.0625f
+#define FP8_F16_UNSCALE 16.f
 __device__ __forceinline__ u32 bf16x2_f16x2_scaled(u32 b) {
     return f32x2_f16x2(__uint_as_float(b << 16) * FP8_F16_IN_SCALE, __uint_as_float(b & 0xffff0000u) * FP8_F16_IN_SCALE);
+}
+__device__ __forceinline__ vec16 bf16x8_f16x8_scaled(const vec16& v) {
+    return vec16{bf16x2_f16x2_scaled(v.x), bf16x2_f16x2_scaled(v.y), bf16x2_f16x2_scaled(v.z),
+                 bf16x2_f16x2_scaled(v.w)};
 }
 __device__ __forceinline__ u32 f16x2_bf16x2_scaled(u32 h) {
     return ((h >> 3) & 0x0fff0fffu) | (h & 0x80008000u);

@@ -35,10 +35,10 @@ struct FusedRope {
 
 // Shared memory of a block (bytes): the ring of STAGES K/V tile pairs (rows of HD + 8 bf16, or HD e4m3 bytes), then
 // (fused) q [16][HD + 8] bf16, the new k / v [2][HD] bf16 space (plan: attention_plan.tc_ring_smem, few_seq_smem).
-template <int HD, int STAGES, typename KVT, int KT = TC_TILE>
+template <int HD, int STAGES, typename KVT>
 struct TcSmem {
     static constexpr bool F8 = KvF8<KVT>::value;
-    static constexpr int LD = HD + 8, ROW = F8 ? HD : LD * 2, STAGE = 2 * KT * ROW;
+    static constexpr int LD = HD + 8, ROW = F8 ? HD : LD * 2, STAGE = 2 * TC_TILE * ROW;
     static constexpr int QS = STAGES * STAGE, KVNEW = QS + 16 * LD * 2, BTS = KVNEW + 2 * HD * 2;
 };
 
@@ -49,7 +49,7 @@ __device__ __forceinline__ int tc_span(int r, int s) {
     static_assert(HD % 64 == 0, "e4m3 rows of whole 64-byte pairs of spans");
     return HD >= 128 ? s ^ (r & 3) : s ^ ((r >> 1) & 1);
 }
-// Byte offset of 16-byte chunk u of ring row r (K rows 0..KT-1, V rows KT..2KT-1 of a stage).
+// Byte offset of 16-byte chunk u of ring row r (K rows 0..63, V rows 64..127 of a stage).
 template <int HD, typename KVT>
 __device__ __forceinline__ int tc_chunk(int r, int u) {
     if constexpr (KvF8<KVT>::value) return r * HD + (tc_span<HD>(r, u >> 1) << 5) + ((u & 1) << 4);
@@ -68,12 +68,12 @@ __device__ __forceinline__ int fused_min_tiles(const FusedRope<KVT>& fr, int Lc)
 // bt[(p >> bs_shift) - b0] is the block of key p (block sizes are powers of two: BuildConfig). The thread's block
 // ids are loaded first, all at once (keys past kend read the last key's block and copy nothing).
 // stage: one ring slot (K rows, then V rows, of TcSmem::ROW bytes); 16-byte chunks of KVT elements.
-template <int HD, bool NEW = false, typename KVT = bf16, int KT = TC_TILE>
+template <int HD, bool NEW = false, typename KVT = bf16>
 __device__ __forceinline__ void tc_issue(unsigned char* stage, const KVT* kbase, const KVT* vbase, size_t kv_stride,
                                          const int* bt, int bs_shift, int k0, int kend, int newkey = -1,
                                          const unsigned char* knew = nullptr, const unsigned char* vnew = nullptr,
                                          int b0 = 0) {
-    constexpr int DCH = HD * (int)sizeof(KVT) / 16, EPC = 16 / (int)sizeof(KVT), N = KT * DCH / TC_THREADS;
+    constexpr int DCH = HD * (int)sizeof(KVT) / 16, EPC = 16 / (int)sizeof(KVT), N = TC_TILE * DCH / TC_THREADS;
     int blk[N];
 #pragma unroll
     for (int j = 0; j < N; j++) blk[j] = bt[(min(k0 + (threadIdx.x + j * TC_THREADS) / DCH, kend - 1) >> bs_shift) - b0];
@@ -85,14 +85,14 @@ __device__ __forceinline__ void tc_issue(unsigned char* stage, const KVT* kbase,
             if (p == newkey) {
                 if (knew) {
                     st16(stage + tc_chunk<HD, KVT>(key, u), ld16(knew + u * 16));
-                    st16(stage + tc_chunk<HD, KVT>(KT + key, u), ld16(vnew + u * 16));
+                    st16(stage + tc_chunk<HD, KVT>(TC_TILE + key, u), ld16(vnew + u * 16));
                 }
                 continue;
             }
         }
         const size_t slot = ((size_t)blk[j] << bs_shift) + (p & ((1 << bs_shift) - 1));
         cp_async16(stage + tc_chunk<HD, KVT>(key, u), kbase + slot * kv_stride + u * EPC, ok ? 16 : 0);
-        cp_async16(stage + tc_chunk<HD, KVT>(KT + key, u), vbase + slot * kv_stride + u * EPC, ok ? 16 : 0);
+        cp_async16(stage + tc_chunk<HD, KVT>(TC_TILE + key, u), vbase + slot * kv_stride + u * EPC, ok ? 16 : 0);
     }
 }
 
@@ -147,20 +147,17 @@ __device__ __forceinline__ void fused_qkv_rope(const FusedRope<KVT>& fr, bf16 (*
     }
 }
 
-// KT: keys a tile (64, or 128 for the batched kernel: each warp two 16-key groups a tile, half the barriers, copy
-// issues and softmax passes a key).
-template <int HD, int STAGES, bool FUSED = false, typename KVT = bf16, int KT = TC_TILE>
+template <int HD, int STAGES, bool FUSED = false, typename KVT = bf16>
 __device__ __forceinline__ void attn_decode_tc_impl(
         const bf16* __restrict__ q, const KVT* __restrict__ kv_layer, const int* __restrict__ qsl,
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables, float* __restrict__ part_o,
         float* __restrict__ part_ml, int* __restrict__ counters, bf16* __restrict__ out, int T, int nh, int nkv,
         int block_size, int max_blocks, int num_slots, float scale, const FusedRope<KVT>& fr = FusedRope<KVT>{},
         float k_scale = 1.f, float v_scale = 1.f) {
-    using SM = TcSmem<HD, STAGES, KVT, KT>;
-    constexpr int LD = HD + 8, KS = HD / 16, DT = HD / 8, STAGE = SM::STAGE, GM = 16, NG = KT / TC_TILE;
-    static_assert(KT == TC_TILE || (KT == 2 * TC_TILE && !FUSED), "128-key tiles: the batched kernel only");
+    using SM = TcSmem<HD, STAGES, KVT>;
+    constexpr int LD = HD + 8, KS = HD / 16, DT = HD / 8, STAGE = SM::STAGE, GM = 16;
     extern __shared__ __align__(16) unsigned char tc_smem[];
-    unsigned char* stages = tc_smem;                                  // [STAGES][K, V][KT][ROW bytes]
+    unsigned char* stages = tc_smem;                                  // [STAGES][K, V][TC_TILE][ROW bytes]
     __shared__ float wm[4][GM], wl[4][GM];
     // fused: after the ring, this block's q heads [GM][LD], the new token's k, v [2][HD] (KVT), then the
     // block ids of its keys (as many ints as the rest of the dynamic shared memory holds)
@@ -176,7 +173,7 @@ __device__ __forceinline__ void attn_decode_tc_impl(
         zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
     }
     SplitRange sr;
-    if (!split_range(qsl, seq_lens, i, blockIdx.z, gridDim.z, KT, sr,
+    if (!split_range(qsl, seq_lens, i, blockIdx.z, gridDim.z, TC_TILE, sr,
                      FUSED ? fused_min_tiles(fr, seq_lens[i]) : SPLIT_MIN_TILES)) {
         if constexpr (FUSED) {
             asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -212,8 +209,8 @@ __device__ __forceinline__ void attn_decode_tc_impl(
 #pragma unroll
     for (int st = 0; st < STAGES - 1; st++) {
         if (st < sr.ntiles)
-            tc_issue<HD, FUSED, KVT, KT>(stages + st * STAGE, kbase, vbase, kv_stride, bt, bs_shift,
-                                         sr.k0 + st * KT, sr.kend, newkey, nullptr, nullptr, b0);
+            tc_issue<HD, FUSED, KVT>(stages + st * STAGE, kbase, vbase, kv_stride, bt, bs_shift,
+                                     sr.k0 + st * TC_TILE, sr.kend, newkey, nullptr, nullptr, b0);
         cp_async_commit();
     }
     if constexpr (FUSED) {
@@ -261,67 +258,55 @@ __device__ __forceinline__ void attn_decode_tc_impl(
         {
             const int nt = t + STAGES - 1;
             if (nt < sr.ntiles)
-                tc_issue<HD, FUSED, KVT, KT>(stages + (nt % STAGES) * STAGE, kbase, vbase, kv_stride, bt, bs_shift,
-                                             sr.k0 + nt * KT, sr.kend, newkey,
+                tc_issue<HD, FUSED, KVT>(stages + (nt % STAGES) * STAGE, kbase, vbase, kv_stride, bt, bs_shift,
+                                         sr.k0 + nt * TC_TILE, sr.kend, newkey,
                                          reinterpret_cast<const unsigned char*>(kv_new[0]),
                                          reinterpret_cast<const unsigned char*>(kv_new[FUSED ? 1 : 0]), b0);
             cp_async_commit();
         }
         const unsigned char* tile = stages + (t % STAGES) * STAGE;
-        float s[NG][2][4];                                      // warp w: keys 16 NG w + 16 g + 8 j + (0..7)
+        float s[2][4];
 #pragma unroll
-        for (int g = 0; g < NG; g++) {
+        for (int j = 0; j < 2; j++) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+            const int r = warp * 16 + j * 8 + ga;
+            if constexpr (SM::F8) {                             // 8 e4m3 of span c: k16 steps 2c, 2c + 1
 #pragma unroll
-            for (int j = 0; j < 2; j++) {
-                s[g][j][0] = s[g][j][1] = s[g][j][2] = s[g][j][3] = 0.f;
-                const int r = (warp * NG + g) * 16 + j * 8 + ga;
-                if constexpr (SM::F8) {                         // 8 e4m3 of span c: k16 steps 2c, 2c + 1
-#pragma unroll
-                    for (int c = 0; c < HD / 32; c++) {
-                        const uint2 w = *reinterpret_cast<const uint2*>(tile + r * HD + (tc_span<HD>(r, c) << 5) +
-                                                                        tig * 8);
-                        u32 b0, b1, b2, b3;
-                        e4m3x4_f16x4(w.x, b0, b1);
-                        e4m3x4_f16x4(w.y, b2, b3);
-                        mma_f16(s[g][j], qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], b0, b1);
-                        mma_f16(s[g][j], qa[2 * c + 1][0], qa[2 * c + 1][1], qa[2 * c + 1][2], qa[2 * c + 1][3], b2,
-                                b3);
-                    }
-                } else {
-                    const u32* kr = reinterpret_cast<const u32*>(reinterpret_cast<const bf16*>(tile) + r * LD);
-#pragma unroll
-                    for (int ks = 0; ks < KS; ks++)
-                        mma_bf16(s[g][j], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], kr[ks * 8 + tig],
-                                 kr[ks * 8 + 4 + tig]);
+                for (int c = 0; c < HD / 32; c++) {
+                    const uint2 w = *reinterpret_cast<const uint2*>(tile + r * HD + (tc_span<HD>(r, c) << 5) + tig * 8);
+                    u32 b0, b1, b2, b3;
+                    e4m3x4_f16x4(w.x, b0, b1);
+                    e4m3x4_f16x4(w.y, b2, b3);
+                    mma_f16(s[j], qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], b0, b1);
+                    mma_f16(s[j], qa[2 * c + 1][0], qa[2 * c + 1][1], qa[2 * c + 1][2], qa[2 * c + 1][3], b2, b3);
                 }
+            } else {
+                const u32* kr = reinterpret_cast<const u32*>(reinterpret_cast<const bf16*>(tile) + r * LD);
+#pragma unroll
+                for (int ks = 0; ks < KS; ks++)
+                    mma_bf16(s[j], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], kr[ks * 8 + tig], kr[ks * 8 + 4 + tig]);
             }
         }
-        const int kb = sr.k0 + t * KT + warp * 16 * NG;
+        const int kb = sr.k0 + t * TC_TILE + warp * 16;
         float mxa = NEG, mxb = NEG;
-        if (kb + 16 * NG <= sr.kend) {                          // all keys of the warp are in the split
+        if (kb + 16 <= sr.kend) {                               // all 16 keys of the warp are in the split
 #pragma unroll
-            for (int g = 0; g < NG; g++) {
+            for (int j = 0; j < 2; j++) {
 #pragma unroll
-                for (int j = 0; j < 2; j++) {
-#pragma unroll
-                    for (int e = 0; e < 4; e++) s[g][j][e] *= sl2;
-                    mxa = fmaxf(mxa, fmaxf(s[g][j][0], s[g][j][1]));
-                    mxb = fmaxf(mxb, fmaxf(s[g][j][2], s[g][j][3]));
-                }
+                for (int e = 0; e < 4; e++) s[j][e] *= sl2;
+                mxa = fmaxf(mxa, fmaxf(s[j][0], s[j][1]));
+                mxb = fmaxf(mxb, fmaxf(s[j][2], s[j][3]));
             }
         } else {
 #pragma unroll
-            for (int g = 0; g < NG; g++) {
+            for (int j = 0; j < 2; j++) {
 #pragma unroll
-                for (int j = 0; j < 2; j++) {
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const bool valid = kb + g * 16 + j * 8 + tig * 2 + e < sr.kend;
-                        s[g][j][e] = valid ? s[g][j][e] * sl2 : NEG;
-                        s[g][j][2 + e] = valid ? s[g][j][2 + e] * sl2 : NEG;
-                        mxa = fmaxf(mxa, s[g][j][e]);
-                        mxb = fmaxf(mxb, s[g][j][2 + e]);
-                    }
+                for (int e = 0; e < 2; e++) {
+                    const bool valid = kb + j * 8 + tig * 2 + e < sr.kend;
+                    s[j][e] = valid ? s[j][e] * sl2 : NEG;
+                    s[j][2 + e] = valid ? s[j][2 + e] * sl2 : NEG;
+                    mxa = fmaxf(mxa, s[j][e]);
+                    mxb = fmaxf(mxb, s[j][2 + e]);
                 }
             }
         }
@@ -345,15 +330,11 @@ __device__ __forceinline__ void attn_decode_tc_impl(
         const float ba = m_a == NEG ? 0.f : m_a, bb = m_b == NEG ? 0.f : m_b;   // a row without keys so far
         float suma = 0.f, sumb = 0.f;
 #pragma unroll
-        for (int g = 0; g < NG; g++) {
-#pragma unroll
-            for (int j = 0; j < 2; j++) {
-                float* x = s[g][j];
-                x[0] = exp2f(x[0] - ba); x[1] = exp2f(x[1] - ba);
-                x[2] = exp2f(x[2] - bb); x[3] = exp2f(x[3] - bb);
-                suma += x[0] + x[1];
-                sumb += x[2] + x[3];
-            }
+        for (int j = 0; j < 2; j++) {
+            s[j][0] = exp2f(s[j][0] - ba); s[j][1] = exp2f(s[j][1] - ba);
+            s[j][2] = exp2f(s[j][2] - bb); s[j][3] = exp2f(s[j][3] - bb);
+            suma += s[j][0] + s[j][1];
+            sumb += s[j][2] + s[j][3];
         }
         l_a += suma;
         l_b += sumb;
@@ -361,56 +342,48 @@ __device__ __forceinline__ void attn_decode_tc_impl(
             // P as f16 (11 bits). V: lane (ga, tig) reads 8 e4m3 of rows 16 warp + ga (+ 8) at span c, i.e. dims
             // 32 c + 8 tig + 2 q + (0, 1) as f16x2 q; movmatrix.trans of each gives the B fragment of n tile 4 c + q
             // (column n = dim 32 c + 8 (n / 2) + 2 q + n % 2), whose accumulator holds dims 32 c + 8 tig + 2 q + (0, 1).
-            const unsigned char* vt = tile + KT * HD;
+            u32 ap[4];
 #pragma unroll
-            for (int g = 0; g < NG; g++) {
-                u32 ap[4];
+            for (int j = 0; j < 2; j++) {
 #pragma unroll
-                for (int j = 0; j < 2; j++) {
+                for (int h = 0; h < 2; h++) ap[2 * j + h] = f32x2_f16x2(s[j][2 * h], s[j][2 * h + 1]);
+            }
+            const unsigned char* vt = tile + TC_TILE * HD;
+            const int r0 = warp * 16 + ga, r1 = r0 + 8;
 #pragma unroll
-                    for (int h = 0; h < 2; h++) ap[2 * j + h] = f32x2_f16x2(s[g][j][2 * h], s[g][j][2 * h + 1]);
-                }
-                const int r0 = (warp * NG + g) * 16 + ga, r1 = r0 + 8;
+            for (int c = 0; c < HD / 32; c++) {
+                const uint2 w0 = *reinterpret_cast<const uint2*>(vt + r0 * HD + (tc_span<HD>(r0, c) << 5) + tig * 8);
+                const uint2 w1 = *reinterpret_cast<const uint2*>(vt + r1 * HD + (tc_span<HD>(r1, c) << 5) + tig * 8);
+                u32 p0[4], p1[4];
+                e4m3x4_f16x4(w0.x, p0[0], p0[1]);
+                e4m3x4_f16x4(w0.y, p0[2], p0[3]);
+                e4m3x4_f16x4(w1.x, p1[0], p1[1]);
+                e4m3x4_f16x4(w1.y, p1[2], p1[3]);
 #pragma unroll
-                for (int c = 0; c < HD / 32; c++) {
-                    const uint2 w0 = *reinterpret_cast<const uint2*>(vt + r0 * HD + (tc_span<HD>(r0, c) << 5) + tig * 8);
-                    const uint2 w1 = *reinterpret_cast<const uint2*>(vt + r1 * HD + (tc_span<HD>(r1, c) << 5) + tig * 8);
-                    u32 p0[4], p1[4];
-                    e4m3x4_f16x4(w0.x, p0[0], p0[1]);
-                    e4m3x4_f16x4(w0.y, p0[2], p0[3]);
-                    e4m3x4_f16x4(w1.x, p1[0], p1[1]);
-                    e4m3x4_f16x4(w1.y, p1[2], p1[3]);
-#pragma unroll
-                    for (int qd = 0; qd < 4; qd++)
-                        mma_f16(o[4 * c + qd], ap[0], ap[1], ap[2], ap[3], movmatrix_trans(p0[qd]),
-                                movmatrix_trans(p1[qd]));
-                }
+                for (int qd = 0; qd < 4; qd++)
+                    mma_f16(o[4 * c + qd], ap[0], ap[1], ap[2], ap[3], movmatrix_trans(p0[qd]), movmatrix_trans(p1[qd]));
             }
         } else {
             // P = hi + lo, both bf16 (P to ~16 bits: the PV product is as exact as the fp32 CUDA-core kernels')
-            const bf16* Vs = reinterpret_cast<const bf16*>(tile) + KT * LD;
+            u32 ah[4], al[4];
 #pragma unroll
-            for (int g = 0; g < NG; g++) {
-                u32 ah[4], al[4];
+            for (int j = 0; j < 2; j++) {
 #pragma unroll
-                for (int j = 0; j < 2; j++) {
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const float x0 = s[g][j][2 * h], x1 = s[g][j][2 * h + 1];
-                        ah[2 * j + h] = pack2(x0, x1);
-                        al[2 * j + h] = pack2(x0 - round_bf(x0), x1 - round_bf(x1));
-                    }
+                for (int h = 0; h < 2; h++) {
+                    const float x0 = s[j][2 * h], x1 = s[j][2 * h + 1];
+                    ah[2 * j + h] = pack2(x0, x1);
+                    al[2 * j + h] = pack2(x0 - round_bf(x0), x1 - round_bf(x1));
                 }
+            }
+            const bf16* Vs = reinterpret_cast<const bf16*>(tile) + TC_TILE * LD;
 #pragma unroll
-                for (int d = 0; d < DT; d += 2) {
-                    u32 b0, b1, b2, b3;
-                    ldmatrix_x4_trans(b0, b1, b2, b3, Vs + ((warp * NG + g) * 16 + r8 + (qm & 1) * 8) * LD + d * 8 +
-                                                          (qm >> 1) * 8);
-                    mma_bf16(o[d], ah[0], ah[1], ah[2], ah[3], b0, b1);
-                    mma_bf16(o[d + 1], ah[0], ah[1], ah[2], ah[3], b2, b3);
-                    mma_bf16(o[d], al[0], al[1], al[2], al[3], b0, b1);
-                    mma_bf16(o[d + 1], al[0], al[1], al[2], al[3], b2, b3);
-                }
+            for (int d = 0; d < DT; d += 2) {
+                u32 b0, b1, b2, b3;
+                ldmatrix_x4_trans(b0, b1, b2, b3, Vs + (warp * 16 + r8 + (qm & 1) * 8) * LD + d * 8 + (qm >> 1) * 8);
+                mma_bf16(o[d], ah[0], ah[1], ah[2], ah[3], b0, b1);
+                mma_bf16(o[d + 1], ah[0], ah[1], ah[2], ah[3], b2, b3);
+                mma_bf16(o[d], al[0], al[1], al[2], al[3], b0, b1);
+                mma_bf16(o[d + 1], al[0], al[1], al[2], al[3], b2, b3);
             }
         }
     }
@@ -464,24 +437,22 @@ DECODE_TC_KERNEL(128, 2)
 DECODE_TC_KERNEL(128, 3)
 DECODE_TC_KERNEL(128, 4)
 
-// attn_decode_tc_f8kv[_k128]_sSTAGES_hdHD: the same over an FP8 cache (k_scale, v_scale: the layer's); _k128:
-// tiles of 128 keys.
-#define DECODE_TC_F8KV_KERNEL(NAME, KT, HD, STAGES)                                                          \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS, 3) NAME##_s##STAGES##_hd##HD(                   \
+// attn_decode_tc_f8kv_sSTAGES_hdHD: the same over an FP8 cache (k_scale, v_scale: the layer's).
+#define DECODE_TC_F8KV_KERNEL(HD, STAGES)                                                                    \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, 3) attn_decode_tc_f8kv_s##STAGES##_hd##HD(      \
         const bf16* q, const e4m3* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,   \
         float* part_o, float* part_ml, int* counters, bf16* out, int T, int nh, int nkv, int block_size,     \
         int max_blocks, int num_slots, float scale, float k_scale, float v_scale) {                          \
-        attn_decode_tc_impl<HD, STAGES, false, e4m3, KT>(q, kv_layer, qsl, seq_lens, block_tables, part_o,  \
-                                                         part_ml, counters, out, T, nh, nkv, block_size,     \
-                                                         max_blocks, num_slots, scale, FusedRope<e4m3>{},   \
-                                                         k_scale, v_scale); }
+        attn_decode_tc_impl<HD, STAGES, false, e4m3>(q, kv_layer, qsl, seq_lens, block_tables, part_o,      \
+                                                     part_ml, counters, out, T, nh, nkv, block_size,         \
+                                                     max_blocks, num_slots, scale, FusedRope<e4m3>{},       \
+                                                     k_scale, v_scale); }
 
-DECODE_TC_F8KV_KERNEL(attn_decode_tc_f8kv, 64, 64, 2)
-DECODE_TC_F8KV_KERNEL(attn_decode_tc_f8kv, 64, 64, 4)
-DECODE_TC_F8KV_KERNEL(attn_decode_tc_f8kv, 64, 128, 2)
-DECODE_TC_F8KV_KERNEL(attn_decode_tc_f8kv, 64, 128, 3)
-DECODE_TC_F8KV_KERNEL(attn_decode_tc_f8kv, 64, 128, 4)
-DECODE_TC_F8KV_KERNEL(attn_decode_tc_f8kv_k128, 128, 128, 2)
+DECODE_TC_F8KV_KERNEL(64, 2)
+DECODE_TC_F8KV_KERNEL(64, 4)
+DECODE_TC_F8KV_KERNEL(128, 2)
+DECODE_TC_F8KV_KERNEL(128, 3)
+DECODE_TC_F8KV_KERNEL(128, 4)
 
 // attn_decode_fused_sSTAGES_hdHD: decode buckets of 1-2 seqs, QK-norm / RoPE / KV write included (q_norm, k_norm
 // null: no norm). kv_layer is read (the context) and written (the new token's k / v). Dynamic shared memory:

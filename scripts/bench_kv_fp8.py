@@ -50,19 +50,16 @@ def bench_kv_fp8(args) -> None:
                 ref = reference(q, dq, bt, ctx)
                 sfx = "_f8kv" if fp8 else ""
                 extra = [("f32", K_SCALE), ("f32", V_SCALE)] if fp8 else []
-                default = (ap.BATCHED_ATTN_F8KV_KEYS, ap.BATCHED_ATTN_F8KV_STAGES) if fp8 else \
-                    (ap.BATCHED_ATTN_TILE, ap.BATCHED_ATTN_STAGES)
-                variants = ([(64, st) for st in ap.TC_F8KV_STAGES] + [(128, st) for st in ap.TC_F8KV_K128_STAGES]
-                            if fp8 else [(64, 2), (64, 3)])
-                for keys, stages in variants:
-                    name = f"attn_decode_tc{sfx}{'_k128' if keys == 128 else ''}_s{stages}_hd{HD}"
-                    smem = ap.tc_ring_smem(stages, HD, fp8, keys)
+                splits = max(1, min(-(-ctx // ap.BATCHED_ATTN_TILE), -(-ap.BATCHED_ATTN_BLOCKS // (B * NKV))))
+                part_o = torch.empty(B * NH * splits * HD, device="cuda")
+                part_ml = torch.empty(B * NH * splits * 2, device="cuda")
+                default = ap.BATCHED_ATTN_F8KV_STAGES if fp8 else ap.BATCHED_ATTN_STAGES
+                for stages in ap.TC_F8KV_STAGES if fp8 else (2, 3):
+                    name = f"attn_decode_tc{sfx}_s{stages}_hd{HD}"
+                    smem = ap.tc_ring_smem(stages, HD, fp8)
                     fn = kern.fn("attention_decode_tc.cu", name, smem)
-                    splits = max(1, min(-(-ctx // keys), -(-ap.BATCHED_ATTN_BLOCKS // (B * NKV))))
-                    part_o = torch.empty(B * NH * splits * HD, device="cuda")
-                    part_ml = torch.empty(B * NH * splits * 2, device="cuda")
 
-                    def launch(kvc, fn=fn, smem=smem, name=name, splits=splits, part_o=part_o, part_ml=part_ml):
+                    def launch(kvc, fn=fn, smem=smem, name=name):
                         return Launch(name, fn, (B, NKV, splits), (128, 1, 1), smem,
                                       [("ptr", q.data_ptr()), ("ptr", kvc.data_ptr()), ("ptr", qsl.data_ptr()),
                                        ("ptr", lens.data_ptr()), ("ptr", bt.data_ptr()), ("ptr", part_o.data_ptr()),
@@ -76,7 +73,7 @@ def bench_kv_fp8(args) -> None:
                     err = rel_err(out, ref)
                     lts = [launch(c) for c in copies]
                     ms = time_graph(lambda j: lts[j](stream()), ncopy)
-                    mark = "*" if (keys, stages) == default else ""
+                    mark = "*" if stages == default else ""
                     print(f"{B:5} {ctx:5} {name + mark:34} {ms * 1e3:9.1f} {kv_bytes / ms / 1e6:7.0f} {err:8.1e}",
                           flush=True)
                 del copies

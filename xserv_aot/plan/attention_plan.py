@@ -48,8 +48,6 @@ PREFILL_ATTN_F8KV_HD64 = "w8m1k64s2"
 FEW_ATTN_F8KV_STAGES = (3, 4)   # fused few-seq kernel over an FP8 cache: the ring depths built (hd 64: 3)
 TC_F8KV_STAGES = (2, 3, 4)      # batched tensor-core kernel over an FP8 cache: the ring depths built (hd 64: 2, 4)
 BATCHED_ATTN_F8KV_STAGES = 4    # ... the one plans take (H200 sweep, docs/cuda-notes.md)
-TC_F8KV_K128_STAGES = (2,)      # ... with 128-key tiles (_k128, hd 128; not measured yet)
-BATCHED_ATTN_F8KV_KEYS = 64     # keys a tile plans take over an FP8 cache (64, or 128: the _k128 kernels)
 _PIPE = re.compile(r"w(\d+)m(\d+)k(\d+)s(\d+)")
 _WGMMA = re.compile(r"w([gs])(\d)h(\d)k(\d+)s(\d)o?p?l?q?e?")
 FEW_ATTN_STAGES = 3          # fused few-seq kernel: tiles of 64 keys in its cp.async ring (2, 3, 4, 6 built)
@@ -59,12 +57,12 @@ FEW_ATTN_BLOCKS = 2 * 132    # ... grid z: the longest context's splits fill the
 TC_TILE = 64                 # keys per tile of attention_decode_tc.cu (both kernels)
 
 
-def tc_ring_smem(stages: int, hd: int, fp8: bool = False, keys: int = TC_TILE) -> int:
-    """The K/V ring of attention_decode_tc.cu (TcSmem): tiles of `keys` rows padded to hd + 8 bf16, or (fp8)
-    unpadded rows of hd e4m3 bytes (read and converted in registers)."""
+def tc_ring_smem(stages: int, hd: int, fp8: bool = False) -> int:
+    """The K/V ring of attention_decode_tc.cu (TcSmem): rows padded to hd + 8 bf16, or (fp8) unpadded rows of hd
+    e4m3 bytes (read and converted in registers)."""
     if fp8:
-        return stages * 2 * keys * hd
-    return stages * 2 * keys * (hd + 8) * 2
+        return stages * 2 * TC_TILE * hd
+    return stages * 2 * TC_TILE * (hd + 8) * 2
 
 
 def few_seq_smem(stages: int, hd: int, block_ids: int, fp8: bool = False) -> int:
@@ -128,14 +126,13 @@ def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, 
     """The batched decode kernel over every seq row of the op: splits so the bucket fills the SMs."""
     seqs, nkv, hd = op.num_seqs, m["num_kv_heads"], m["head_dim"]
     g = m["num_heads"] // nkv
-    keys = BATCHED_ATTN_F8KV_KEYS if scales else BATCHED_ATTN_TILE
-    splits = max(1, min(-(-max_seq_len // keys), -(-BATCHED_ATTN_BLOCKS // (seqs * nkv))))
+    splits = max(1, min(-(-max_seq_len // BATCHED_ATTN_TILE), -(-BATCHED_ATTN_BLOCKS // (seqs * nkv))))
     if scales and BATCHED_ATTN_KERNEL != "tc":
         raise KernelBuildError("FP8 KV cache: batched decode attention is built only as the tc kernel")
     if BATCHED_ATTN_KERNEL == "tc":
         stages = BATCHED_ATTN_F8KV_STAGES if scales else BATCHED_ATTN_STAGES
-        smem = tc_ring_smem(stages, hd, bool(scales), keys)
-        name = f"attn_decode_tc{kv_suffix(scales)}{'_k128' if keys == 128 else ''}_s{stages}_hd{hd}"
+        smem = tc_ring_smem(stages, hd, bool(scales))
+        name = f"attn_decode_tc{kv_suffix(scales)}_s{stages}_hd{hd}"
     else:
         smem = BATCHED_ATTN_STAGES * 2 * BATCHED_ATTN_TILE * hd * 2
         name = f"attn_decode_b_t{BATCHED_ATTN_TILE}s{BATCHED_ATTN_STAGES}_hd{hd}_g{4 if g <= 4 else 8}"

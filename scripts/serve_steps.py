@@ -3,7 +3,7 @@
 in the core (xserv_aot.bench.step_timer), loaded by the serving benchmark's client (c256 by default), and the CPU
 time of the API process (per thread), the engine core and the client over the run.
 
-  python3 scripts/serve_steps.py PLAN --out DIR [--prefill-chunk 2048] [--no-overlap] [--coalesce]
+  python3 scripts/serve_steps.py PLAN --out DIR [--prefill-chunk 2048] [--no-overlap] [--no-coalesce]
   python3 scripts/serve_steps.py --emulate TOKENIZER_DIR --out DIR      (CPU: tiny plan, EmulatedDevice 12 ms steps)
 
 --prefill-chunk N: the scheduler's largest prompt chunk (a step without decodes) is N instead of the plan's largest
@@ -43,7 +43,7 @@ def _serve(plan_dir: str, backend: str, port: int, wrapper, engine_kwargs: dict,
     from xserv_aot.server.run import run_server
     engine = build_engine(plan_dir, backend=backend, max_waiting=4096, engine_process=True,
                           runner_wrapper=wrapper, engine_kwargs=engine_kwargs,
-                          **({"coalesce_outputs": True} if coalesce else {}))
+                          coalesce_outputs=coalesce)
     run_server(engine, port=port, log_level="warning", max_in_flight=4096, shutdown_grace=1.0)
 
 
@@ -91,8 +91,8 @@ def main() -> int:
     p.add_argument("--decode-ms", type=float, default=12.0, help="--emulate: device time of a decode step")
     p.add_argument("--prefill-chunk", type=int)
     p.add_argument("--no-overlap", action="store_true")
-    p.add_argument("--coalesce", action="store_true", help="EngineCoreClient coalesce_outputs (a stream that fell "
-                   "behind gets its queued outputs as one chunk)")
+    p.add_argument("--no-coalesce", action="store_true", help="EngineCoreClient coalesce_outputs off (on: a stream "
+                   "that fell behind gets its queued outputs as one chunk)")
     p.add_argument("--clients", type=int, default=256)
     p.add_argument("--num-prompts", type=int, default=512)
     p.add_argument("--input-len", type=int, default=100)
@@ -122,7 +122,7 @@ def main() -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = multiprocessing.get_context("spawn").Process(
-        target=_serve, args=(str(plan_dir), backend, port, wrapper, engine_kwargs, a.coalesce), daemon=False)
+        target=_serve, args=(str(plan_dir), backend, port, wrapper, engine_kwargs, not a.no_coalesce), daemon=False)
     server.start()
     url = f"http://127.0.0.1:{port}"
     try:
@@ -148,7 +148,7 @@ def main() -> int:
     np.save(a.out / "steps.npy", rows)
     busy = {k: (cpu1[k] - cpu0.get(k, 0.0)) / wall for k in cpu1}
     report = {"plan": str(plan_dir), "emulated_decode_ms": a.decode_ms if a.emulate else None,
-              "overlap": not a.no_overlap, "coalesce": a.coalesce, "prefill_chunk": a.prefill_chunk or build.prefill_chunk,
+              "overlap": not a.no_overlap, "coalesce": not a.no_coalesce, "prefill_chunk": a.prefill_chunk or build.prefill_chunk,
               "client_rc": rc, "client_wall_s": wall,
               "cpu_busy": {"client": (kids1.ru_utime + kids1.ru_stime - kids0.ru_utime - kids0.ru_stime) / wall,
                            "threads": dict(sorted(busy.items(), key=lambda kv: -kv[1])[:8]),

@@ -279,6 +279,8 @@ W8A8_CASES = [  # rows, N, K, out dtype, bias
     (256, 6144, 4096, "bfloat16", True),
     (300, 1000, 576, "float32", True),       # M, N, K tails (K not a multiple of the 128 tile)
     (1024, 4096, 12288, "bfloat16", False),
+    (128, 4096, 12288, "bfloat16", True),    # the 64 x 128 ping-pong tiles (cutlass_build.fp8_config), long K
+    (200, 1000, 576, "bfloat16", True),      # ... with M, N, K tails
 ]
 
 

@@ -94,7 +94,7 @@ def test_fp8_entry_table_and_host_side_validation(built):
     assert cb.library_fp8_config_names(out / info["file"]) == list(cb.FP8_CONFIGS)
     for i, name in enumerate(cb.FP8_CONFIGS):
         assert so.xserv_gemm_fp8_config_out_bytes(i) == (4 if "f32out" in name else 2)
-    assert set(cb.FP8_CONFIG.values()) == set(range(len(cb.FP8_CONFIGS)))
+    assert set(cb.FP8_CONFIG.values()) | set(cb.FP8_PINGPONG.values()) == set(range(len(cb.FP8_CONFIGS)))
     so.xserv_gemm_fp8.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
     call = lambda cfg, a=256, m=16, n=64, k=64, sa=512: so.xserv_gemm_fp8(cfg, a, sa, 256, 512, 256, None, m, n, k,
                                                                           None)
@@ -160,3 +160,14 @@ def test_choose_gemm_config_rejects_bad_shapes():
             cb.choose_gemm_config(m, n, k)
     with pytest.raises(cb.GemmBuildError):
         cb.choose_gemm_config(4, 64, 64, out_dtype="float16")
+
+
+@pytest.mark.parametrize("quant", ["fp8_channel", "fp8_block128"])
+def test_fp8_config_takes_pingpong_tiles_only_where_128_tiles_leave_sms_idle(quant):
+    scheme = quant.removeprefix("fp8_")
+    name = lambda *a: cb.FP8_CONFIGS[cb.fp8_config(quant, *a)]
+    assert name("bfloat16", 256, 4096) == f"sm90_fp8_{scheme}_64x128x128_pingpong"      # 64 tiles of 128 x 128
+    assert name("bfloat16", 256, 6144) == f"sm90_fp8_{scheme}_64x128x128_pingpong"      # 96
+    assert name("bfloat16", 256, 24576) == f"sm90_fp8_{scheme}_128x128x128_coop"        # 384: three waves
+    assert name("bfloat16", 2048, 4096) == f"sm90_fp8_{scheme}_128x128x128_coop"
+    assert name("float32", 256, 4096) == f"sm90_fp8_{scheme}_f32out_128x128x128_coop"   # no f32 ping-pong built

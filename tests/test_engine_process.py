@@ -248,10 +248,10 @@ def gather_started(engine, rid, ids, params):
 
 def test_coalesced_outputs_of_a_stream_read_late_come_as_one_and_equal_the_plain_stream(plan):
     p = SamplingParams(max_tokens=24, **GREEDY)
-    plain = build_engine(plan, backend="cpu", engine_process=True)
+    plain = build_engine(plan, backend="cpu", engine_process=True, coalesce_outputs=False)
     ids = plain.tokenizer.encode("lantern orbit signal")
     want = merged(gather_started(plain, "p", ids, p))
-    remote = build_engine(plan, backend="cpu", engine_process=True, coalesce_outputs=True)
+    remote = build_engine(plan, backend="cpu", engine_process=True)      # coalesce_outputs: on by default
     remote.start()
 
     async def read_late():

@@ -219,8 +219,10 @@ def serve(plan_dir: Path = typer.Argument(..., metavar="PLAN"),
                                                    "--no-metrics-require-key opens it, as vLLM's is"),
           engine_process: bool = typer.Option(True, help="run the scheduler and runner in their own process "
                                               "(--no-engine-process: an engine thread in the server process)"),
-          coalesce_stream_outputs: bool = typer.Option(False, help="a stream that fell behind the engine gets the "
-                                                       "tokens queued meanwhile as one chunk (engine process only)")):
+          coalesce_stream_outputs: Optional[bool] = typer.Option(
+              None, "--coalesce-stream-outputs/--no-coalesce-stream-outputs",
+              help="a stream that fell behind the engine gets the tokens queued meanwhile as one chunk (engine "
+                   "process only; default: on with it)")):
     """Serve PLAN with an OpenAI-compatible HTTP API."""
     from xserv_aot.serve import launch
 

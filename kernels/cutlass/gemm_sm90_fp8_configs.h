@@ -1,5 +1,7 @@
 // The FP8 (W8A8) configs of libxserv_gemm.so; index = the `config` argument of xserv_gemm_fp8.
-// X(index, name, scheme, tile_m, tile_n, tile_k, output element)
+// X(index, name, scheme, tile_m, tile_n, tile_k, output element); tile_m 128: cooperative (two consumer
+// warpgroups on one tile), tile_m 64: ping-pong (the two consumer warpgroups on two tiles: twice the tiles at
+// decode-batch rows, where 128 x 128 tiles leave SMs idle).
 // scheme Channel: D = acc * sx[m] * sw[n] (+ bias[n]), sx [M] (one K group), sw [N] (the epilogue applies both).
 // scheme Block128: sx [M, ceil(K/128)], sw [ceil(N/128), ceil(K/128)], both K-major; the mainloop scales each
 // 128-k partial sum (CUTLASS's blockwise-scaled FP8 mainloop), the epilogue adds the bias.
@@ -9,9 +11,11 @@
   X(0, "sm90_fp8_channel_128x128x128_coop", Channel, 128, 128, 128, cutlass::bfloat16_t)  \
   X(1, "sm90_fp8_channel_f32out_128x128x128_coop", Channel, 128, 128, 128, float)         \
   X(2, "sm90_fp8_block128_128x128x128_coop", Block128, 128, 128, 128, cutlass::bfloat16_t) \
-  X(3, "sm90_fp8_block128_f32out_128x128x128_coop", Block128, 128, 128, 128, float)
+  X(3, "sm90_fp8_block128_f32out_128x128x128_coop", Block128, 128, 128, 128, float)          \
+  X(4, "sm90_fp8_channel_64x128x128_pingpong", Channel, 64, 128, 128, cutlass::bfloat16_t)   \
+  X(5, "sm90_fp8_block128_64x128x128_pingpong", Block128, 64, 128, 128, cutlass::bfloat16_t)
 
-#define XSERV_FP8_NUM_CONFIGS 4
+#define XSERV_FP8_NUM_CONFIGS 6
 
 #define XSERV_FP8_CAT_(a, b) a##b
 #define XSERV_FP8_CAT(a, b) XSERV_FP8_CAT_(a, b)

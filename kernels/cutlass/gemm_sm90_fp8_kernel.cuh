@@ -45,6 +45,7 @@ using ChannelScaled = fusion::Sm90EVT<
 template <class Scheme, int TM, int TN, int TK, class ElementD>
 struct GemmSm90Fp8 {
   static constexpr bool kBlock = std::is_same_v<Scheme, Block128>;
+  static constexpr bool kPingpong = TM == 64;
   using ElementA = cutlass::float_e4m3_t;
   using ElementB = cutlass::float_e4m3_t;
   using ElementAcc = float;
@@ -67,12 +68,18 @@ struct GemmSm90Fp8 {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, ElementAcc,
       void, LayoutD, kAlignD, ElementD, LayoutD, kAlignD,
-      cutlass::epilogue::TmaWarpSpecializedCooperative, Fusion>::CollectiveOp;
+      std::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
+                         cutlass::epilogue::TmaWarpSpecializedCooperative>,
+      Fusion>::CollectiveOp;
 
   using StrideArgA = std::conditional_t<kBlock, cute::tuple<LayoutA, LayoutSFA>, LayoutA>;
   using StrideArgB = std::conditional_t<kBlock, cute::tuple<LayoutB, LayoutSFB>, LayoutB>;
-  using MainloopSchedule = std::conditional_t<kBlock, cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise,
-                                              cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+  using MainloopSchedule = std::conditional_t<
+      kPingpong,
+      std::conditional_t<kBlock, cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8Blockwise,
+                         cutlass::gemm::KernelTmaWarpSpecializedPingpong>,
+      std::conditional_t<kBlock, cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise,
+                         cutlass::gemm::KernelTmaWarpSpecializedCooperative>>;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, StrideArgA, kAlignAB,
       ElementB, StrideArgB, kAlignAB, ElementAcc, TileShape, ClusterShape,

@@ -1,12 +1,17 @@
 """One streaming request to an OpenAI-compatible server, timed: when it was sent, each chunk that carried text,
-when the stream ended, and the server's usage counts (stream_options.include_usage)."""
+when the stream ended, and the server's usage counts (stream_options.include_usage).
+
+The transport is aiohttp: at 15 - 20k streamed tokens a second one client process must keep up with the server
+(httpx's line iterator cost ~60 us a chunk and left the client a second behind the server at 256 streams on the
+H200: docs/benchmarks/2026-12-01-session8-h200.md)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from xserv_aot.bench.datasets import SampleRequest
 
@@ -57,20 +62,21 @@ def _error_text(status: int, raw: bytes) -> str:
     return " ".join(f"HTTP {status}: {msg}".split())[:300]
 
 
-async def send(client: httpx.AsyncClient, url: str, body: dict, req: SampleRequest, headers: dict) -> RequestResult:
+async def send(session: aiohttp.ClientSession, url: str, body: dict, req: SampleRequest, headers: dict
+               ) -> RequestResult:
     res = RequestResult(prompt_len=req.prompt_len, output_len=req.expected_output_len)
     parts: list[str] = []
     res.start = last = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as r:
-            if r.status_code != 200:
-                res.error = _error_text(r.status_code, await r.aread())
+        async with session.post(url, json=body, headers=headers) as r:
+            if r.status != 200:
+                res.error = _error_text(r.status, await r.read())
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
+            async for raw in r.content:                       # one SSE line (the reader splits on b"\n")
+                if not raw.startswith(b"data:"):
                     continue                                  # blank separators, ": keep-alive" comments
-                data = line[5:].strip()
-                if data == "[DONE]":
+                data = raw[5:].strip()
+                if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -93,6 +99,6 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, req: SampleReque
         res.success = bool(parts)
         if not res.success:
             res.error = "the stream ended without any text"
-    except (httpx.HTTPError, ValueError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         res.error = " ".join(f"{type(e).__name__}: {e}".split())[:300]
     return res

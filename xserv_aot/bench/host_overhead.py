@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 import numpy as np
 
@@ -113,17 +114,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _admitted(client: httpx.AsyncClient, url: str) -> int:
+async def _admitted(client: aiohttp.ClientSession, url: str) -> int:
     """Requests the engine holds (running + waiting, including those not yet picked up), from /metrics."""
-    lines = (await client.get(url + "/metrics")).text.splitlines()
+    async with client.get(url + "/metrics") as r:
+        lines = (await r.text()).splitlines()
     return sum(int(float(line.split()[-1])) for line in lines
                if line.startswith(("xserv_num_requests_running ", "xserv_num_requests_waiting ")))
 
 
 async def _clients(url: str, batch: int, max_tokens: int, prompt_len: int, log: StepLog) -> list:
     """All streams start; the held runner is released once the engine holds every request."""
-    limits = httpx.Limits(max_connections=batch + 1, max_keepalive_connections=batch + 1)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=batch + 1)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600.0, connect=30.0)
+                                     ) as client:
         reqs = [SampleRequest(prompt(prompt_len, k), prompt_len, max_tokens) for k in range(batch)]
         bodies = [request_body("/v1/completions", "tiny", r, ignore_eos=True, temperature=0.0) for r in reqs]
         tasks = [asyncio.create_task(send(client, url + "/v1/completions", b, r, {})) for b, r in zip(bodies, reqs)]

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 import numpy as np
 
@@ -99,8 +100,9 @@ async def run_requests(a, requests: list[datasets.SampleRequest], hdrs: dict, pr
     url = a.base_url + a.endpoint
     limit = a.max_concurrency or len(requests)
     sem = asyncio.Semaphore(limit)
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600.0, connect=30.0), limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=limit, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=6 * 3600.0, connect=30.0)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=1 << 20) as client:
         async def one(req):
             async with sem:
                 body = request_body(a.endpoint, a.model, req, ignore_eos=a.ignore_eos, temperature=a.temperature)

@@ -90,7 +90,7 @@ def plan_w8a8(op: Linear, out_dtype: str, cutlass: dict | None, wgmma: bool | st
     kernels where the build says so (wgmma "tma": the TMA-fed one for 33..W8A8_TMA_MAX_ROWS rows, up to 256 rows
     in plans without the CUTLASS library, K >= 128, else the cp.async one; True: the cp.async one for 33-256 rows),
     else CUTLASS, scales in its mainloop (block128) or epilogue (channel)."""
-    from xserv_aot.plan.cutlass_build import FP8_CONFIG, FP8_CONFIGS
+    from xserv_aot.plan.cutlass_build import FP8_CONFIGS, fp8_config
     tma = wgmma == "tma" and op.k >= 128
     if op.rows <= (W8A8_SKINNY_MAX_ROWS if cutlass is not None or wgmma else W8A8_SKINNY_FALLBACK_ROWS):
         return plan_w8a8_skinny(op, out_dtype)
@@ -104,7 +104,7 @@ def plan_w8a8(op: Linear, out_dtype: str, cutlass: dict | None, wgmma: bool | st
                                f"buckets have at most 64 rows)")
     if op.n % 8:
         raise KernelBuildError(f"FP8 linear {op.weight}: n={op.n} (the W8A8 GEMM needs n % 8 == 0)")
-    cfg = FP8_CONFIG[(op.quant, out_dtype)]
+    cfg = fp8_config(op.quant, out_dtype, op.rows, op.n)
     cutlass.setdefault("used", {})[f"fp8:{op.rows}x{op.n}x{op.k}"] = FP8_CONFIGS[cfg]
     call = library_call("gemm_library", FP8_ENTRY,
                         [i32(cfg), ptr(op.inp), ptr(op.inp_scale), ptr(op.weight), ptr(op.weight_scale), ptr(op.out),

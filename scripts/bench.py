@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from xserv_aot.plan.roofline import bucket_costs, ceilings_for, floor_s  # noqa: E402
+from xserv_aot.plan.roofline import bucket_costs, ceilings_for, costs_floor_s  # noqa: E402
 from xserv_aot.runtime.batch import BatchDescription  # noqa: E402
 from xserv_aot.runtime.cuda.profile import decode_batch, format_table, profile_runner  # noqa: E402
 
@@ -62,8 +62,7 @@ def decode_bytes(plan, bucket: str, context: int) -> int:
 
 def step_floor_ms(plan, bk, context: int) -> float:
     """The bucket's floor at `context` (plan/roofline.py): bytes over the read ceiling or FLOPs over the peak."""
-    costs = bucket_costs(plan, bk, context)
-    return floor_s(sum(c[2] for c in costs), sum(c[3] for c in costs), ceilings_for(plan.build.target))[0] * 1e3
+    return costs_floor_s(bucket_costs(plan, bk, context), ceilings_for(plan.build.target))[0] * 1e3
 
 
 def ttft(runner, prompt_len: int, reps: int = 3) -> float:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from xserv_aot import fp8
-from xserv_aot.plan.cutlass_build import FP8_CONFIG
+from xserv_aot.plan.cutlass_build import fp8_config
 from xserv_aot.plan.kernel_build import GEMV_MAX_ROWS
 from xserv_aot.plan.fp8_build import SCHEME_TAG, plan_fp8_linear, plan_quantize
 from xserv_aot.plan.op_records import Linear, QuantizeFp8
@@ -142,7 +142,7 @@ def bench_w8a8(args, kern, time_graph, stream, rel_err) -> None:
                 qrec = plan_quantize(QuantizeFp8(rows=M, inp="x", out="xq", scale="xs", k=K, group=group)).launch[0]
                 (ql,) = launches(kern, qrec, [[("ptr", x.data_ptr()), ("ptr", xq.data_ptr()), ("ptr", xs.data_ptr()),
                                                ("i32", M), ("i32", K), ("i32", group)]])
-                cfg = FP8_CONFIG[(scheme, "bfloat16")]
+                cfg = fp8_config(scheme, "bfloat16", M, N)   # the config plans take
 
                 def gemm(j):
                     st = so.xserv_gemm_fp8(cfg, xq.data_ptr(), xs.data_ptr(), w.data_ptr(), s.data_ptr(), y.data_ptr(),
@@ -215,7 +215,7 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
                                               for w, s in ws])
                     bodies.append((f"W8A16 {rec.fn}", ("old",), lambda j, ls=ls: ls[j](stream())))
                 if so is not None and M > W8A8_SKINNY_MAX_ROWS:
-                    cfg = FP8_CONFIG[(scheme, "bfloat16")]
+                    cfg = fp8_config(scheme, "bfloat16", M, N)   # the config plans take
 
                     def gemm(j, cfg=cfg, ws=ws):
                         w, s = ws[j]

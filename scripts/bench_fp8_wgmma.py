@@ -19,7 +19,7 @@ import torch
 
 from scripts.bench_fp8 import BATCHED_SHAPES, FP8_SHAPES, launches, weights
 from xserv_aot import fp8
-from xserv_aot.plan.cutlass_build import FP8_CONFIG, library_config_names
+from xserv_aot.plan.cutlass_build import fp8_config, library_config_names
 from xserv_aot.plan.fp8_build import (W8A8_TMA_CLUSTERS, W8A8_WGMMA_CLUSTERS, W8A8_WGMMA_MBAR, W8A8_WGMMA_TILES,
                                       W8A8_WGMMA_WIDE, plan_quantize, plan_w8a8_tma, plan_w8a8_wgmma)
 from xserv_aot.plan.linear_plan import plan_linear
@@ -130,7 +130,7 @@ def bench_fp8_wgmma(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> Non
                         keep.append((ws, x, xq, xs))
                         extras.append((scheme, name, M, rec.fn, body, copies, N * K, ref, y))
                 if so is not None:
-                    cfg = FP8_CONFIG[(scheme, "bfloat16")]
+                    cfg = fp8_config(scheme, "bfloat16", M, N)   # the config plans take
                     so.xserv_gemm_fp8.restype = ctypes.c_int
 
                     def gemm(j, cfg=cfg, ws=ws, xq=xq, xs=xs, y=y, M=M, N=N, K=K):

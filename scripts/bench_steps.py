@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decode steps of several plans in one run (device machine, --dummy-weights plans): for each plan and each
 batch x context, the host-timed step (runner.run: staging, H2D, graph replay, D2H, sync; median), the graph replay
-alone (profile_runner), tok/s and the plan's floor (bytes over 4.6 TB/s or FLOPs over 790 TFLOP/s).
+alone (profile_runner), tok/s and the plan's floor (bytes over 4.6 TB/s or FLOPs over 790 TFLOP/s, e4m3 GEMMs 1580).
 
   python3 scripts/bench_steps.py PLAN [PLAN ...] [--steps 1x128,1x4096,64x1024,256x1024] [--reps 50]
 """

@@ -587,9 +587,8 @@ def test_fp8_plan_with_the_gemm_library_routes_w8a8(tmp_path):
             assert q.op == "quantize_fp8" and q.cuda.kernel == "quantize_fp8" and lin.inp == q.out == "xq"
             (rec,) = lin.cuda.launch
             assert rec.fn == fp8_build.FP8_ENTRY and rec.args[0] == ("i32", lin.cuda.gemm_config)
-    from xserv_aot.plan.cutlass_build import FP8_CONFIG, FP8_CONFIGS
-    blk = FP8_CONFIGS[FP8_CONFIG[(fp8.BLOCK128, "bfloat16")]]
-    assert plan.kernels["gemm_configs"]["fp8:128x1536x256"] == blk          # gate_up [2 x 768, 256]: block128
+    # gate_up [2 x 768, 256], block128: 12 tiles of 128 x 128 for 132 SMs, so the 64 x 128 ping-pong tile
+    assert plan.kernels["gemm_configs"]["fp8:128x1536x256"] == "sm90_fp8_block128_64x128x128_pingpong"
 
 
 def test_roofline_counts_fp8_weights_at_one_byte(tmp_path):

@@ -59,6 +59,33 @@ def test_floor_takes_the_binding_ceiling():
     assert rl.ceilings_for("cpu") is c
 
 
+def test_e4m3_gemms_count_at_their_own_peak():
+    from xserv_aot.plan.op_records import Linear
+    c = rl.TARGETS["sm_90a"]
+    w8a8 = Linear(rows=256, n=4096, k=4096, inp="xq", inp_scale="xs", weight="w", bias=None, out="o",
+                  weight_scale="w.scale", quant="fp8_block128")
+    w8a16 = Linear(rows=256, n=4096, k=4096, inp="h", weight="w", bias=None, out="o", weight_scale="w.scale",
+                   quant="fp8_block128")
+    bf16 = Linear(rows=256, n=4096, k=4096, inp="h", weight="w", bias=None, out="o")
+    flops = 2 * 256 * 4096 * 4096
+    assert [rl.fp8_mma(op) for op in (w8a8, w8a16, bf16)] == [True, False, False]
+    assert rl.compute_s(w8a8, flops, c) == pytest.approx(flops / 1580e12)
+    assert rl.compute_s(w8a16, flops, c) == rl.compute_s(bf16, flops, c) == pytest.approx(flops / 790e12)
+    costs = [(0, w8a8, 1000, 1580e9), (1, bf16, 1000, 790e9)]          # 1 ms + 1 ms of FLOPs, bytes negligible
+    assert rl.costs_floor_s(costs, c) == (pytest.approx(2e-3), "compute")
+
+
+def test_profile_table_rates_e4m3_gemms_against_their_peak():
+    from xserv_aot.runtime.cuda.profile import format_table
+    prof = {"bucket": "decode_256", "context": 1024, "graph_ms": 2.0, "ops_ms": 2.0, "timing": "graph",
+            "ops": [(0, "linear", "cutlass_fp8", 1.0, 10 ** 6, 790e9), (1, "linear", "cutlass", 1.0, 10 ** 6, 395e9)],
+            "fp8_ops": [0]}
+    rows = {line.split()[0]: line.split() for line in format_table(prof).splitlines()[2:]}
+    assert rows["linear:cutlass_fp8"][-2:] == ["compute", "50.0%"]    # 790 TFLOP/s of e4m3's 1580
+    assert rows["linear:cutlass"][-2:] == ["compute", "50.0%"]        # 395 of bf16's 790
+    assert "e4m3 1580" in format_table(prof).splitlines()[0]
+
+
 def test_prefill_attention_flops_are_causal(gpu_plan):
     m = gpu_plan.model
     op = next(op for op in gpu_plan.buckets[-1].ops if op.op == "attention")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xserv_aot.plan.roofline import bucket_costs, ceilings_for, floor_s, launches
+from xserv_aot.plan.roofline import bucket_costs, ceilings_for, floor_s, fp8_mma, launches
 from xserv_aot.runtime.batch import BatchDescription
 from xserv_aot.runtime.ncu_report import TIMING, profiled_ops
 
@@ -104,35 +104,40 @@ def profile_runner(runner, bucket: str = "decode_1", context: int = 128, reps: i
         steps.append(dev.elapsed_ms(g0, g1))
     ops = [(i, op.op, op.cuda.kernel, times[i], nbytes, flops)
            for i, op, nbytes, flops in bucket_costs(plan, bk, context) if launches(op)]
+    fp8_ops = [i for i, op, _, _ in bucket_costs(plan, bk, context) if launches(op) and fp8_mma(op)]
     return {"bucket": bucket, "context": context, "ops": ops, "graph_ms": float(np.median(steps)),
-            "ops_ms": sum(t for _, _, _, t, _, _ in ops), "timing": timing}
+            "ops_ms": sum(t for _, _, _, t, _, _ in ops), "timing": timing, "fp8_ops": fp8_ops}
 
 
 def format_table(prof: dict, target: str = "sm_90a") -> str:
     """One row per op:kernel (ops that launch nothing have none): bytes, FLOPs, time, GB/s, TFLOP/s and the share
     of whichever ceiling binds that op."""
     c = ceilings_for(target)
+    fp8_ops = set(prof.get("fp8_ops", ()))
     agg: dict[str, list] = {}
-    for _, kind, kernel, ms, nbytes, flops in prof["ops"]:
-        a = agg.setdefault(f"{kind}:{kernel}", [0, 0.0, 0, 0])
+    for i, kind, kernel, ms, nbytes, flops in prof["ops"]:
+        a = agg.setdefault(f"{kind}:{kernel}", [0, 0.0, 0, 0, c.flops_per_s])
         a[0] += 1
         a[1] += ms
         a[2] += nbytes
         a[3] += flops
+        if i in fp8_ops:
+            a[4] = c.fp8_flops_per_s                 # e4m3 GEMMs: their own peak (a kernel runs one kind)
     total_bytes, total_flops = sum(a[2] for a in agg.values()), sum(a[3] for a in agg.values())
-    floor, bound = floor_s(total_bytes, total_flops, c)
+    floor, bound = floor_s(total_bytes, total_flops, c, sum(a[3] / a[4] for a in agg.values()))
+    peaks = f"{c.flops_per_s / 1e12:.0f} TFLOP/s" + (f", e4m3 {c.fp8_flops_per_s / 1e12:.0f}" if fp8_ops else "")
     lines = [f"bucket {prof['bucket']} context {prof['context']}: graph step {prof['graph_ms']:.3f} ms, "
              f"sum of ops {prof['ops_ms']:.3f} ms ({TIMING[prof['timing']]}), {total_bytes / 1e9:.3f} GB, "
              f"{total_flops / 1e9:.1f} GFLOP, "
              f"floor {floor * 1e3:.3f} ms ({bound}-bound at {c.read_bytes_per_s / 1e12:.1f} TB/s, "
-             f"{c.flops_per_s / 1e12:.0f} TFLOP/s; the graph reaches {floor * 1e3 / prof['graph_ms']:.0%} of it)",
+             f"{peaks}; the graph reaches {floor * 1e3 / prof['graph_ms']:.0%} of it)",
              f"{'op:kernel':44s} {'n':>4s} {'ms':>8s} {'share':>6s} {'MB':>9s} {'GFLOP':>8s} {'GB/s':>7s} "
              f"{'TFLOP/s':>8s} {'bound':>7s} {'of ceil':>7s}"]
-    for name, (n, ms, nbytes, flops) in sorted(agg.items(), key=lambda kv: -kv[1][1]):
+    for name, (n, ms, nbytes, flops, peak) in sorted(agg.items(), key=lambda kv: -kv[1][1]):
         s = ms * 1e-3
         gbs, tfs = (nbytes / s / 1e9, flops / s / 1e12) if s > 0 else (0.0, 0.0)
-        _, op_bound = floor_s(nbytes, flops, c)
-        frac = gbs * 1e9 / c.read_bytes_per_s if op_bound == "memory" else tfs * 1e12 / c.flops_per_s
+        _, op_bound = floor_s(nbytes, flops, c, flops / peak)
+        frac = gbs * 1e9 / c.read_bytes_per_s if op_bound == "memory" else tfs * 1e12 / peak
         lines.append(f"{name:44s} {n:4d} {ms:8.3f} {ms / prof['ops_ms']:6.1%} {nbytes / 1e6:9.2f} {flops / 1e9:8.2f} "
                      f"{gbs:7.0f} {tfs:8.2f} {op_bound:>7s} {frac:7.1%}")
     return "\n".join(lines)

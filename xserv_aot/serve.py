@@ -51,7 +51,7 @@ def launch(plan_dir: Path, *, host: str, port: int, api_key: str | None, max_wai
            metrics_require_key: bool = True, engine_process: bool = True, coalesce_outputs: bool | None = None) -> None:
     """Blocks until SIGTERM/SIGINT: then drains (shutdown_grace seconds for requests in flight) and returns.
     Raises EngineFailedError when the engine core process died (the server stopped; the CLI exits 1).
-    coalesce_outputs None: on with the engine process (a lagging stream's queued tokens go out as one chunk)."""
+    coalesce_outputs None: the engine process's default (EngineCoreClient: on)."""
     from xserv_aot.server.run import bind_socket, run_server
 
     if request_timeout is not None and not request_timeout > 0:
@@ -62,7 +62,6 @@ def launch(plan_dir: Path, *, host: str, port: int, api_key: str | None, max_wai
         raise UsageError(f"--max-waiting must be >= 1, got {max_waiting}")
     if coalesce_outputs and not engine_process:
         raise UsageError("--coalesce-stream-outputs needs the engine process (not --no-engine-process)")
-    coalesce_outputs = engine_process if coalesce_outputs is None else coalesce_outputs
     check_api_key(api_key)
     from xserv_aot.server.tools import PARSERS
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
@@ -72,7 +71,7 @@ def launch(plan_dir: Path, *, host: str, port: int, api_key: str | None, max_wai
     sock = bind_socket(host, port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        core = {"coalesce_outputs": coalesce_outputs} if engine_process else {}
+        core = {"coalesce_outputs": coalesce_outputs} if engine_process and coalesce_outputs is not None else {}
         engine = build_engine(plan_dir, backend=backend, max_waiting=max_waiting, model_name=model_name,
                               engine_process=engine_process, **core)
         engine.start()                             # startup errors end here, as one line

@@ -100,7 +100,7 @@ async def run_requests(a, requests: list[datasets.SampleRequest], hdrs: dict, pr
     url = a.base_url + a.endpoint
     limit = a.max_concurrency or len(requests)
     sem = asyncio.Semaphore(limit)
-    connector = aiohttp.TCPConnector(limit=limit, force_close=False)
+    connector = aiohttp.TCPConnector(limit=limit)
     timeout = aiohttp.ClientTimeout(total=6 * 3600.0, connect=30.0)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=1 << 20) as client:
         async def one(req):

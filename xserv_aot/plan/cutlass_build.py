@@ -63,14 +63,6 @@ FP8_CONFIGS = (
 FP8_CONFIG = {("fp8_channel", "bfloat16"): 0, ("fp8_channel", "float32"): 1, ("fp8_block128", "bfloat16"): 2,
               ("fp8_block128", "float32"): 3}
 FP8_PINGPONG = {"fp8_channel": 4, "fp8_block128": 5}    # 64 x 128 tiles, bf16 out
-
-
-def fp8_config(quant: str, out_dtype: str, rows: int, n: int) -> int:
-    """The W8A8 config of a linear: 64 x 128 ping-pong tiles where 128 x 128 tiles would leave SMs idle (decode
-    batches of 65 - 256 rows against n <= 8k), else the cooperative 128 x 128 one."""
-    if out_dtype == "bfloat16" and -(-rows // 128) * -(-n // 128) < NUM_SMS_H200:
-        return FP8_PINGPONG[quant]
-    return FP8_CONFIG[(quant, out_dtype)]
 # Swap-AB decode configs: activation rows on the tile's N side (width -> config index), per output dtype.
 SWAP_CONFIGS = {"bfloat16": {32: 4, 64: 5, 128: 6, 256: 7}, "float32": {64: 8, 128: 9, 256: 10}}
 NUM_SMS_H200 = 132
@@ -85,6 +77,14 @@ COMPILE_FLAGS = (
     "-DNDEBUG",
 )
 LINK_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-shared", "-cudart", "static", "-Xcompiler", "-fPIC")
+
+
+def fp8_config(quant: str, out_dtype: str, rows: int, n: int) -> int:
+    """The W8A8 config of a linear: 64 x 128 ping-pong tiles where 128 x 128 tiles would leave SMs idle (decode
+    batches of 65 - 256 rows against n <= 8k), else the cooperative 128 x 128 one."""
+    if out_dtype == "bfloat16" and -(-rows // 128) * -(-n // 128) < NUM_SMS_H200:
+        return FP8_PINGPONG[quant]
+    return FP8_CONFIG[(quant, out_dtype)]
 
 
 class GemmBuildError(XservError, ValueError):

@@ -167,7 +167,8 @@ def format_roofline(plan, context: int = 128) -> str:
     for bk in plan.buckets:
         costs = bucket_costs(plan, bk, context)
         nbytes, flops = sum(x[2] for x in costs), sum(x[3] for x in costs)
-        (t, bound), t_fl = costs_floor_s(costs, c), sum(compute_s(x[1], x[3], c) for x in costs)
+        t_fl = sum(compute_s(x[1], x[3], c) for x in costs)
+        t, bound = floor_s(nbytes, flops, c, t_fl)
         toks = bk.num_seqs if bk.kind == "decode" else bk.num_tokens
         lines.append(f"{bk.name:<14} {len(costs):>4} {nbytes / 1e9:>9.4f} {flops / 1e9:>10.2f} "
                      f"{nbytes / c.read_bytes_per_s * 1e3:>8.3f} {t_fl * 1e3:>8.3f} "

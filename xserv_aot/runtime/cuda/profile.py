@@ -102,9 +102,9 @@ def profile_runner(runner, bucket: str = "decode_1", context: int = 128, reps: i
                 runner.enqueue(bucket)
         dev.record(g1)
         steps.append(dev.elapsed_ms(g0, g1))
-    ops = [(i, op.op, op.cuda.kernel, times[i], nbytes, flops)
-           for i, op, nbytes, flops in bucket_costs(plan, bk, context) if launches(op)]
-    fp8_ops = [i for i, op, _, _ in bucket_costs(plan, bk, context) if launches(op) and fp8_mma(op)]
+    costs = [c for c in bucket_costs(plan, bk, context) if launches(c[1])]
+    ops = [(i, op.op, op.cuda.kernel, times[i], nbytes, flops) for i, op, nbytes, flops in costs]
+    fp8_ops = [i for i, op, _, _ in costs if fp8_mma(op)]
     return {"bucket": bucket, "context": context, "ops": ops, "graph_ms": float(np.median(steps)),
             "ops_ms": sum(t for _, _, _, t, _, _ in ops), "timing": timing, "fp8_ops": fp8_ops}
 

@@ -42,6 +42,32 @@ def weights(N: int, K: int, scheme: str, copies: int):
     return out, w0.float() * full
 
 
+class Fp8Gemm:
+    def __init__(self, lib: Path):
+        so = ctypes.CDLL(str(lib))
+        so.xserv_gemm_fp8_ex.restype = ctypes.c_int
+        so.xserv_gemm_fp8_ex.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 4 + \
+            [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        so.xserv_gemm_fp8_workspace_size.restype = ctypes.c_size_t
+        so.xserv_gemm_fp8_workspace_size.argtypes = [ctypes.c_int] * 6
+        so.xserv_gemm_fp8_config_name.restype = ctypes.c_char_p
+        so.xserv_gemm_fp8_config_out_bytes.restype = ctypes.c_int
+        self.so = so
+        self.names = [so.xserv_gemm_fp8_config_name(i).decode() for i in range(so.xserv_gemm_fp8_num_configs())]
+        self.out_bytes = [so.xserv_gemm_fp8_config_out_bytes(i) for i in range(len(self.names))]
+        self.ws = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+
+    def ws_size(self, cfg: int, M: int, N: int, K: int, splits: int = 0) -> int:
+        return self.so.xserv_gemm_fp8_workspace_size(cfg, M, N, K, splits, 132)
+
+    def __call__(self, cfg, splits, xq, xs, w, s, y, M, N, K, stream):
+        """xserv_gemm_fp8_ex (the plans' entry points): the splits of stream-K configs, a 64 MB workspace."""
+        st = self.so.xserv_gemm_fp8_ex(cfg, xq.data_ptr(), xs.data_ptr(), w.data_ptr(), s.data_ptr(), y.data_ptr(),
+                                       None, M, N, K, splits, self.ws.data_ptr(), self.ws.numel(), stream)
+        if st:
+            raise RuntimeError(f"{self.names[cfg]} splits {splits} M={M} N={N} K={K}: status {st}")
+
+
 def launches(kern, rec, arg_sets):
     src = ("gemm_skinny_w8a8.cu" if rec.fn.startswith("skinny_w8a8") else "gemm_w8a8_wgmma.cu"
            if rec.fn.startswith("w8a8_wgmma") else "gemm_w8a8_tma.cu" if rec.fn.startswith("w8a8_tma")
@@ -123,9 +149,7 @@ def bench_fp8(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
 
 
 def bench_w8a8(args, kern, time_graph, stream, rel_err) -> None:
-    so = ctypes.CDLL(str(Path(args.lib)))
-    so.xserv_gemm_fp8.restype = ctypes.c_int
-    so.xserv_gemm_fp8.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
+    so = Fp8Gemm(Path(args.lib))
     print(f"{'scheme':12} {'shape':8} {'rows':>5} {'part':22} {'ms':>8} {'TFLOP/s':>8} {'%1580':>6} {'err':>8}")
     for scheme in (fp8.CHANNEL, fp8.BLOCK128):
         for name, (N, K) in FP8_SHAPES.items():
@@ -142,13 +166,10 @@ def bench_w8a8(args, kern, time_graph, stream, rel_err) -> None:
                 qrec = plan_quantize(QuantizeFp8(rows=M, inp="x", out="xq", scale="xs", k=K, group=group)).launch[0]
                 (ql,) = launches(kern, qrec, [[("ptr", x.data_ptr()), ("ptr", xq.data_ptr()), ("ptr", xs.data_ptr()),
                                                ("i32", M), ("i32", K), ("i32", group)]])
-                cfg = fp8_config(scheme, "bfloat16", M, N)   # the config plans take
+                cfg, splits = fp8_config(scheme, "bfloat16", M, N, K)   # the config plans take
 
                 def gemm(j):
-                    st = so.xserv_gemm_fp8(cfg, xq.data_ptr(), xs.data_ptr(), w.data_ptr(), s.data_ptr(), y.data_ptr(),
-                                           None, M, N, K, stream())
-                    if st:
-                        raise RuntimeError(f"xserv_gemm_fp8 config {cfg} M={M} N={N} K={K}: status {st}")
+                    so(cfg, splits, xq, xs, w, s, y, M, N, K, stream())
                 y.fill_(float("nan"))
                 ql(stream())
                 gemm(0)
@@ -178,11 +199,7 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
                                           plan_w8a8_skinny)
     torch.zeros(1, device="cuda")
     kern = Kernels("gemv_fp8.cu", "gemm_skinny_fp8.cu", "gemm_skinny_w8a8.cu")
-    so = None
-    if args.lib:
-        so = ctypes.CDLL(str(Path(args.lib)))
-        so.xserv_gemm_fp8.restype = ctypes.c_int
-        so.xserv_gemm_fp8.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
+    so = Fp8Gemm(Path(args.lib)) if args.lib else None
     rows_list = [int(r) for r in args.rows.split(",")]
     schemes = [fp8.BLOCK128] + ([fp8.CHANNEL] if args.both_schemes else [])
     torch.manual_seed(0)
@@ -215,14 +232,11 @@ def bench_fp8_batched(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> N
                                               for w, s in ws])
                     bodies.append((f"W8A16 {rec.fn}", ("old",), lambda j, ls=ls: ls[j](stream())))
                 if so is not None and M > W8A8_SKINNY_MAX_ROWS:
-                    cfg = fp8_config(scheme, "bfloat16", M, N)   # the config plans take
+                    cfg, splits = fp8_config(scheme, "bfloat16", M, N, K)   # the config plans take
 
-                    def gemm(j, cfg=cfg, ws=ws):
+                    def gemm(j, cfg=cfg, splits=splits, ws=ws):
                         w, s = ws[j]
-                        st = so.xserv_gemm_fp8(cfg, xq.data_ptr(), xs.data_ptr(), w.data_ptr(), s.data_ptr(),
-                                               y.data_ptr(), None, M, N, K, stream())
-                        if st:
-                            raise RuntimeError(f"xserv_gemm_fp8 config {cfg} M={M} N={N} K={K}: status {st}")
+                        so(cfg, splits, xq, xs, w, s, y, M, N, K, stream())
                     kinds = ("old", "new") if M > W8A8_SKINNY_FALLBACK_ROWS else ("new",)
                     bodies.append(("quantize + CUTLASS W8A8", kinds, lambda j, g=gemm: (ql(stream()), g(j))))
                     bodies.append(("  gemm alone CUTLASS W8A8", (), gemm))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.bench_fp8 import BATCHED_SHAPES, FP8_SHAPES, launches, weights
+from scripts.bench_fp8 import BATCHED_SHAPES, FP8_SHAPES, Fp8Gemm, launches, weights
 from xserv_aot import fp8
 from xserv_aot.plan.cutlass_build import fp8_config, library_config_names
 from xserv_aot.plan.fp8_build import (W8A8_TMA_CLUSTERS, W8A8_WGMMA_CLUSTERS, W8A8_WGMMA_MBAR, W8A8_WGMMA_TILES,
@@ -54,6 +54,7 @@ def bench_fp8_wgmma(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> Non
     kern = Kernels("gemv_fp8.cu", "gemm_w8a8_wgmma.cu", "gemm_w8a8_tma.cu")
     sweep_cp_async = args.variants == "all"
     so = ctypes.CDLL(str(Path(args.lib))) if args.lib else None
+    fp8_gemm = Fp8Gemm(Path(args.lib)) if args.lib else None
     cutlass = {"path": Path(args.lib), "configs": library_config_names(Path(args.lib))} if args.lib else None
     rows_list = [int(r) for r in args.rows.split(",")]
     schemes = [fp8.BLOCK128] + ([fp8.CHANNEL] if args.both_schemes else [])
@@ -130,17 +131,11 @@ def bench_fp8_wgmma(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> Non
                         keep.append((ws, x, xq, xs))
                         extras.append((scheme, name, M, rec.fn, body, copies, N * K, ref, y))
                 if so is not None:
-                    cfg = fp8_config(scheme, "bfloat16", M, N)   # the config plans take
-                    so.xserv_gemm_fp8.restype = ctypes.c_int
+                    cfg, splits = fp8_config(scheme, "bfloat16", M, N, K)   # the config plans take
 
-                    def gemm(j, cfg=cfg, ws=ws, xq=xq, xs=xs, y=y, M=M, N=N, K=K):
+                    def gemm(j, cfg=cfg, splits=splits, ws=ws, xq=xq, xs=xs, y=y, M=M, N=N, K=K):
                         w, s = ws[j]
-                        st = so.xserv_gemm_fp8(cfg, ctypes.c_void_p(xq.data_ptr()), ctypes.c_void_p(xs.data_ptr()),
-                                               ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(s.data_ptr()),
-                                               ctypes.c_void_p(y.data_ptr()), None, M, N, K,
-                                               ctypes.c_void_p(stream()))
-                        if st:
-                            raise RuntimeError(f"xserv_gemm_fp8 config {cfg} M={M} N={N} K={K}: status {st}")
+                        fp8_gemm(cfg, splits, xq, xs, w, s, y, M, N, K, stream())
                     run(scheme, name, M, "CUTLASS W8A8", gemm, copies, N * K, ref, y, "cutlass")
             if so is not None and scheme == schemes[0]:
                 bench_bf16(name, N, K, rows_list, cutlass, so, run, stream, l2_bytes)

@@ -10,6 +10,8 @@
   python3 scripts/bench_kernels.py fp8-wgmma [--lib PATH/libxserv_gemm.so] [--rows 64,128,256] [--both-schemes]
       (the W8A8 wgmma GEMMs, cp.async and TMA, vs CUTLASS W8A8 and the bf16 plan's kernels,
       scripts/bench_fp8_wgmma.py; --variants all: the cp.async kernel's cluster / mb / n256 sweep too)
+  python3 scripts/bench_kernels.py fp8-configs --lib PATH/libxserv_gemm.so [--rows 64,128,256,2048]
+      (every W8A8 CUTLASS config on every linear, scripts/bench_fp8_configs.py)
   python3 scripts/bench_kernels.py attn-few --batches 1,2 --contexts 128,512,4096
   python3 scripts/bench_kernels.py prefill-gemm --lib PATH/libxserv_gemm.so [--rows 2048,4096,8192]
   python3 scripts/bench_kernels.py prefill-elementwise [--rows 2048,4096,8192] [--variants rows_r,u3]
@@ -349,7 +351,7 @@ def bench_prefill(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=["gemm", "attn", "attn-few", "prefill", "fp8", "fp8-batched", "fp8-wgmma",
-                                     "prefill-gemm", "prefill-elementwise", "kv-fp8"])
+                                     "fp8-configs", "prefill-gemm", "prefill-elementwise", "kv-fp8"])
     ap.add_argument("--lib")
     ap.add_argument("--rows", default=None, help="gemm: 16,32,64,128,256; fp8: 1,2,16,64; "
                     "prefill-gemm, prefill-elementwise: 2048,4096,8192")
@@ -361,7 +363,8 @@ def main() -> None:
                     "prefill-elementwise: label substrings of the variants to time (and the plan's); fp8-wgmma: "
                     "all (also sweep the cp.async kernel's variants)")
     args = ap.parse_args()
-    args.rows = args.rows or {"fp8": "1,2,16,64", "fp8-wgmma": "64,128,256", "prefill-gemm": "2048,4096,8192",
+    args.rows = args.rows or {"fp8": "1,2,16,64", "fp8-wgmma": "64,128,256", "fp8-configs": "64,128,256,2048",
+                               "prefill-gemm": "2048,4096,8192",
                                "prefill-elementwise": "2048,4096,8192"}.get(args.what, "16,32,64,128,256")
     torch.cuda.init()
     if args.what == "prefill-gemm":
@@ -376,6 +379,9 @@ def main() -> None:
     if args.what == "kv-fp8":
         from bench_kv_fp8 import bench_kv_fp8
         return bench_kv_fp8(args)
+    if args.what == "fp8-configs":
+        from bench_fp8_configs import bench_fp8_configs
+        return bench_fp8_configs(args, time_graph, stream, rel_err, L2_BYTES)
     {"gemm": bench_gemm, "attn": bench_attn, "prefill": bench_prefill, "fp8": bench_fp8,
      "fp8-batched": bench_fp8_batched, "fp8-wgmma": bench_fp8_wgmma}[args.what](args)
 

@@ -237,8 +237,9 @@ def gemm(pytestconfig):
     return g
 
 
-def w8a8(lib, gemm, rng, scheme, M, N, K, out_dtype, bias):
-    """quantize_fp8 + the W8A8 GEMM as a plan runs them; returns (out, xq, xs, q, s, b, x, both choices, buffers)."""
+def w8a8(lib, gemm, rng, scheme, M, N, K, out_dtype, bias, config=None):
+    """quantize_fp8 + the W8A8 GEMM as a plan runs them (config: force this (FP8 config, splits), its workspace the
+    arena's gemm_ws); returns (buffers, calls, (x, q, s, b))."""
     q, s = make_weight(rng, N, K, scheme)
     x = bf(rng.standard_normal((M, K), dtype=np.float32))
     b = bf(rng.standard_normal(N)) if bias else None
@@ -246,13 +247,24 @@ def w8a8(lib, gemm, rng, scheme, M, N, K, out_dtype, bias):
     qop = QuantizeFp8(rows=M, inp="x", out="xq", scale="xs", k=K, group=group)
     op = Linear(rows=M, n=N, k=K, inp="xq", inp_scale="xs", weight="w", bias="b" if bias else None, out="out",
                 weight_scale="w.scale", quant=scheme)
-    cutlass = {}
-    choice = plan_linear(op, out_dtype, None, cutlass, decode=False)
+    cutlass = {"path": gemm.path}
+    if config is None:
+        choice = plan_linear(op, out_dtype, None, cutlass, decode=False)
+    else:
+        from xserv_aot.plan import cutlass_build
+        real, cutlass_build.fp8_config = cutlass_build.fp8_config, lambda *a: config
+        try:
+            choice = plan_linear(op, out_dtype, None, cutlass, decode=False)
+        finally:
+            cutlass_build.fp8_config = real
+        assert (choice.gemm_config, choice.splits or 0) == config
     assert choice.kernel == "cutlass_fp8"
     bufs = {"x": lib.to_device(x, "bfloat16"), "w": to_dev_fp8(lib, q), "w.scale": lib.to_device(s),
             "b": lib.to_device(b, "bfloat16") if bias else None,
             "xq": lib.empty((M, K), "float8_e4m3fn"), "xs": lib.empty((M, fp8.groups(K, group)), "float32"),
             "out": lib.empty((M, N), out_dtype)}
+    if cutlass.get("workspace"):
+        bufs["gemm_ws"] = lib.empty((cutlass["workspace"],), "uint8")
     calls = launcher(lib, gemm, [fp8_build.plan_quantize(qop), choice], bufs)
     for c in calls:
         c(lib.dev.stream)
@@ -290,6 +302,37 @@ W8A8_CASES = [  # rows, N, K, out dtype, bias
 def test_w8a8_linear(lib, gemm, rng, scheme, M, N, K, out_dtype, bias):
     bufs, _, (x, q, s, b) = w8a8(lib, gemm, rng, scheme, M, N, K, out_dtype, bias)
     check_w8a8(bufs, x, q, s, b, scheme, out_dtype)
+
+
+def bf16_configs(scheme):
+    """(config, splits) of every bf16-output FP8 config of the scheme: the stream-K ones at stream-K, split-K 2 / 3."""
+    from xserv_aot.plan.cutlass_build import FP8_CONFIGS, FP8_SPLIT_CONFIGS
+    tag = f"_{scheme.removeprefix('fp8_')}_"
+    return [(i, s) for i, name in enumerate(FP8_CONFIGS) if tag in name and "f32out" not in name
+            for s in ((0, 2, 3) if i in FP8_SPLIT_CONFIGS else (0,))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("M,N,K", [(256, 4096, 12288), (200, 1000, 576), (96, 6144, 4096)])
+def test_every_w8a8_config(lib, gemm, rng, scheme, M, N, K):
+    """Each bf16-output FP8 config (ping-pong, stream-K and split-K with their workspace) on a long-K shape, one with
+    M / N / K tails (a K that split-K 3 cannot divide into whole 128-k steps) and one of a single M tile."""
+    for config in bf16_configs(scheme):
+        bufs, _, (x, q, s, b) = w8a8(lib, gemm, rng, scheme, M, N, K, "bfloat16", True, config)
+        check_w8a8(bufs, x, q, s, b, scheme, "bfloat16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("splits", [0, 3])
+def test_stream_k_graph_replay_equals_eager(lib, gemm, rng, scheme, splits):
+    """Stream-K / split-K FP8 (partial tiles reduced in the workspace, in a fixed order): replay == eager bytes."""
+    from xserv_aot.plan.cutlass_build import FP8_CONFIGS, FP8_SPLIT_CONFIGS
+    config = next(c for c, _ in bf16_configs(scheme) if c in FP8_SPLIT_CONFIGS)
+    bufs, calls, _ = w8a8(lib, gemm, rng, scheme, 256, 4096, 12288, "bfloat16", True, (config, splits))
+    assert "streamk" in FP8_CONFIGS[config] and "gemm_ws" in bufs
+    assert_replay_equals_eager(lib, bufs, ("out", "xq", "xs"), lambda stream: [c(stream) for c in calls])
 
 
 def check_w8a8(bufs, x, q, s, b, scheme, out_dtype):

@@ -169,7 +169,22 @@ def test_w8a8_tma_cluster_rule(rows, n, k, cluster):
     assert rec.grid[1] == cluster, rec.grid
 
 
-def test_h200_build_routes_33_to_64_rows_to_tma():
+@pytest.fixture(scope="module")
+def gemm_lib(tmp_path_factory, pytestconfig):
+    """The CUTLASS library the W8A8 routing sizes split-K workspaces from: --gemm-lib, else built (cached by key)."""
+    from pathlib import Path
+    from xserv_aot.plan import cutlass_build as cb
+    if pytestconfig.getoption("--gemm-lib"):
+        return Path(pytestconfig.getoption("--gemm-lib"))
+    try:
+        cb.find_nvcc()
+    except cb.GemmBuildError as e:
+        pytest.skip(str(e))
+    out = tmp_path_factory.mktemp("gemm")
+    return out / cb.build_gemm_library(out)["file"]
+
+
+def test_h200_build_routes_33_to_64_rows_to_tma(gemm_lib):
     """plans/h200.build.json (fp8_w8a8_tma, what the H200 measured faster): its FP8 decode buckets of 33-64 rows run
     the Qwen3-8B linears on the TMA kernel, larger ones on CUTLASS W8A8 (no compile: plan_linear per shape)."""
     import json
@@ -182,7 +197,8 @@ def test_h200_build_routes_33_to_64_rows_to_tma():
         for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)):
             if rows <= build.fp8_w8a16_max_rows:
                 continue
-            c = plan_linear(w8a8_op(rows, n, k, fp8.BLOCK128), "bfloat16", None, {}, decode=True, fp8_wgmma="tma")
+            c = plan_linear(w8a8_op(rows, n, k, fp8.BLOCK128), "bfloat16", None, {"path": gemm_lib}, decode=True,
+                            fp8_wgmma="tma")
             want = ("skinny_w8a8_" if rows <= 32 else "w8a8_tma_" if rows <= 64 else "cutlass_fp8")
             assert c.kernel.startswith(want), (rows, n, k, c.kernel)
             seen.add(want)

@@ -94,7 +94,8 @@ def test_fp8_entry_table_and_host_side_validation(built):
     assert cb.library_fp8_config_names(out / info["file"]) == list(cb.FP8_CONFIGS)
     for i, name in enumerate(cb.FP8_CONFIGS):
         assert so.xserv_gemm_fp8_config_out_bytes(i) == (4 if "f32out" in name else 2)
-    assert set(cb.FP8_CONFIG.values()) | set(cb.FP8_PINGPONG.values()) == set(range(len(cb.FP8_CONFIGS)))
+    assert set(cb.FP8_CONFIG.values()) | set(cb.FP8_PINGPONG.values()) | cb.FP8_SPLIT_CONFIGS == \
+        set(range(len(cb.FP8_CONFIGS)))
     so.xserv_gemm_fp8.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
     call = lambda cfg, a=256, m=16, n=64, k=64, sa=512: so.xserv_gemm_fp8(cfg, a, sa, 256, 512, 256, None, m, n, k,
                                                                           None)
@@ -106,6 +107,19 @@ def test_fp8_entry_table_and_host_side_validation(built):
     assert call(0, m=0) == 0                                  # M == 0 launches nothing
     if not HAS_GPU:
         assert call(2) == 7                                   # no CUDA device
+
+
+def test_fp8_workspace_only_for_stream_k_configs(built):
+    """Stream-K FP8 configs ask for scratch (partial tiles and their flags) where the tiles are fewer than the SMs,
+    and for split-K; the persistent ones never do, so their calls stay xserv_gemm_fp8 without a workspace."""
+    out, info, _ = built
+    lib = out / info["file"]
+    for i, name in enumerate(cb.FP8_CONFIGS):
+        sizes = [cb.library_fp8_workspace_size(lib, i, m, 4096, k, splits)
+                 for m, k, splits in ((256, 12288, 0), (96, 4096, 0), (256, 4096, 2))]
+        assert (i in cb.FP8_SPLIT_CONFIGS) == ("streamk" in name)
+        assert all(sizes) if i in cb.FP8_SPLIT_CONFIGS else sizes == [0, 0, 0], name
+    assert cb.library_fp8_workspace_size(lib, len(cb.FP8_CONFIGS), 256, 4096, 4096, 0) == 0   # past the table
 
 
 def test_rebuild_is_a_cache_hit(built, tmp_path):
@@ -163,11 +177,18 @@ def test_choose_gemm_config_rejects_bad_shapes():
 
 
 @pytest.mark.parametrize("quant", ["fp8_channel", "fp8_block128"])
-def test_fp8_config_takes_pingpong_tiles_only_where_128_tiles_leave_sms_idle(quant):
+def test_fp8_config_follows_the_warpgroup_count(quant):
+    """The W8A8 rule on the Qwen3-8B shapes (the H200 sweep of session 9: each cell the fastest config measured)."""
     scheme = quant.removeprefix("fp8_")
-    name = lambda *a: cb.FP8_CONFIGS[cb.fp8_config(quant, *a)]
-    assert name("bfloat16", 256, 4096) == f"sm90_fp8_{scheme}_64x128x128_pingpong"      # 64 tiles of 128 x 128
-    assert name("bfloat16", 256, 6144) == f"sm90_fp8_{scheme}_64x128x128_pingpong"      # 96
-    assert name("bfloat16", 256, 24576) == f"sm90_fp8_{scheme}_128x128x128_coop"        # 384: three waves
-    assert name("bfloat16", 2048, 4096) == f"sm90_fp8_{scheme}_128x128x128_coop"
-    assert name("float32", 256, 4096) == f"sm90_fp8_{scheme}_f32out_128x128x128_coop"   # no f32 ping-pong built
+    pp, coop = f"sm90_fp8_{scheme}_64x128x128_pingpong", f"sm90_fp8_{scheme}_128x128x128_coop"
+    pick = lambda rows, n, k, out="bfloat16": (cb.FP8_CONFIGS[cb.fp8_config(quant, out, rows, n, k)[0]],
+                                               cb.fp8_config(quant, out, rows, n, k)[1])
+    assert pick(128, 6144, 4096) == (pp, 0)             # qkv: 96 ping-pong tiles, one a SM
+    assert pick(256, 6144, 4096) == (coop, 0)           # ... 192 ping-pong tiles, 96 cooperative ones
+    assert pick(256, 4096, 4096) == (pp, 0)             # o_proj: 128 ping-pong tiles
+    assert pick(128, 24576, 4096) == (pp, 0)            # gate_up, several waves: ping-pong up to 128 rows
+    assert pick(192, 24576, 4096) == (coop, 0)          # ... cooperative above
+    assert pick(96, 4096, 12288) == (f"sm90_fp8_{scheme}_128x128x128_streamk", cb.FP8_SPLIT_K)   # down: split-K
+    assert pick(256, 4096, 12288) == (pp, 0)
+    assert pick(2048, 4096, 12288) == (coop, 0)         # prefill rows
+    assert pick(256, 4096, 4096, "float32") == (f"sm90_fp8_{scheme}_f32out_128x128x128_coop", 0)   # no f32 variant

@@ -1,5 +1,6 @@
 // CUTLASS 3 sm90a TMA warp-specialized FP8 (e4m3 x e4m3) "TN" GEMMs with scales: D[M,N] from A[M,K] (activations,
 // quantized per row and K group) and B[N,K] (weights), fp32 accumulation, bf16 or fp32 D, optional bf16 bias[N].
+// Schedules and the workspace launch are the bf16 GEMMs' (gemm_sm90_kernel.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,6 +14,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "gemm_sm90_kernel.cuh"
 
 namespace xserv {
 
@@ -42,10 +44,13 @@ using ChannelScaled = fusion::Sm90EVT<
         fusion::Sm90RowBroadcast<0, TileShape, float, ElementAcc, Stride<_0, _1, int64_t>, 4>>,
     fusion::Sm90RowBroadcast<0, TileShape, cutlass::bfloat16_t, ElementAcc, Stride<_0, _1, int64_t>, 8>>;
 
-template <class Scheme, int TM, int TN, int TK, class ElementD>
+// Schedule: Cooperative (persistent tiles), Pingpong (two tiles an SM, one a consumer warpgroup) or StreamK
+// (cooperative, the K loop of the tiles spread over every SM, reduced in a fixed order in a workspace).
+template <class Scheme, int TM, int TN, int TK, int CM, int CN, class Schedule, class ElementD>
 struct GemmSm90Fp8 {
   static constexpr bool kBlock = std::is_same_v<Scheme, Block128>;
-  static constexpr bool kPingpong = TM == 64;
+  static constexpr bool kPingpong = std::is_same_v<Schedule, Pingpong>;
+  static constexpr bool kSplits = !std::is_void_v<typename Schedule::Scheduler>;
   using ElementA = cutlass::float_e4m3_t;
   using ElementB = cutlass::float_e4m3_t;
   using ElementAcc = float;
@@ -56,7 +61,7 @@ struct GemmSm90Fp8 {
   static constexpr int kAlignD = 16 / sizeof(ElementD);
 
   using TileShape = Shape<Int<TM>, Int<TN>, Int<TK>>;
-  using ClusterShape = Shape<_1, _1, _1>;
+  using ClusterShape = Shape<Int<CM>, Int<CN>, _1>;
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K,
                                                                 cute::GMMA::Major::K>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
@@ -67,10 +72,7 @@ struct GemmSm90Fp8 {
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, ElementAcc,
-      void, LayoutD, kAlignD, ElementD, LayoutD, kAlignD,
-      std::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
-                         cutlass::epilogue::TmaWarpSpecializedCooperative>,
-      Fusion>::CollectiveOp;
+      void, LayoutD, kAlignD, ElementD, LayoutD, kAlignD, typename Schedule::Epilogue, Fusion>::CollectiveOp;
 
   using StrideArgA = std::conditional_t<kBlock, cute::tuple<LayoutA, LayoutSFA>, LayoutA>;
   using StrideArgB = std::conditional_t<kBlock, cute::tuple<LayoutB, LayoutSFB>, LayoutB>;
@@ -88,11 +90,12 @@ struct GemmSm90Fp8 {
       MainloopSchedule>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
-                                                      CollectiveEpilogue>;
+                                                      CollectiveEpilogue, typename Schedule::Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   static typename Gemm::Arguments arguments(const void* A, const void* SA, const void* B, const void* SB, void* D,
-                                            const void* bias, int M, int N, int K, int device, int sm_count) {
+                                            const void* bias, int M, int N, int K, int splits, int device,
+                                            int sm_count) {
     auto sA = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, make_shape(M, K, 1));
     auto sB = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, make_shape(N, K, 1));
     auto sD = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, make_shape(M, N, 1));
@@ -121,25 +124,24 @@ struct GemmSm90Fp8 {
     }
     args.hw_info.device_id = device;
     args.hw_info.sm_count = sm_count;
+    if constexpr (kSplits) set_decomposition<typename Kernel::TileScheduler>(args.scheduler, splits);
     return args;
   }
 
-  // Returns 0 or a cutlass::Status value; never allocates (data-parallel persistent tiles need no workspace).
+  // Returns 0 or a cutlass::Status value; never allocates (stream-K scratch: the caller's workspace).
+  // splits (stream-K configs): 0 stream-K, 1 data-parallel, > 1 split-K; the others take 0 or 1 only.
   static int run(const void* A, const void* SA, const void* B, const void* SB, void* D, const void* bias, int M,
-                 int N, int K, cudaStream_t stream) {
+                 int N, int K, int splits, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+    if (!kSplits && splits > 1) return static_cast<int>(cutlass::Status::kErrorNotSupported);
     int device = 0, sm_count = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      return static_cast<int>(cutlass::Status::kErrorInternal);
-    }
-    auto args = arguments(A, SA, B, SB, D, bias, M, N, K, device, sm_count);
-    Gemm gemm;
-    cutlass::Status st = gemm.can_implement(args);
-    if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
-    if (Gemm::get_workspace_size(args) != 0) return static_cast<int>(cutlass::Status::kErrorWorkspaceNull);
-    st = gemm.initialize(args, nullptr, stream);
-    if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
-    return static_cast<int>(gemm.run(stream));
+    if (int st = device_sms(&device, &sm_count)) return st;
+    return launch_gemm<Gemm>(arguments(A, SA, B, SB, D, bias, M, N, K, splits, device, sm_count), workspace,
+                             workspace_bytes, stream);
+  }
+
+  static size_t workspace_size(int M, int N, int K, int splits, int sm_count) {
+    return Gemm::get_workspace_size(arguments(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, M, N, K, splits,
+                                              0, sm_count));
   }
 };
 

@@ -59,10 +59,15 @@ FP8_CONFIGS = (
     "sm90_fp8_block128_f32out_128x128x128_coop",
     "sm90_fp8_channel_64x128x128_pingpong",
     "sm90_fp8_block128_64x128x128_pingpong",
+    "sm90_fp8_block128_128x128x128_streamk",
+    "sm90_fp8_channel_128x128x128_streamk",
 )
 FP8_CONFIG = {("fp8_channel", "bfloat16"): 0, ("fp8_channel", "float32"): 1, ("fp8_block128", "bfloat16"): 2,
               ("fp8_block128", "float32"): 3}
 FP8_PINGPONG = {"fp8_channel": 4, "fp8_block128": 5}    # 64 x 128 tiles, bf16 out
+FP8_STREAMK = {"fp8_channel": 7, "fp8_block128": 6}     # 128 x 128 stream-K / split-K tiles, bf16 out
+FP8_SPLIT_CONFIGS = frozenset(FP8_STREAMK.values())      # called with splits and a workspace
+FP8_SPLIT_K, FP8_SPLIT_K_MIN_K = 3, 8192                 # split-K 3 for K >= 8192 at <= 128 rows (one M tile)
 # Swap-AB decode configs: activation rows on the tile's N side (width -> config index), per output dtype.
 SWAP_CONFIGS = {"bfloat16": {32: 4, 64: 5, 128: 6, 256: 7}, "float32": {64: 8, 128: 9, 256: 10}}
 NUM_SMS_H200 = 132
@@ -79,12 +84,21 @@ COMPILE_FLAGS = (
 LINK_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-shared", "-cudart", "static", "-Xcompiler", "-fPIC")
 
 
-def fp8_config(quant: str, out_dtype: str, rows: int, n: int) -> int:
-    """The W8A8 config of a linear: 64 x 128 ping-pong tiles where 128 x 128 tiles would leave SMs idle (decode
-    batches of 65 - 256 rows against n <= 8k), else the cooperative 128 x 128 one."""
-    if out_dtype == "bfloat16" and -(-rows // 128) * -(-n // 128) < NUM_SMS_H200:
-        return FP8_PINGPONG[quant]
-    return FP8_CONFIG[(quant, out_dtype)]
+def fp8_config(quant: str, out_dtype: str, rows: int, n: int, k: int) -> tuple[int, int]:
+    """(config, splits) of a W8A8 linear, from the H200 sweep at 96 - 256 rows (docs/cuda-notes.md, session 9): a
+    consumer warpgroup runs about one 128-k step per 0.4 us whatever the tile, so what counts is how many
+    warpgroups work and how many padded rows they multiply. 64 x 128 ping-pong tiles where one of them per SM
+    covers the output; else 128 x 128 cooperative tiles where those do (qkv at 192 - 256 rows); else (several
+    waves) ping-pong up to 128 rows, cooperative above. Long K (down_proj) at <= 128 rows: split-K 3."""
+    sms = NUM_SMS_H200
+    if out_dtype != "bfloat16":
+        return FP8_CONFIG[(quant, out_dtype)], 0
+    if rows <= 128 and k >= FP8_SPLIT_K_MIN_K:
+        return FP8_STREAMK[quant], FP8_SPLIT_K
+    pingpong_tiles, coop_tiles = -(-rows // 64) * -(-n // 128), -(-rows // 128) * -(-n // 128)
+    if pingpong_tiles <= sms or (coop_tiles > sms and rows <= 128):
+        return FP8_PINGPONG[quant], 0
+    return FP8_CONFIG[(quant, out_dtype)], 0
 
 
 class GemmBuildError(XservError, ValueError):
@@ -191,6 +205,15 @@ def library_workspace_size(lib: Path, config: int, M: int, N: int, K: int, split
     so.xserv_gemm_workspace_size_ex.restype = ctypes.c_size_t
     so.xserv_gemm_workspace_size_ex.argtypes = [ctypes.c_int] * 6
     return int(so.xserv_gemm_workspace_size_ex(config, M, N, K, splits, num_sms))
+
+
+def library_fp8_workspace_size(lib: Path, config: int, M: int, N: int, K: int, splits: int,
+                               num_sms: int = NUM_SMS_H200) -> int:
+    """Bytes of device workspace an FP8 config needs (stream-K / split-K scratch; 0 for the others; no GPU)."""
+    so = ctypes.CDLL(str(lib))
+    so.xserv_gemm_fp8_workspace_size.restype = ctypes.c_size_t
+    so.xserv_gemm_fp8_workspace_size.argtypes = [ctypes.c_int] * 6
+    return int(so.xserv_gemm_fp8_workspace_size(config, M, N, K, splits, num_sms))
 
 
 def build_gemm_library(out_dir: Path, target: str = "sm_90a", progress: Callable[[str], None] | None = None,

@@ -17,6 +17,7 @@ from xserv_aot.plan.signatures import host_signature
 from xserv_aot.plan.tensor_maps import matrix_map
 
 FP8_ENTRY = "xserv_gemm_fp8"              # the CUTLASS library's W8A8 entry point
+FP8_ENTRY_EX = "xserv_gemm_fp8_ex"        # ... with a workspace (the stream-K configs' scratch: the arena's gemm_ws)
 FP8_SOURCE = KERNEL_DIR / "cutlass" / "gemm_sm90_fp8.cu"
 FP8_SKINNY_FUSE_GATE = False              # as linear_plan.SKINNY_FUSE_GATE: gate_up and silu_mul stay two kernels
 QUANTIZE_WARPS = 8                        # (row, group) pairs per quantize_fp8 block
@@ -50,7 +51,7 @@ W8A8_TMA_BLOCKS = 96                      # ... its clustered grids stay within 
 
 
 def host_signatures() -> dict[str, list[dict]]:
-    return {FP8_ENTRY: host_signature(FP8_SOURCE, FP8_ENTRY)}
+    return {e: host_signature(FP8_SOURCE, e) for e in (FP8_ENTRY, FP8_ENTRY_EX)}
 
 
 def fp8_args(op: Linear, fused_silu_out: str | None = None) -> list:
@@ -90,7 +91,7 @@ def plan_w8a8(op: Linear, out_dtype: str, cutlass: dict | None, wgmma: bool | st
     kernels where the build says so (wgmma "tma": the TMA-fed one for 33..W8A8_TMA_MAX_ROWS rows, up to 256 rows
     in plans without the CUTLASS library, K >= 128, else the cp.async one; True: the cp.async one for 33-256 rows),
     else CUTLASS, scales in its mainloop (block128) or epilogue (channel)."""
-    from xserv_aot.plan.cutlass_build import FP8_CONFIGS, fp8_config
+    from xserv_aot.plan.cutlass_build import FP8_CONFIGS, FP8_SPLIT_CONFIGS, fp8_config, library_fp8_workspace_size
     tma = wgmma == "tma" and op.k >= 128
     if op.rows <= (W8A8_SKINNY_MAX_ROWS if cutlass is not None or wgmma else W8A8_SKINNY_FALLBACK_ROWS):
         return plan_w8a8_skinny(op, out_dtype)
@@ -104,12 +105,16 @@ def plan_w8a8(op: Linear, out_dtype: str, cutlass: dict | None, wgmma: bool | st
                                f"buckets have at most 64 rows)")
     if op.n % 8:
         raise KernelBuildError(f"FP8 linear {op.weight}: n={op.n} (the W8A8 GEMM needs n % 8 == 0)")
-    cfg = fp8_config(op.quant, out_dtype, op.rows, op.n)
+    cfg, splits = fp8_config(op.quant, out_dtype, op.rows, op.n, op.k)
     cutlass.setdefault("used", {})[f"fp8:{op.rows}x{op.n}x{op.k}"] = FP8_CONFIGS[cfg]
-    call = library_call("gemm_library", FP8_ENTRY,
-                        [i32(cfg), ptr(op.inp), ptr(op.inp_scale), ptr(op.weight), ptr(op.weight_scale), ptr(op.out),
-                         ptr(op.bias), i32(op.rows), i32(op.n), i32(op.k)])
-    return KernelChoice("cutlass_fp8", (call,), gemm_config=cfg)
+    head = [i32(cfg), ptr(op.inp), ptr(op.inp_scale), ptr(op.weight), ptr(op.weight_scale), ptr(op.out),
+            ptr(op.bias), i32(op.rows), i32(op.n), i32(op.k)]
+    if cfg not in FP8_SPLIT_CONFIGS:
+        return KernelChoice("cutlass_fp8", (library_call("gemm_library", FP8_ENTRY, head),), gemm_config=cfg)
+    ws = library_fp8_workspace_size(cutlass["path"], cfg, op.rows, op.n, op.k, splits)
+    cutlass["workspace"] = max(cutlass.get("workspace", 0), ws)
+    call = library_call("gemm_library", FP8_ENTRY_EX, head + [i32(splits), ptr("gemm_ws" if ws else None), ("u64", ws)])
+    return KernelChoice("cutlass_fp8", (call,), gemm_config=cfg, splits=splits)
 
 
 def w8a8_cluster(n: int, k: int, block_rows: int = skinny_w8a8_rows(64)) -> int:

@@ -58,3 +58,37 @@ def test_a_misspelt_build_setting_is_refused(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps(CONFIG))
     r = cli("compile", tmp_path / "c.json", "-o", tmp_path / "plan", *SMALL, "--build-config", tmp_path / "b.json")
     assert_one_line_error(r, "unknown build setting 'pld'")
+
+
+@pytest.mark.parametrize("bad", [101, -2, 50.0, True, "100"])
+def test_smem_carveout_is_a_percent_or_the_drivers_choice(tmp_path, bad):
+    with pytest.raises(ConfigError, match="smem_carveout .* must be an integer percent in 0..100, or -1"):
+        BuildConfig(smem_carveout=bad).validate()
+    assert BuildConfig().validate().smem_carveout == -1 and BuildConfig(smem_carveout=100).validate()
+
+
+def test_smem_carveout_is_recorded_and_set_on_every_plan_kernel(tmp_path):
+    """A build config's smem_carveout reaches the manifest and every kernel function the CUDA runner loads
+    (the device is a fake: what it is asked to set is recorded)."""
+    from xserv_aot.runtime.cuda.runner import CudaRunner
+    (tmp_path / "b.json").write_text(json.dumps({"smem_carveout": 100}))
+    (tmp_path / "c.json").write_text(json.dumps(CONFIG))
+    r = cli("compile", tmp_path / "c.json", "-o", tmp_path / "plan", *SMALL, "--no-gemm-library",
+            "--build-config", tmp_path / "b.json")
+    assert r.returncode == 0, r.stderr
+    plan = Plan.load(tmp_path / "plan")
+    assert plan.build.smem_carveout == 100
+
+    class FakeDevice:
+        calls = []
+
+        def function(self, module, name, max_smem=0, carveout=-1):
+            self.calls.append((name, carveout))
+            return name
+
+    runner = CudaRunner.__new__(CudaRunner)
+    runner.plan, runner.dev, runner._funcs, runner._smem = plan, FakeDevice(), {}, {}
+    runner.modules = {src: None for src in set(plan.kernels["functions"].values())}
+    names = sorted(plan.kernels["functions"])[:3]
+    assert [runner.func(n) for n in names] == names
+    assert FakeDevice.calls == [(n, 100) for n in names]

@@ -137,3 +137,34 @@ def test_rejects_batch_larger_than_plan(runner):
     batch = BatchDescription(list(range(n)), list(range(n)), list(range(n)), [0, n], [n], [[0] * 17])
     with pytest.raises(ValueError):
         runner.run(batch)
+
+
+def test_smem_carveout_changes_no_result(plan, runner, seed, tmp_path):
+    """build.smem_carveout 100 (every NVRTC kernel prefers the largest shared-memory carveout): the driver holds the
+    preference on the plan's functions, and the logits are the default plan's bit for bit."""
+    import dataclasses
+    import json
+    import shutil
+    from cuda.bindings import driver as cu
+    from xserv_aot.plan.manifest import Plan
+    from xserv_aot.runtime.cuda.runner import CudaRunner
+    shutil.copytree(plan.dir, tmp_path / "plan")
+    doc = json.loads((tmp_path / "plan" / "manifest.json").read_text())
+    doc["build"]["smem_carveout"] = 100
+    (tmp_path / "plan" / "manifest.json").write_text(json.dumps(doc))
+    other = Plan.load(tmp_path / "plan")
+    assert other.build.smem_carveout == 100 and dataclasses.replace(other.build, smem_carveout=-1) == plan.build
+    rng = np.random.default_rng(seed)
+    prompt, forced = rng.integers(3, SHAPE["vocab_size"], 40).tolist(), rng.integers(3, SHAPE["vocab_size"], 4).tolist()
+    runner.reset_kv()
+    want = forced_logits(runner, prompt, forced)
+    r = CudaRunner(other, log=print)
+    try:
+        got = forced_logits(r, prompt, forced)
+        name = next(iter(r._funcs))
+        err, value = cu.cuFuncGetAttribute(
+            cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, r._funcs[name])
+        assert err == cu.CUresult.CUDA_SUCCESS and value == 100, (name, err, value)
+    finally:
+        r.close()
+    np.testing.assert_array_equal(got, want)

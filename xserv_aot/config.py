@@ -179,6 +179,9 @@ class BuildConfig:
     target: str = "sm_90a"                # GPU arch for cubins, or "cpu" (no kernels built)
     gemm_library: bool = True             # CUDA: CUTLASS GEMMs for linears of >= 128 rows, when nvcc can build them
     pdl: bool = False                     # CUDA: programmatic dependent launch of every kernel (docs/cuda-notes.md)
+    smem_carveout: int = -1               # CUDA: preferred shared-memory carveout (percent of the SM's L1 + shared
+                                          # memory) of every NVRTC kernel; -1: the driver's choice (a performance
+                                          # hint only: results do not depend on it)
     megakernel_sms: int = 0               # CUDA: decode buckets of 1-2 seqs as one persistent kernel of this many
                                           # blocks, the GPU's SM count (plan/megakernel_plan.py); 0: per-op kernels
     megakernel_max_context: int = 0       # > 0: those buckets keep their per-op kernels and a copy `<name>_mk` runs
@@ -301,6 +304,10 @@ class BuildConfig:
                 or isinstance(self.fp8_w8a16_max_rows, bool):
             raise ConfigError(f"fp8_w8a16_max_rows {self.fp8_w8a16_max_rows!r} must be an integer in 2..64 (rows 1-2 "
                               f"are always W8A16 GEMVs; the W8A16 skinny kernels end at 64 rows)")
+        if not (isinstance(self.smem_carveout, int) and -1 <= self.smem_carveout <= 100) \
+                or isinstance(self.smem_carveout, bool):
+            raise ConfigError(f"smem_carveout {self.smem_carveout!r} must be an integer percent in 0..100, or -1 "
+                              f"(the driver's choice)")
         for name in ("gemm_library", "pdl", "quantize_lm_head", "gemm_residual", "fp8_quantize_in_producer",
                      "fp8_w8a8_wgmma", "fp8_w8a8_tma"):
             if not isinstance(getattr(self, name), bool):

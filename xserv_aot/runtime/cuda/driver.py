@@ -200,10 +200,15 @@ class Device:
     def load_module(self, cubin: bytes):
         return check(_cu().cuModuleLoadData(cubin), "cuModuleLoadData")
 
-    def function(self, module, name: str, max_smem: int = 0):
+    def function(self, module, name: str, max_smem: int = 0, carveout: int = -1):
+        """A kernel of a loaded module, opted in to max_smem bytes of dynamic shared memory; carveout >= 0: its
+        preferred shared-memory carveout in percent (a plan's build.smem_carveout)."""
         cu = _cu()
         fn = check(cu.cuModuleGetFunction(module, name.encode()), f"cuModuleGetFunction({name})")
         allow_dynamic_smem(fn, max_smem, name)
+        if carveout >= 0:
+            check(cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                        carveout), f"cuFuncSetAttribute({name}, carveout)")
         return fn
 
     def capture(self, body) -> object:

@@ -103,7 +103,8 @@ class CudaRunner:
             src = self.plan.kernels["functions"].get(name)
             if src is None:
                 raise CudaRunnerError(f"kernel {name!r} is not in any cubin of the plan")
-            self._funcs[name] = self.dev.function(self.modules[src], name, self._smem.get(name, 0))
+            self._funcs[name] = self.dev.function(self.modules[src], name, self._smem.get(name, 0),
+                                                  self.plan.build.smem_carveout)
         return self._funcs[name]
 
     def _load_weights(self) -> None:

@@ -182,38 +182,41 @@ def _compile(nvcc: Path, includes: list[Path], src_dir: Path, work: Path, jobs: 
     return lib
 
 
-def library_config_names(lib: Path) -> list[str]:
-    """Config names exported by a built library (loads without a GPU: cudart is linked statically)."""
+def _config_names(lib: Path, table: str) -> list[str]:
+    """Names of a built library's config table "gemm" or "gemm_fp8" (no GPU needed: cudart is linked statically)."""
     so = ctypes.CDLL(str(lib))
-    so.xserv_gemm_config_name.restype = ctypes.c_char_p
-    so.xserv_gemm_config_name.argtypes = [ctypes.c_int]
-    return [so.xserv_gemm_config_name(i).decode() for i in range(so.xserv_gemm_num_configs())]
+    name = getattr(so, f"xserv_{table}_config_name")
+    name.restype, name.argtypes = ctypes.c_char_p, [ctypes.c_int]
+    return [name(i).decode() for i in range(getattr(so, f"xserv_{table}_num_configs")())]
+
+
+def library_config_names(lib: Path) -> list[str]:
+    """Config names exported by a built library (xserv_gemm_bf16's config table)."""
+    return _config_names(lib, "gemm")
 
 
 def library_fp8_config_names(lib: Path) -> list[str]:
     """FP8 config names exported by a built library (xserv_gemm_fp8's config table)."""
-    so = ctypes.CDLL(str(lib))
-    so.xserv_gemm_fp8_config_name.restype = ctypes.c_char_p
-    so.xserv_gemm_fp8_config_name.argtypes = [ctypes.c_int]
-    return [so.xserv_gemm_fp8_config_name(i).decode() for i in range(so.xserv_gemm_fp8_num_configs())]
+    return _config_names(lib, "gemm_fp8")
+
+
+def _workspace_size(lib: Path, entry: str, config: int, M: int, N: int, K: int, splits: int, num_sms: int) -> int:
+    """entry(config, M, N, K, splits, num_sms): a library's workspace query (host code only, no GPU needed)."""
+    fn = getattr(ctypes.CDLL(str(lib)), entry)
+    fn.restype, fn.argtypes = ctypes.c_size_t, [ctypes.c_int] * 6
+    return int(fn(config, M, N, K, splits, num_sms))
 
 
 def library_workspace_size(lib: Path, config: int, M: int, N: int, K: int, splits: int,
                            num_sms: int = NUM_SMS_H200) -> int:
     """Bytes of device workspace a config needs for this problem on num_sms SMs (no GPU needed)."""
-    so = ctypes.CDLL(str(lib))
-    so.xserv_gemm_workspace_size_ex.restype = ctypes.c_size_t
-    so.xserv_gemm_workspace_size_ex.argtypes = [ctypes.c_int] * 6
-    return int(so.xserv_gemm_workspace_size_ex(config, M, N, K, splits, num_sms))
+    return _workspace_size(lib, "xserv_gemm_workspace_size_ex", config, M, N, K, splits, num_sms)
 
 
 def library_fp8_workspace_size(lib: Path, config: int, M: int, N: int, K: int, splits: int,
                                num_sms: int = NUM_SMS_H200) -> int:
     """Bytes of device workspace an FP8 config needs (stream-K / split-K scratch; 0 for the others; no GPU)."""
-    so = ctypes.CDLL(str(lib))
-    so.xserv_gemm_fp8_workspace_size.restype = ctypes.c_size_t
-    so.xserv_gemm_fp8_workspace_size.argtypes = [ctypes.c_int] * 6
-    return int(so.xserv_gemm_fp8_workspace_size(config, M, N, K, splits, num_sms))
+    return _workspace_size(lib, "xserv_gemm_fp8_workspace_size", config, M, N, K, splits, num_sms)
 
 
 def build_gemm_library(out_dir: Path, target: str = "sm_90a", progress: Callable[[str], None] | None = None,

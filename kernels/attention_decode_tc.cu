@@ -18,6 +18,10 @@
 // 32-dim span feed two k16 steps), PV with the V fragment transposed by movmatrix and P as f16; so no staging tile,
 // and a ring of the same bytes holds twice the tiles. k_scale joins the softmax scale and v_scale the output; the
 // new token's k / v go to the ring and the cache as e4m3.
+// HN (the _f8kvn kernels, batched, G <= 8): the heads on the n8 side instead, S^T = K Q^T (a warp's 16 keys on the
+// m16 side, q the B operand) and O^T = V^T P^T (head dims on m; P^T by movmatrix of the S^T fragment): at G = 4 the
+// 16-row layout is 3/4 padding, so this one takes half its MMAs, o accumulators and exponentials (128 registers: 4
+// blocks an SM).
 #include "attention_split.cuh"
 #include "qk_rope.cuh"
 #include "kv_fp8.cuh"
@@ -147,7 +151,36 @@ __device__ __forceinline__ void fused_qkv_rope(const FusedRope<KVT>& fr, bf16 (*
     }
 }
 
-template <int HD, int STAGES, bool FUSED = false, typename KVT = bf16>
+// Lane tig's 8 e4m3 of span c (dims 32 c + 8 tig ..) of ring rows r0 and r1, as f16x2 pairs a[q] / b[q] = dims
+// 32 c + 8 tig + 2 q + (0, 1) (exact).
+template <int HD>
+__device__ __forceinline__ void tc_rows_f16(const unsigned char* rows, int r0, int r1, int c, int tig, u32 (&a)[4],
+                                            u32 (&b)[4]) {
+    const uint2 w0 = *reinterpret_cast<const uint2*>(rows + r0 * HD + (tc_span<HD>(r0, c) << 5) + tig * 8);
+    const uint2 w1 = *reinterpret_cast<const uint2*>(rows + r1 * HD + (tc_span<HD>(r1, c) << 5) + tig * 8);
+    e4m3x4_f16x4(w0.x, a[0], a[1]);
+    e4m3x4_f16x4(w0.y, a[2], a[3]);
+    e4m3x4_f16x4(w1.x, b[0], b[1]);
+    e4m3x4_f16x4(w1.y, b[2], b[3]);
+}
+
+// The running maxes m_a, m_b (log2 units) of a warp's two softmax rows (heads-on-m: rows ga, gb; HN: heads 2 tig,
+// 2 tig + 1) move only when the tile maxes mxa, mxb pass one by more than TC_LAZY_LOG2 (else P <= 2^8: exact enough
+// in f16, bf16 hi + lo and the f32 sums); then l_a, l_b and the o[0..NT) elements of each row (row a: 0 and A1, row
+// b: B0 and 3) rescale to the new max. A macro over the impl's locals, so both layouts compile as written inline.
+#define TC_LAZY_RESCALE(NT, A1, B0)                                                                           \
+    if (__any_sync(0xffffffffu, mxa > m_a + TC_LAZY_LOG2 || mxb > m_b + TC_LAZY_LOG2)) {                      \
+        const float na = fmaxf(m_a, mxa), nb = fmaxf(m_b, mxb);                                              \
+        const float ca = exp2f(m_a - (na == NEG ? 0.f : na)), cb = exp2f(m_b - (nb == NEG ? 0.f : nb));      \
+        m_a = na;                                                                                            \
+        m_b = nb;                                                                                            \
+        l_a *= ca;                                                                                           \
+        l_b *= cb;                                                                                           \
+        _Pragma("unroll")                                                                                    \
+        for (int d = 0; d < NT; d++) { o[d][0] *= ca; o[d][A1] *= ca; o[d][B0] *= cb; o[d][3] *= cb; }       \
+    }
+
+template <int HD, int STAGES, bool FUSED = false, typename KVT = bf16, bool HN = false>
 __device__ __forceinline__ void attn_decode_tc_impl(
         const bf16* __restrict__ q, const KVT* __restrict__ kv_layer, const int* __restrict__ qsl,
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables, float* __restrict__ part_o,
@@ -155,7 +188,9 @@ __device__ __forceinline__ void attn_decode_tc_impl(
         int block_size, int max_blocks, int num_slots, float scale, const FusedRope<KVT>& fr = FusedRope<KVT>{},
         float k_scale = 1.f, float v_scale = 1.f) {
     using SM = TcSmem<HD, STAGES, KVT>;
+    static_assert(!HN || (SM::F8 && !FUSED), "heads on the n side: the batched e4m3 kernel");
     constexpr int LD = HD + 8, KS = HD / 16, DT = HD / 8, STAGE = SM::STAGE, GM = 16;
+    constexpr int OT = HN ? HD / 16 : DT;                        // o accumulator tiles
     extern __shared__ __align__(16) unsigned char tc_smem[];
     unsigned char* stages = tc_smem;                                  // [STAGES][K, V][TC_TILE][ROW bytes]
     __shared__ float wm[4][GM], wl[4][GM];
@@ -223,6 +258,7 @@ __device__ __forceinline__ void attn_decode_tc_impl(
 
     // A fragments of Q: rows = heads ga = lane / 4 and gb = ga + 8 (zero past G), k = head dims. e4m3 cache: f16 of
     // q x 2^-4, k16 step 2c + h's k pairs (2 tig, 2 tig + 8) = dims 32 c + 8 tig + 4 h + (0, 2) (the K reads' order).
+    // HN (heads on the n side, G <= 8): q is the B operand of S^T = K Q^T, qa[ks][0] / qa[ks][2] (head ga).
     const int ga = lane >> 2, gb = ga + 8, tig = lane & 3;
     u32 qa[KS][4];
     {
@@ -246,9 +282,9 @@ __device__ __forceinline__ void attn_decode_tc_impl(
     }
     const float sl2 = scale * k_scale * 1.4426950408889634f * (SM::F8 ? FP8_F16_UNSCALE : 1.f);
     const float NEG = -__int_as_float(0x7f800000);
-    float o[DT][4];
+    float o[OT][4];
 #pragma unroll
-    for (int t = 0; t < DT; t++) { o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f; }
+    for (int t = 0; t < OT; t++) { o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f; }
     float m_a = NEG, m_b = NEG, l_a = 0.f, l_b = 0.f;
     const int qm = lane >> 3, r8 = lane & 7;
 
@@ -265,125 +301,166 @@ __device__ __forceinline__ void attn_decode_tc_impl(
             cp_async_commit();
         }
         const unsigned char* tile = stages + (t % STAGES) * STAGE;
-        float s[2][4];
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-            const int r = warp * 16 + j * 8 + ga;
-            if constexpr (SM::F8) {                             // 8 e4m3 of span c: k16 steps 2c, 2c + 1
-#pragma unroll
-                for (int c = 0; c < HD / 32; c++) {
-                    const uint2 w = *reinterpret_cast<const uint2*>(tile + r * HD + (tc_span<HD>(r, c) << 5) + tig * 8);
-                    u32 b0, b1, b2, b3;
-                    e4m3x4_f16x4(w.x, b0, b1);
-                    e4m3x4_f16x4(w.y, b2, b3);
-                    mma_f16(s[j], qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], b0, b1);
-                    mma_f16(s[j], qa[2 * c + 1][0], qa[2 * c + 1][1], qa[2 * c + 1][2], qa[2 * c + 1][3], b2, b3);
-                }
-            } else {
-                const u32* kr = reinterpret_cast<const u32*>(reinterpret_cast<const bf16*>(tile) + r * LD);
-#pragma unroll
-                for (int ks = 0; ks < KS; ks++)
-                    mma_bf16(s[j], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], kr[ks * 8 + tig], kr[ks * 8 + 4 + tig]);
-            }
-        }
-        const int kb = sr.k0 + t * TC_TILE + warp * 16;
-        float mxa = NEG, mxb = NEG;
-        if (kb + 16 <= sr.kend) {                               // all 16 keys of the warp are in the split
-#pragma unroll
-            for (int j = 0; j < 2; j++) {
-#pragma unroll
-                for (int e = 0; e < 4; e++) s[j][e] *= sl2;
-                mxa = fmaxf(mxa, fmaxf(s[j][0], s[j][1]));
-                mxb = fmaxf(mxb, fmaxf(s[j][2], s[j][3]));
-            }
-        } else {
-#pragma unroll
-            for (int j = 0; j < 2; j++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const bool valid = kb + j * 8 + tig * 2 + e < sr.kend;
-                    s[j][e] = valid ? s[j][e] * sl2 : NEG;
-                    s[j][2 + e] = valid ? s[j][2 + e] * sl2 : NEG;
-                    mxa = fmaxf(mxa, s[j][e]);
-                    mxb = fmaxf(mxb, s[j][2 + e]);
-                }
-            }
-        }
-#pragma unroll
-        for (int o2 = 1; o2 <= 2; o2 <<= 1) {
-            mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, o2));
-            mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, o2));
-        }
-        // The running max moves only when a row's tile max passes it by more than TC_LAZY_LOG2 (else P <= 2^8:
-        // exact enough in f16, bf16 hi + lo and the f32 sums); then every row of the warp rescales to its new max.
-        if (__any_sync(0xffffffffu, mxa > m_a + TC_LAZY_LOG2 || mxb > m_b + TC_LAZY_LOG2)) {
-            const float na = fmaxf(m_a, mxa), nb = fmaxf(m_b, mxb);
-            const float ca = exp2f(m_a - (na == NEG ? 0.f : na)), cb = exp2f(m_b - (nb == NEG ? 0.f : nb));
-            m_a = na;
-            m_b = nb;
-            l_a *= ca;
-            l_b *= cb;
-#pragma unroll
-            for (int d = 0; d < DT; d++) { o[d][0] *= ca; o[d][1] *= ca; o[d][2] *= cb; o[d][3] *= cb; }
-        }
-        const float ba = m_a == NEG ? 0.f : m_a, bb = m_b == NEG ? 0.f : m_b;   // a row without keys so far
-        float suma = 0.f, sumb = 0.f;
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            s[j][0] = exp2f(s[j][0] - ba); s[j][1] = exp2f(s[j][1] - ba);
-            s[j][2] = exp2f(s[j][2] - bb); s[j][3] = exp2f(s[j][3] - bb);
-            suma += s[j][0] + s[j][1];
-            sumb += s[j][2] + s[j][3];
-        }
-        l_a += suma;
-        l_b += sumb;
-        if constexpr (SM::F8) {
-            // P as f16 (11 bits). V: lane (ga, tig) reads 8 e4m3 of rows 16 warp + ga (+ 8) at span c, i.e. dims
-            // 32 c + 8 tig + 2 q + (0, 1) as f16x2 q; movmatrix.trans of each gives the B fragment of n tile 4 c + q
-            // (column n = dim 32 c + 8 (n / 2) + 2 q + n % 2), whose accumulator holds dims 32 c + 8 tig + 2 q + (0, 1).
-            u32 ap[4];
-#pragma unroll
-            for (int j = 0; j < 2; j++) {
-#pragma unroll
-                for (int h = 0; h < 2; h++) ap[2 * j + h] = f32x2_f16x2(s[j][2 * h], s[j][2 * h + 1]);
-            }
-            const unsigned char* vt = tile + TC_TILE * HD;
+        if constexpr (HN) {
+            // S^T (keys r0 = 16 warp + ga, r1 = r0 + 8 on the m side; heads 2 tig, 2 tig + 1 on the n side):
+            // k16 step 2c + h: dims 32 c + 8 tig + 4 h + (0, 1) / (2, 3) of both keys, as qa[2c + h][0] / [2] hold them.
             const int r0 = warp * 16 + ga, r1 = r0 + 8;
+            float sc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int c = 0; c < HD / 32; c++) {
-                const uint2 w0 = *reinterpret_cast<const uint2*>(vt + r0 * HD + (tc_span<HD>(r0, c) << 5) + tig * 8);
-                const uint2 w1 = *reinterpret_cast<const uint2*>(vt + r1 * HD + (tc_span<HD>(r1, c) << 5) + tig * 8);
-                u32 p0[4], p1[4];
-                e4m3x4_f16x4(w0.x, p0[0], p0[1]);
-                e4m3x4_f16x4(w0.y, p0[2], p0[3]);
-                e4m3x4_f16x4(w1.x, p1[0], p1[1]);
-                e4m3x4_f16x4(w1.y, p1[2], p1[3]);
+                u32 k0[4], k1[4];
+                tc_rows_f16<HD>(tile, r0, r1, c, tig, k0, k1);
+                mma_f16(sc, k0[0], k1[0], k0[1], k1[1], qa[2 * c][0], qa[2 * c][2]);
+                mma_f16(sc, k0[2], k1[2], k0[3], k1[3], qa[2 * c + 1][0], qa[2 * c + 1][2]);
+            }
+            const int kb = sr.k0 + t * TC_TILE + warp * 16;
+            if (kb + 16 <= sr.kend) {
 #pragma unroll
-                for (int qd = 0; qd < 4; qd++)
-                    mma_f16(o[4 * c + qd], ap[0], ap[1], ap[2], ap[3], movmatrix_trans(p0[qd]), movmatrix_trans(p1[qd]));
+                for (int e = 0; e < 4; e++) sc[e] *= sl2;
+            } else {
+                const bool v0 = kb + ga < sr.kend, v1 = kb + ga + 8 < sr.kend;
+                sc[0] = v0 ? sc[0] * sl2 : NEG;
+                sc[1] = v0 ? sc[1] * sl2 : NEG;
+                sc[2] = v1 ? sc[2] * sl2 : NEG;
+                sc[3] = v1 ? sc[3] * sl2 : NEG;
+            }
+            float mxa = fmaxf(sc[0], sc[2]), mxb = fmaxf(sc[1], sc[3]);   // heads 2 tig, 2 tig + 1
+#pragma unroll
+            for (int o2 = 4; o2 <= 16; o2 <<= 1) {
+                mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, o2));
+                mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, o2));
+            }
+            TC_LAZY_RESCALE(OT, 2, 1)
+            const float ba = m_a == NEG ? 0.f : m_a, bb = m_b == NEG ? 0.f : m_b;
+            sc[0] = exp2f(sc[0] - ba); sc[2] = exp2f(sc[2] - ba);
+            sc[1] = exp2f(sc[1] - bb); sc[3] = exp2f(sc[3] - bb);
+            l_a += sc[0] + sc[2];
+            l_b += sc[1] + sc[3];
+            // P^T as B (keys 2 tig.. of each 8, head ga): the (key, head pair) f16x2 transposed
+            const u32 pb0 = movmatrix_trans(f32x2_f16x2(sc[0], sc[1]));
+            const u32 pb1 = movmatrix_trans(f32x2_f16x2(sc[2], sc[3]));
+            // V^T as A: movmatrix.trans of lane (ga, tig)'s dims 32 c + 8 tig + 2 q + (0, 1) of keys r0 / r1 holds
+            // dim 32 c + 8 (ga / 2) + 2 q + ga % 2 at keys 2 tig..: rows ga / ga + 8 of o[2c + p] are q = 2p / 2p + 1.
+            const unsigned char* vt = tile + TC_TILE * HD;
+#pragma unroll
+            for (int c = 0; c < HD / 32; c++) {
+                u32 p0[4], p1[4];
+                tc_rows_f16<HD>(vt, r0, r1, c, tig, p0, p1);
+#pragma unroll
+                for (int p = 0; p < 2; p++)
+                    mma_f16(o[2 * c + p], movmatrix_trans(p0[2 * p]), movmatrix_trans(p0[2 * p + 1]),
+                            movmatrix_trans(p1[2 * p]), movmatrix_trans(p1[2 * p + 1]), pb0, pb1);
             }
         } else {
-            // P = hi + lo, both bf16 (P to ~16 bits: the PV product is as exact as the fp32 CUDA-core kernels')
-            u32 ah[4], al[4];
+            float s[2][4];
 #pragma unroll
             for (int j = 0; j < 2; j++) {
+                s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+                const int r = warp * 16 + j * 8 + ga;
+                if constexpr (SM::F8) {                             // 8 e4m3 of span c: k16 steps 2c, 2c + 1
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const float x0 = s[j][2 * h], x1 = s[j][2 * h + 1];
-                    ah[2 * j + h] = pack2(x0, x1);
-                    al[2 * j + h] = pack2(x0 - round_bf(x0), x1 - round_bf(x1));
+                    for (int c = 0; c < HD / 32; c++) {
+                        const uint2 w =
+                            *reinterpret_cast<const uint2*>(tile + r * HD + (tc_span<HD>(r, c) << 5) + tig * 8);
+                        u32 b0, b1, b2, b3;
+                        e4m3x4_f16x4(w.x, b0, b1);
+                        e4m3x4_f16x4(w.y, b2, b3);
+                        mma_f16(s[j], qa[2 * c][0], qa[2 * c][1], qa[2 * c][2], qa[2 * c][3], b0, b1);
+                        mma_f16(s[j], qa[2 * c + 1][0], qa[2 * c + 1][1], qa[2 * c + 1][2], qa[2 * c + 1][3], b2, b3);
+                    }
+                } else {
+                    const u32* kr = reinterpret_cast<const u32*>(reinterpret_cast<const bf16*>(tile) + r * LD);
+#pragma unroll
+                    for (int ks = 0; ks < KS; ks++)
+                        mma_bf16(s[j], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], kr[ks * 8 + tig],
+                                 kr[ks * 8 + 4 + tig]);
                 }
             }
-            const bf16* Vs = reinterpret_cast<const bf16*>(tile) + TC_TILE * LD;
+            const int kb = sr.k0 + t * TC_TILE + warp * 16;
+            float mxa = NEG, mxb = NEG;
+            if (kb + 16 <= sr.kend) {                               // all 16 keys of the warp are in the split
 #pragma unroll
-            for (int d = 0; d < DT; d += 2) {
-                u32 b0, b1, b2, b3;
-                ldmatrix_x4_trans(b0, b1, b2, b3, Vs + (warp * 16 + r8 + (qm & 1) * 8) * LD + d * 8 + (qm >> 1) * 8);
-                mma_bf16(o[d], ah[0], ah[1], ah[2], ah[3], b0, b1);
-                mma_bf16(o[d + 1], ah[0], ah[1], ah[2], ah[3], b2, b3);
-                mma_bf16(o[d], al[0], al[1], al[2], al[3], b0, b1);
-                mma_bf16(o[d + 1], al[0], al[1], al[2], al[3], b2, b3);
+                for (int j = 0; j < 2; j++) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) s[j][e] *= sl2;
+                    mxa = fmaxf(mxa, fmaxf(s[j][0], s[j][1]));
+                    mxb = fmaxf(mxb, fmaxf(s[j][2], s[j][3]));
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const bool valid = kb + j * 8 + tig * 2 + e < sr.kend;
+                        s[j][e] = valid ? s[j][e] * sl2 : NEG;
+                        s[j][2 + e] = valid ? s[j][2 + e] * sl2 : NEG;
+                        mxa = fmaxf(mxa, s[j][e]);
+                        mxb = fmaxf(mxb, s[j][2 + e]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int o2 = 1; o2 <= 2; o2 <<= 1) {
+                mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, o2));
+                mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, o2));
+            }
+            TC_LAZY_RESCALE(DT, 1, 2)
+            const float ba = m_a == NEG ? 0.f : m_a, bb = m_b == NEG ? 0.f : m_b;   // a row without keys so far
+            float suma = 0.f, sumb = 0.f;
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                s[j][0] = exp2f(s[j][0] - ba); s[j][1] = exp2f(s[j][1] - ba);
+                s[j][2] = exp2f(s[j][2] - bb); s[j][3] = exp2f(s[j][3] - bb);
+                suma += s[j][0] + s[j][1];
+                sumb += s[j][2] + s[j][3];
+            }
+            l_a += suma;
+            l_b += sumb;
+            if constexpr (SM::F8) {
+                // P as f16 (11 bits). V: lane (ga, tig) reads 8 e4m3 of rows 16 warp + ga (+ 8) at span c, i.e. dims
+                // 32 c + 8 tig + 2 q + (0, 1) as f16x2 q; movmatrix.trans of each gives the B fragment of n tile
+                // 4 c + q (column n = dim 32 c + 8 (n / 2) + 2 q + n % 2), whose accumulator holds dims
+                // 32 c + 8 tig + 2 q + (0, 1).
+                u32 ap[4];
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+#pragma unroll
+                    for (int h = 0; h < 2; h++) ap[2 * j + h] = f32x2_f16x2(s[j][2 * h], s[j][2 * h + 1]);
+                }
+                const unsigned char* vt = tile + TC_TILE * HD;
+                const int r0 = warp * 16 + ga, r1 = r0 + 8;
+#pragma unroll
+                for (int c = 0; c < HD / 32; c++) {
+                    u32 p0[4], p1[4];
+                    tc_rows_f16<HD>(vt, r0, r1, c, tig, p0, p1);
+#pragma unroll
+                    for (int qd = 0; qd < 4; qd++)
+                        mma_f16(o[4 * c + qd], ap[0], ap[1], ap[2], ap[3], movmatrix_trans(p0[qd]),
+                                movmatrix_trans(p1[qd]));
+                }
+            } else {
+                // P = hi + lo, both bf16 (P to ~16 bits: the PV product is as exact as the fp32 CUDA-core kernels')
+                u32 ah[4], al[4];
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const float x0 = s[j][2 * h], x1 = s[j][2 * h + 1];
+                        ah[2 * j + h] = pack2(x0, x1);
+                        al[2 * j + h] = pack2(x0 - round_bf(x0), x1 - round_bf(x1));
+                    }
+                }
+                const bf16* Vs = reinterpret_cast<const bf16*>(tile) + TC_TILE * LD;
+#pragma unroll
+                for (int d = 0; d < DT; d += 2) {
+                    u32 b0, b1, b2, b3;
+                    ldmatrix_x4_trans(b0, b1, b2, b3,
+                                      Vs + (warp * 16 + r8 + (qm & 1) * 8) * LD + d * 8 + (qm >> 1) * 8);
+                    mma_bf16(o[d], ah[0], ah[1], ah[2], ah[3], b0, b1);
+                    mma_bf16(o[d + 1], ah[0], ah[1], ah[2], ah[3], b2, b3);
+                    mma_bf16(o[d], al[0], al[1], al[2], al[3], b0, b1);
+                    mma_bf16(o[d + 1], al[0], al[1], al[2], al[3], b2, b3);
+                }
             }
         }
     }
@@ -391,18 +468,34 @@ __device__ __forceinline__ void attn_decode_tc_impl(
     __syncthreads();
 
     // merge the 4 warps: red [4][GM][HD] floats in the idle ring, (m, l) per warp and head
-#pragma unroll
-    for (int o2 = 1; o2 <= 2; o2 <<= 1) {
-        l_a += __shfl_xor_sync(0xffffffffu, l_a, o2);
-        l_b += __shfl_xor_sync(0xffffffffu, l_b, o2);
-    }
     float* red = reinterpret_cast<float*>(tc_smem);
-    if (tig == 0) { wm[warp][ga] = m_a; wl[warp][ga] = l_a; wm[warp][gb] = m_b; wl[warp][gb] = l_b; }
+    if constexpr (HN) {
 #pragma unroll
-    for (int d = 0; d < DT; d++) {
-        const int col = SM::F8 ? (d >> 2) * 32 + tig * 8 + (d & 3) * 2 : d * 8 + tig * 2;
-        if (ga < G) { red[(warp * GM + ga) * HD + col] = o[d][0]; red[(warp * GM + ga) * HD + col + 1] = o[d][1]; }
-        if (gb < G) { red[(warp * GM + gb) * HD + col] = o[d][2]; red[(warp * GM + gb) * HD + col + 1] = o[d][3]; }
+        for (int o2 = 4; o2 <= 16; o2 <<= 1) {
+            l_a += __shfl_xor_sync(0xffffffffu, l_a, o2);
+            l_b += __shfl_xor_sync(0xffffffffu, l_b, o2);
+        }
+        const int h0 = 2 * tig, h1 = h0 + 1;
+        if (ga == 0) { wm[warp][h0] = m_a; wl[warp][h0] = l_a; wm[warp][h1] = m_b; wl[warp][h1] = l_b; }
+#pragma unroll
+        for (int d = 0; d < OT; d++) {
+            const int da = (d >> 1) * 32 + (ga >> 1) * 8 + (d & 1) * 4 + (ga & 1), db = da + 2;
+            if (h0 < G) { red[(warp * GM + h0) * HD + da] = o[d][0]; red[(warp * GM + h0) * HD + db] = o[d][2]; }
+            if (h1 < G) { red[(warp * GM + h1) * HD + da] = o[d][1]; red[(warp * GM + h1) * HD + db] = o[d][3]; }
+        }
+    } else {
+#pragma unroll
+        for (int o2 = 1; o2 <= 2; o2 <<= 1) {
+            l_a += __shfl_xor_sync(0xffffffffu, l_a, o2);
+            l_b += __shfl_xor_sync(0xffffffffu, l_b, o2);
+        }
+        if (tig == 0) { wm[warp][ga] = m_a; wl[warp][ga] = l_a; wm[warp][gb] = m_b; wl[warp][gb] = l_b; }
+#pragma unroll
+        for (int d = 0; d < DT; d++) {
+            const int col = SM::F8 ? (d >> 2) * 32 + tig * 8 + (d & 3) * 2 : d * 8 + tig * 2;
+            if (ga < G) { red[(warp * GM + ga) * HD + col] = o[d][0]; red[(warp * GM + ga) * HD + col + 1] = o[d][1]; }
+            if (gb < G) { red[(warp * GM + gb) * HD + col] = o[d][2]; red[(warp * GM + gb) * HD + col + 1] = o[d][3]; }
+        }
     }
     __syncthreads();
     for (int c = tid; c < G * HD; c += TC_THREADS) {
@@ -453,6 +546,31 @@ DECODE_TC_F8KV_KERNEL(64, 4)
 DECODE_TC_F8KV_KERNEL(128, 2)
 DECODE_TC_F8KV_KERNEL(128, 3)
 DECODE_TC_F8KV_KERNEL(128, 4)
+
+// attn_decode_tc_f8kvn_bBLOCKS_sSTAGES_hdHD: the FP8-cache kernel with the heads on the MMAs' n side (G <= 8):
+// S^T = K Q^T and O^T = V^T P^T, so half the MMAs, accumulators and exponentials of the 16-row layout; launch bound
+// BLOCKS blocks an SM (128 / 96 / 80 registers for 4 / 5 / 6).
+#define DECODE_TC_F8KVN_KERNEL(HD, STAGES, BLOCKS)                                                           \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, BLOCKS)                                        \
+        attn_decode_tc_f8kvn_b##BLOCKS##_s##STAGES##_hd##HD(                                                  \
+        const bf16* q, const e4m3* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,   \
+        float* part_o, float* part_ml, int* counters, bf16* out, int T, int nh, int nkv, int block_size,     \
+        int max_blocks, int num_slots, float scale, float k_scale, float v_scale) {                          \
+        attn_decode_tc_impl<HD, STAGES, false, e4m3, true>(q, kv_layer, qsl, seq_lens, block_tables, part_o, \
+                                                           part_ml, counters, out, T, nh, nkv, block_size,   \
+                                                           max_blocks, num_slots, scale, FusedRope<e4m3>{},  \
+                                                           k_scale, v_scale); }
+
+DECODE_TC_F8KVN_KERNEL(64, 2, 4)
+DECODE_TC_F8KVN_KERNEL(64, 3, 4)
+DECODE_TC_F8KVN_KERNEL(64, 4, 4)
+DECODE_TC_F8KVN_KERNEL(64, 2, 5)
+DECODE_TC_F8KVN_KERNEL(64, 2, 6)
+DECODE_TC_F8KVN_KERNEL(128, 2, 4)
+DECODE_TC_F8KVN_KERNEL(128, 3, 4)
+DECODE_TC_F8KVN_KERNEL(128, 4, 4)
+DECODE_TC_F8KVN_KERNEL(128, 2, 5)
+DECODE_TC_F8KVN_KERNEL(128, 2, 6)
 
 // attn_decode_fused_sSTAGES_hdHD: decode buckets of 1-2 seqs, QK-norm / RoPE / KV write included (q_norm, k_norm
 // null: no norm). kv_layer is read (the context) and written (the new token's k / v). Dynamic shared memory:

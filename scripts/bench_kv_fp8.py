@@ -1,10 +1,10 @@
 """`bench_kernels.py kv-fp8`: batched decode attention over a bf16 vs an FP8 (e4m3, per-layer scales) KV cache,
-Qwen3-8B heads: the tensor-core kernels attn_decode_tc_s{2,3} and attn_decode_tc_f8kv_s{TC_F8KV_STAGES} (* = the plan's
-ring depth) with the plan's splits,
-for every batch of --batches >= 3 (smaller ones run the fused few-seq kernel: the step benchmark covers them).
-Each output is checked against torch float32 attention over the cache as the kernel reads it (the FP8 one
-dequantized: float(e4m3) x scale); times are graph-replay medians over cache copies that together exceed L2; GB/s
-counts the KV bytes read (K and V of every context token, 2 or 1 bytes an element).
+Qwen3-8B heads: the tensor-core kernels attn_decode_tc_s{2,3}, attn_decode_tc_f8kv_s{TC_F8KV_STAGES} and its
+heads-on-n twin attn_decode_tc_f8kvn_b{blocks}_s{stages} (TC_F8KVN_VARIANTS; * = the plan's choice) with the
+plan's splits, for every batch of --batches >= 3 (smaller ones run the fused few-seq kernel: the step benchmark
+covers them). Each output is checked against torch float32 attention over the cache as the kernel reads it (the
+FP8 one dequantized: float(e4m3) x scale); times are graph-replay medians over cache copies that together exceed
+L2; GB/s counts the KV bytes read (K and V of every context token, 2 or 1 bytes an element).
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from bench_kernels import L2_BYTES, Kernels, rel_err, stream, time_graph
 from xserv_aot.plan import attention_plan as ap
+from xserv_aot.plan.op_records import Attention
 from xserv_aot.runtime.cuda.driver import Launch
 
 NH, NKV, HD, BS, EPS = 32, 8, 128, 16, 1e-6
@@ -53,8 +54,16 @@ def bench_kv_fp8(args) -> None:
                 splits = max(1, min(-(-ctx // ap.BATCHED_ATTN_TILE), -(-ap.BATCHED_ATTN_BLOCKS // (B * NKV))))
                 part_o = torch.empty(B * NH * splits * HD, device="cuda")
                 part_ml = torch.empty(B * NH * splits * 2, device="cuda")
-                default = ap.BATCHED_ATTN_F8KV_STAGES if fp8 else ap.BATCHED_ATTN_STAGES
-                for stages in ap.TC_F8KV_STAGES if fp8 else (2, 3):
+                chosen = ap.batched_attn_launch(Attention(q="q", kv_cache="kv", layer=0, query_start_loc="qsl",
+                                                          seq_lens="l", block_tables="bt", out="o", rows=B,
+                                                          num_seqs=B, num_heads=NH, num_kv_heads=NKV, head_dim=HD,
+                                                          scale=HD ** -0.5),
+                                                {"num_heads": NH, "num_kv_heads": NKV, "head_dim": HD}, ctx, [], [],
+                                                (K_SCALE, V_SCALE) if fp8 else None).fn
+                variants = [(sfx, st) for st in ap.TC_F8KV_STAGES] + [(f"_f8kvn_b{b}", st)
+                                                                      for b, st in ap.TC_F8KVN_VARIANTS] \
+                    if fp8 else [("", 2), ("", 3)]
+                for sfx, stages in variants:
                     name = f"attn_decode_tc{sfx}_s{stages}_hd{HD}"
                     smem = ap.tc_ring_smem(stages, HD, fp8)
                     fn = kern.fn("attention_decode_tc.cu", name, smem)
@@ -73,7 +82,7 @@ def bench_kv_fp8(args) -> None:
                     err = rel_err(out, ref)
                     lts = [launch(c) for c in copies]
                     ms = time_graph(lambda j: lts[j](stream()), ncopy)
-                    mark = "*" if stages == default else ""
+                    mark = "*" if name == chosen else ""
                     print(f"{B:5} {ctx:5} {name + mark:34} {ms * 1e3:9.1f} {kv_bytes / ms / 1e6:7.0f} {err:8.1e}",
                           flush=True)
                 del copies

@@ -106,14 +106,21 @@ def run_record(lib, rec, bufs):
     return args
 
 
+BATCHED_F8KV = [("m", 4, st) for st in ap.TC_F8KV_STAGES] + [("n", b, st) for b, st in ap.TC_F8KVN_VARIANTS]
+
+
 @pytest.mark.parametrize("scales", SCALES)
-@pytest.mark.parametrize("hd,nh,nkv", [(128, 32, 8), (64, 9, 3), (128, 64, 8)])
-@pytest.mark.parametrize("stages", ap.TC_F8KV_STAGES)
-def test_batched_decode_f8kv_matches_numpy(lib, rng, hd, nh, nkv, scales, stages, monkeypatch):
-    """Every ring depth built, through the plan's launch record (the default is one of them)."""
-    if hd == 64 and stages == 3:
+@pytest.mark.parametrize("hd,nh,nkv", [(128, 32, 8), (64, 9, 3), (128, 64, 8), (128, 48, 3)])
+@pytest.mark.parametrize("side,blocks,stages", BATCHED_F8KV)
+def test_batched_decode_f8kv_matches_numpy(lib, rng, hd, nh, nkv, scales, side, blocks, stages, monkeypatch):
+    """Every variant built of both kernels (heads on the MMAs' m side at every ring depth, and their n-side twin
+    for G <= 8 at every (blocks an SM, depth); G 16 takes the m-side kernel either way), through the plan's launch
+    record (the defaults are among them)."""
+    if hd == 64 and stages == 3 and side == "m":
         pytest.skip("hd 64: 2 and 4 stages built")
     monkeypatch.setattr(ap, "BATCHED_ATTN_F8KV_STAGES", stages)
+    monkeypatch.setattr(ap, "BATCHED_ATTN_F8KVN_VARIANT", (blocks, stages) if side == "n" else None)
+    heads_n = side == "n" and nh // nkv <= ap.TC_F8KVN_MAX_G
     seqs = [(1, 1), (1, 300), (1, 700), (0, 0), (1, 17), (1, 64), (1, 1000)]
     block_size, max_blocks = 16, 64
     qsl, lens, tables, kv = paged_setup(rng, seqs, nkv, hd)
@@ -124,7 +131,8 @@ def test_batched_decode_f8kv_matches_numpy(lib, rng, hd, nh, nkv, scales, stages
     tail = [("i32", block_size), ("i32", max_blocks), ("i32", kv.shape[1]), ("f32", op.scale)]
     rec = ap.batched_attn_launch(op, {"num_heads": nh, "num_kv_heads": nkv, "head_dim": hd}, block_size * max_blocks,
                                  common, tail, scales)
-    assert rec.fn == f"attn_decode_tc_f8kv_s{stages}_hd{hd}"
+    assert rec.fn == (f"attn_decode_tc_f8kvn_b{blocks}_s{stages}_hd{hd}" if heads_n
+                      else f"attn_decode_tc_f8kv_s{stages}_hd{hd}")
     splits = rec.grid[2]
     bufs = {"q": lib.to_device(q, "bfloat16"), "kv": lib.to_device(raw), "qsl": lib.to_device(qsl),
             "lens": lib.to_device(lens), "bt": lib.to_device(tables), "out": lib.empty((T, nh * hd), "bfloat16"),

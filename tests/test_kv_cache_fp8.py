@@ -263,7 +263,8 @@ def test_every_kv_kernel_is_its_fp8_variant_with_the_layer_scales(tmp_path):
     assert [bk.name for bk in f8.buckets] == [bk.name for bk in bf16.buckets if not bk.name.endswith("_mk")]
     records = kv_launches(f8)
     assert {rec.fn for _, _, rec in records} == {
-        "attn_decode_fused_f8kv_s3_hd128", f"attn_decode_tc_f8kv_s{ap.BATCHED_ATTN_F8KV_STAGES}_hd128",
+        "attn_decode_fused_f8kv_s3_hd128", "attn_decode_tc_f8kvn_b{}_s{}_hd128".format(*ap.BATCHED_ATTN_F8KVN_VARIANT)
+        if ap.BATCHED_ATTN_F8KVN_VARIANT else f"attn_decode_tc_f8kv_s{ap.BATCHED_ATTN_F8KV_STAGES}_hd128",
         "qk_norm_rope_cache_f8kv_hd128",
         "qk_norm_rope_cache_rows_f8kv_hd128", "attn_prefill_f8kv_w4m2k16s4_hd128"}
     for _, op, rec in records:

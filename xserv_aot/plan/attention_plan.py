@@ -1,8 +1,8 @@
 """Which attention kernels an op runs, with their launch records: for decode buckets of a few sequences the
 fused kernel (QK-norm + RoPE + KV write of the step's token, then split-KV attention, splits chosen per sequence
-at run time from seq_lens, combined in-kernel), the batched flash-decoding kernels (tensor cores or CUDA cores) for larger decode buckets, and for
-prefill buckets the flash prefill kernel plus the batched decode kernel on the one-row (decode) sequences of a
-mixed step. Constants here are the H200 sweep's choices (docs/cuda-notes.md)."""
+at run time from seq_lens, combined in-kernel), the batched flash-decoding kernels (tensor cores or CUDA cores) for
+larger decode buckets, and for prefill buckets the flash prefill kernel plus the batched decode kernel on the
+one-row (decode) sequences of a mixed step. Constants here are the H200 sweep's choices (docs/cuda-notes.md)."""
 from __future__ import annotations
 
 import re
@@ -48,6 +48,10 @@ PREFILL_ATTN_F8KV_HD64 = "w8m1k64s2"
 FEW_ATTN_F8KV_STAGES = (3, 4)   # fused few-seq kernel over an FP8 cache: the ring depths built (hd 64: 3)
 TC_F8KV_STAGES = (2, 3, 4)      # batched tensor-core kernel over an FP8 cache: the ring depths built (hd 64: 2, 4)
 BATCHED_ATTN_F8KV_STAGES = 4    # ... the one plans take (H200 sweep, docs/cuda-notes.md)
+TC_F8KVN_MAX_G = 8              # its heads-on-n twin (attn_decode_tc_f8kvn_b{blocks}_s{stages}_hd*): the query
+#                                 heads of a kv head on the MMAs' n8 side, so at most 8
+TC_F8KVN_VARIANTS = ((4, 2), (4, 3), (4, 4), (5, 2), (6, 2))   # ... the (blocks an SM, ring depth) pairs built
+BATCHED_ATTN_F8KVN_VARIANT = (4, 2)   # ... the one plans take where G allows (H200 sweep); None: the kernel above
 _PIPE = re.compile(r"w(\d+)m(\d+)k(\d+)s(\d+)")
 _WGMMA = re.compile(r"w([gs])(\d)h(\d)k(\d+)s(\d)o?p?l?q?e?")
 FEW_ATTN_STAGES = 3          # fused few-seq kernel: tiles of 64 keys in its cp.async ring (2, 3, 4, 6 built)
@@ -129,7 +133,11 @@ def batched_attn_launch(op: Attention, m: dict, max_seq_len: int, common: list, 
     splits = max(1, min(-(-max_seq_len // BATCHED_ATTN_TILE), -(-BATCHED_ATTN_BLOCKS // (seqs * nkv))))
     if scales and BATCHED_ATTN_KERNEL != "tc":
         raise KernelBuildError("FP8 KV cache: batched decode attention is built only as the tc kernel")
-    if BATCHED_ATTN_KERNEL == "tc":
+    if BATCHED_ATTN_KERNEL == "tc" and scales and BATCHED_ATTN_F8KVN_VARIANT and g <= TC_F8KVN_MAX_G:
+        blocks, stages = BATCHED_ATTN_F8KVN_VARIANT
+        smem = tc_ring_smem(stages, hd, True)
+        name = f"attn_decode_tc_f8kvn_b{blocks}_s{stages}_hd{hd}"
+    elif BATCHED_ATTN_KERNEL == "tc":
         stages = BATCHED_ATTN_F8KV_STAGES if scales else BATCHED_ATTN_STAGES
         smem = tc_ring_smem(stages, hd, bool(scales))
         name = f"attn_decode_tc{kv_suffix(scales)}_s{stages}_hd{hd}"

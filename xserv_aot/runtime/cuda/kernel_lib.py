@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from xserv_aot.dtypes import STORAGE, decode, encode
-from xserv_aot.runtime.cuda.driver import Device, Launch
+from xserv_aot.runtime.cuda.driver import Device, Launch, allow_dynamic_smem
 
 
 class DeviceArray:
@@ -33,11 +33,16 @@ class KernelLib:
         cubins = compile_all(self.tmp, target, sources=sources or KERNEL_SOURCES)
         self.where = {fn: name for name, c in cubins.items() for fn in c["functions"]}
         self.modules = {name: self.dev.load_module((self.tmp / c["file"]).read_bytes()) for name, c in cubins.items()}
-        self._funcs = {}
+        self._funcs, self._smem = {}, {}
 
     def func(self, name: str, smem: int = 0):
+        """The kernel, opted in to at least `smem` dynamic bytes (the largest any launch of it asked for so far)."""
         if name not in self._funcs:
             self._funcs[name] = self.dev.function(self.modules[self.where[name]], name, smem)
+            self._smem[name] = smem
+        elif smem > self._smem[name]:
+            allow_dynamic_smem(self._funcs[name], smem, name)
+            self._smem[name] = smem
         return self._funcs[name]
 
     def to_device(self, x: np.ndarray, dtype: str | None = None) -> DeviceArray:

@@ -205,7 +205,9 @@ def mse_reference(w, scheme):
     return out[:, 0] if scheme == fp8.CHANNEL else out
 
 
-@pytest.mark.parametrize("scheme,n,k", [(fp8.CHANNEL, 40, 96), (fp8.BLOCK128, 200, 136)])
+# block128 at 520 x 392: 20 blocks (tails on both sides), so some block's best clip is below 1 for any seed (with the
+# 4 blocks of 200 x 136 every block kept alpha 1 for ~7% of seeds)
+@pytest.mark.parametrize("scheme,n,k", [(fp8.CHANNEL, 40, 96), (fp8.BLOCK128, 520, 392)])
 def test_mse_scale_matches_reference_and_never_loses(seed, scheme, n, k):
     rng = np.random.default_rng(seed)
     w = (rng.standard_t(3, size=(n, k)) * rng.uniform(0.01, 1.0, size=(n, 1))).astype(np.float32)

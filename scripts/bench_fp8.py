@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from xserv_aot import fp8
-from xserv_aot.plan.cutlass_build import fp8_config
+from xserv_aot.plan.cutlass_build import fp8_config, library_fp8_config_names, library_fp8_workspace_size
 from xserv_aot.plan.kernel_build import GEMV_MAX_ROWS
 from xserv_aot.plan.fp8_build import SCHEME_TAG, plan_fp8_linear, plan_quantize
 from xserv_aot.plan.op_records import Linear, QuantizeFp8
@@ -48,17 +48,14 @@ class Fp8Gemm:
         so.xserv_gemm_fp8_ex.restype = ctypes.c_int
         so.xserv_gemm_fp8_ex.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 4 + \
             [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        so.xserv_gemm_fp8_workspace_size.restype = ctypes.c_size_t
-        so.xserv_gemm_fp8_workspace_size.argtypes = [ctypes.c_int] * 6
-        so.xserv_gemm_fp8_config_name.restype = ctypes.c_char_p
         so.xserv_gemm_fp8_config_out_bytes.restype = ctypes.c_int
-        self.so = so
-        self.names = [so.xserv_gemm_fp8_config_name(i).decode() for i in range(so.xserv_gemm_fp8_num_configs())]
+        self.lib, self.so = lib, so
+        self.names = library_fp8_config_names(lib)
         self.out_bytes = [so.xserv_gemm_fp8_config_out_bytes(i) for i in range(len(self.names))]
         self.ws = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
 
     def ws_size(self, cfg: int, M: int, N: int, K: int, splits: int = 0) -> int:
-        return self.so.xserv_gemm_fp8_workspace_size(cfg, M, N, K, splits, 132)
+        return library_fp8_workspace_size(self.lib, cfg, M, N, K, splits)
 
     def __call__(self, cfg, splits, xq, xs, w, s, y, M, N, K, stream):
         """xserv_gemm_fp8_ex (the plans' entry points): the splits of stream-K configs, a 64 MB workspace."""

@@ -53,8 +53,8 @@ def bench_fp8_wgmma(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> Non
     from xserv_aot.runtime.cuda.tensor_map import encode
     kern = Kernels("gemv_fp8.cu", "gemm_w8a8_wgmma.cu", "gemm_w8a8_tma.cu")
     sweep_cp_async = args.variants == "all"
-    so = ctypes.CDLL(str(Path(args.lib))) if args.lib else None
     fp8_gemm = Fp8Gemm(Path(args.lib)) if args.lib else None
+    so = fp8_gemm.so if fp8_gemm else None
     cutlass = {"path": Path(args.lib), "configs": library_config_names(Path(args.lib))} if args.lib else None
     rows_list = [int(r) for r in args.rows.split(",")]
     schemes = [fp8.BLOCK128] + ([fp8.CHANNEL] if args.both_schemes else [])

@@ -42,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from xserv_aot.plan import nvrtc_build  # noqa: E402
+from xserv_aot.plan.cutlass_build import library_config_names, library_workspace_size  # noqa: E402
 from xserv_aot.runtime.cuda.driver import Launch, _cu, allow_dynamic_smem, check  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
@@ -107,16 +108,12 @@ class Gemm:
         so.xserv_gemm_bf16_ex.restype = ctypes.c_int
         so.xserv_gemm_bf16_ex.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + \
             [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        so.xserv_gemm_workspace_size_ex.restype = ctypes.c_size_t
-        so.xserv_gemm_workspace_size_ex.argtypes = [ctypes.c_int] * 6
-        so.xserv_gemm_config_name.restype = ctypes.c_char_p
-        so.xserv_gemm_num_configs.restype = ctypes.c_int
-        self.so = so
-        self.names = [so.xserv_gemm_config_name(i).decode() for i in range(so.xserv_gemm_num_configs())]
+        self.lib, self.so = lib, so
+        self.names = library_config_names(lib)
         self.ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 
     def ws_size(self, cfg, M, N, K, splits) -> int:
-        return self.so.xserv_gemm_workspace_size_ex(cfg, M, N, K, splits, 132)
+        return library_workspace_size(self.lib, cfg, M, N, K, splits)
 
     def __call__(self, cfg, x, w, y, M, N, K, splits):
         st = self.so.xserv_gemm_bf16_ex(cfg, x.data_ptr(), w.data_ptr(), y.data_ptr(), None, M, N, K, splits,

@@ -49,7 +49,6 @@ def bench_kv_fp8(args) -> None:
                 copies = [cache.clone() for _ in range(ncopy)]
                 dq = (cache.float() * scale) if fp8 else cache.float()
                 ref = reference(q, dq, bt, ctx)
-                sfx = "_f8kv" if fp8 else ""
                 extra = [("f32", K_SCALE), ("f32", V_SCALE)] if fp8 else []
                 splits = max(1, min(-(-ctx // ap.BATCHED_ATTN_TILE), -(-ap.BATCHED_ATTN_BLOCKS // (B * NKV))))
                 part_o = torch.empty(B * NH * splits * HD, device="cuda")
@@ -60,7 +59,7 @@ def bench_kv_fp8(args) -> None:
                                                           scale=HD ** -0.5),
                                                 {"num_heads": NH, "num_kv_heads": NKV, "head_dim": HD}, ctx, [], [],
                                                 (K_SCALE, V_SCALE) if fp8 else None).fn
-                variants = [(sfx, st) for st in ap.TC_F8KV_STAGES] + [(f"_f8kvn_b{b}", st)
+                variants = [("_f8kv", st) for st in ap.TC_F8KV_STAGES] + [(f"_f8kvn_b{b}", st)
                                                                       for b, st in ap.TC_F8KVN_VARIANTS] \
                     if fp8 else [("", 2), ("", 3)]
                 for sfx, stages in variants:

@@ -569,14 +569,18 @@ __device__ __forceinline__ void load_tile(const Args& a, const AttnItem& it, con
 }
 
 // L2 prefetch of the split's keys from p0 on (K and V rows): a.kv_prefetch 0, prefetch.global.L2 of each 128-B
-// line; 1, one cp.async.bulk.prefetch.L2 (the copy engine) of each 256-B row.
+// line; 1, one cp.async.bulk.prefetch.L2 (the copy engine) of each 256-B row; 2, as 0 with the L2 evict_last
+// priority (the weight stream's lines are evict_first).
 __device__ __forceinline__ void prefetch_keys(const Args& a, const AttnItem& it, const bf16* kvl, int p0) {
     const size_t stride = (size_t)a.nkv * MK_HD;
     for (int p = p0 + (threadIdx.x >> 1); p < it.k1; p += MK_CTHREADS / 2) {
         const bf16* k = kvl + key_slot(a, it, p) * stride + (size_t)it.kvh * MK_HD;
         const bf16* v = k + (size_t)a.num_slots * stride;
-        if (a.kv_prefetch) {
+        if (a.kv_prefetch == 1) {
             prefetch_l2(threadIdx.x & 1 ? v : k, MK_HD * 2);
+        } else if (a.kv_prefetch == 2) {
+            asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(k + (threadIdx.x & 1) * (MK_HD / 2)));
+            asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(v + (threadIdx.x & 1) * (MK_HD / 2)));
         } else {
             asm volatile("prefetch.global.L2 [%0];" :: "l"(k + (threadIdx.x & 1) * (MK_HD / 2)));
             asm volatile("prefetch.global.L2 [%0];" :: "l"(v + (threadIdx.x & 1) * (MK_HD / 2)));
@@ -612,9 +616,9 @@ __device__ __forceinline__ void prefetch_attention(const Args& a, const AttnItem
 }
 
 // Phase 2 for one block (consumer threads): q / new k, v from the qkv row, online softmax over the split's tiles
-// (with RT the first already in t), then the split's (o, m, l) or, for one split, the output; the last split
-// combines.
-template <int M, int G, bool RT>
+// (the first in t: TL 1 loaded before the qkv barrier, TL 2 issued here before q, k, v are read, TL 0 after),
+// then the split's (o, m, l) or, for one split, the output; the last split combines.
+template <int M, int G, int TL>
 __device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& it, int layer, KVTile& t,
                                                 const AttnConst& c, float* sm, long long* tr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nh = a.nh;
@@ -629,6 +633,8 @@ __device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& i
         for (int i = threadIdx.x; i < G * MK_HD; i += MK_CTHREADS) out[i] = 0;
         return;
     }
+    const bf16* kvl = a.kv + (size_t)layer * 2 * a.num_slots * a.nkv * MK_HD;
+    if (TL == 2) load_tile(a, it, kvl, it.k0, t);  // in flight while q, k, v are prepared
     const bool last = it.k1 == it.ctx;
     const bf16* row = a.qkv + (size_t)it.m * (nh + 2 * a.nkv) * MK_HD;
     static_assert(G + 2 <= MK_CONSUMERS, "one attention task a warp (attn_const)");
@@ -664,9 +670,8 @@ __device__ __forceinline__ void attention_phase(const Args& a, const AttnItem& i
         m_run[g] = -1e30f; l_run[g] = 0.f;
         acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.f;
     }
-    const bf16* kvl = a.kv + (size_t)layer * 2 * a.num_slots * a.nkv * MK_HD;
     for (int t0 = it.k0; t0 < it.k1; t0 += MK_TILE) {
-        if (!RT || t0 != it.k0) load_tile(a, it, kvl, t0, t);
+        if (TL == 0 || t0 != it.k0) load_tile(a, it, kvl, t0, t);
         const int p = t0 + (threadIdx.x >> 1), half = (threadIdx.x & 1) * (MK_HD / 2);
         float s[G];
 #pragma unroll
@@ -816,7 +821,7 @@ __device__ __forceinline__ void consume_phase(Ring& r, const bf16* hs, float* pa
     else consume<M, Q>(r, hs, part, r0, r1, K, gate, sc, up_off, wait_ns);
 }
 
-template <int M, int G, bool RT, int PW, int Q, bool TC>
+template <int M, int G, int TL, int PW, int Q, bool TC>
 __device__ void megakernel(const Args& a) {
     extern __shared__ __align__(128) char smem[];
     char* slots = smem;
@@ -874,7 +879,7 @@ __device__ void megakernel(const Args& a) {
         STAMP(2);
         if (it.live && it.ctx > 0) {
             const bf16* kvl = a.kv + (size_t)l * 2 * a.num_slots * a.nkv * MK_HD;
-            if (RT) load_tile(a, it, kvl, it.k0, tile);
+            if (TL == 1) load_tile(a, it, kvl, it.k0, tile);
             attn_const<G>(a, it, l, ac);
         }
         csync();
@@ -889,7 +894,7 @@ __device__ void megakernel(const Args& a) {
         grid_sync(a.bar, base + (++nbar) * NB);
         // (2) attention
         STAMP(3);
-        if (it.live) attention_phase<M, G, RT>(a, it, l, tile, ac, (float*)hs, tr);
+        if (it.live) attention_phase<M, G, TL>(a, it, l, tile, ac, (float*)hs, tr);
         STAMP(4);
         grid_sync(a.bar, base + (++nbar) * NB);
         STAMP(5);
@@ -960,7 +965,7 @@ __device__ void megakernel(const Args& a) {
 // residual stream), h_out [M, H] = final rmsnorm; qkv [M, (nh + 2 nkv) HD], attn [M, nh HD], act [M, I] scratch;
 // layer weights: layer 0's pointers, layer l at + l * layer_stride elements; kv: the cache's layer 0.
 // WT: the weight matrices' pointee type (bf16 for Q 0, e4m3 else); their scales follow w_down (null for bf16)
-#define MK_KERNEL(M, G, RT, PW, Q, TC, WT, SUF)                                                                    \
+#define MK_KERNEL(M, G, TL, PW, Q, TC, WT, SUF)                                                                    \
     extern "C" __global__ void __launch_bounds__(MK_THREADS_##PW, 1) decode_mk_m##M##_g##G##_hd128##SUF(        \
         bf16* x, bf16* h_out, bf16* qkv, bf16* attn, bf16* act, const bf16* in_norm, const WT* w_qkv,            \
         const bf16* q_norm, const bf16* k_norm, const WT* w_o, const bf16* post_norm, const WT* w_gu,            \
@@ -975,23 +980,32 @@ __device__ void megakernel(const Args& a) {
                      s_qkv, s_o, s_gu, s_down, layer_stride, cos_t, sin_t, positions, seq_lens, slot_mapping,    \
                      block_tables, kv, part_o, part_ml, counters, bar, trace, layers, H, I, nh, nkv, block_size, \
                      max_blocks, num_slots, smax, stages, l2_ahead, kv_prefetch, eps, scale};                   \
-        megakernel<M, G, RT, PW, Q, TC>(a); }
+        megakernel<M, G, TL, PW, Q, TC>(a); }
 
-// RT: the first KV tile of a split is loaded into registers before the qkv barrier (_tl2: after it), from L2
-// where the layer's start prefetched it; PW: producer warps (_p4: a producer warpgroup, setmaxnreg);
-// Q: _f8c / _f8b FP8 weights (fp8_channel / fp8_block128), only the default variant; TC (_f8ct / _f8bt): FP8 rows
-// on the tensor cores, one sequence
-MK_KERNEL(1, 4, true, 1, 0, false, bf16, )
-MK_KERNEL(2, 4, true, 1, 0, false, bf16, )
-MK_KERNEL(1, 4, false, 1, 0, false, bf16, _tl2)
-MK_KERNEL(2, 4, false, 1, 0, false, bf16, _tl2)
-MK_KERNEL(1, 4, true, 4, 0, false, bf16, _p4)
-MK_KERNEL(2, 4, true, 4, 0, false, bf16, _p4)
-MK_KERNEL(1, 4, false, 4, 0, false, bf16, _tl2_p4)
-MK_KERNEL(2, 4, false, 4, 0, false, bf16, _tl2_p4)
-MK_KERNEL(1, 4, false, 4, 1, false, e4m3, _tl2_p4_f8c)
-MK_KERNEL(2, 4, false, 4, 1, false, e4m3, _tl2_p4_f8c)
-MK_KERNEL(1, 4, false, 4, 2, false, e4m3, _tl2_p4_f8b)
-MK_KERNEL(2, 4, false, 4, 2, false, e4m3, _tl2_p4_f8b)
-MK_KERNEL(1, 4, false, 4, 1, true, e4m3, _tl2_p4_f8ct)
-MK_KERNEL(1, 4, false, 4, 2, true, e4m3, _tl2_p4_f8bt)
+// TL: where a split's first KV tile (from L2, where the layer's start prefetched it) is loaded into registers: 1
+// before the qkv barrier (no suffix), 0 after q, k, v are prepared (_tl2), 2 at attention's start, before q, k, v
+// are read (_tl3); PW: producer warps (_p4: a producer warpgroup, setmaxnreg); Q: _f8c / _f8b FP8 weights
+// (fp8_channel / fp8_block128), only the _tl2_p4 / _tl3_p4 variants; TC (_f8ct / _f8bt): FP8 rows on the tensor
+// cores, one sequence
+MK_KERNEL(1, 4, 1, 1, 0, false, bf16, )
+MK_KERNEL(2, 4, 1, 1, 0, false, bf16, )
+MK_KERNEL(1, 4, 0, 1, 0, false, bf16, _tl2)
+MK_KERNEL(2, 4, 0, 1, 0, false, bf16, _tl2)
+MK_KERNEL(1, 4, 1, 4, 0, false, bf16, _p4)
+MK_KERNEL(2, 4, 1, 4, 0, false, bf16, _p4)
+MK_KERNEL(1, 4, 0, 4, 0, false, bf16, _tl2_p4)
+MK_KERNEL(2, 4, 0, 4, 0, false, bf16, _tl2_p4)
+MK_KERNEL(1, 4, 0, 4, 1, false, e4m3, _tl2_p4_f8c)
+MK_KERNEL(2, 4, 0, 4, 1, false, e4m3, _tl2_p4_f8c)
+MK_KERNEL(1, 4, 0, 4, 2, false, e4m3, _tl2_p4_f8b)
+MK_KERNEL(2, 4, 0, 4, 2, false, e4m3, _tl2_p4_f8b)
+MK_KERNEL(1, 4, 0, 4, 1, true, e4m3, _tl2_p4_f8ct)
+MK_KERNEL(1, 4, 0, 4, 2, true, e4m3, _tl2_p4_f8bt)
+MK_KERNEL(1, 4, 2, 4, 0, false, bf16, _tl3_p4)
+MK_KERNEL(2, 4, 2, 4, 0, false, bf16, _tl3_p4)
+MK_KERNEL(1, 4, 2, 4, 1, false, e4m3, _tl3_p4_f8c)
+MK_KERNEL(2, 4, 2, 4, 1, false, e4m3, _tl3_p4_f8c)
+MK_KERNEL(1, 4, 2, 4, 2, false, e4m3, _tl3_p4_f8b)
+MK_KERNEL(2, 4, 2, 4, 2, false, e4m3, _tl3_p4_f8b)
+MK_KERNEL(1, 4, 2, 4, 1, true, e4m3, _tl3_p4_f8ct)
+MK_KERNEL(1, 4, 2, 4, 2, true, e4m3, _tl3_p4_f8bt)

@@ -31,11 +31,13 @@ def sms():
     return Device(0).num_sms
 
 
-# kernel variants (plan/megakernel_plan.py constants): first KV tile in registers before the qkv barrier or
-# loaded after it, producer warps, the producer's L2 prefetch window while the ring is full, the KV prefetch kind
-VARIANTS = {"default": {}, "rt-bulkpf": dict(MK_TILE_IN_REGS=True, MK_KV_PREFETCH=1),
-            "p1-rt": dict(MK_PRODUCER_WARPS=1, MK_TILE_IN_REGS=True),
-            "p1-l2pf8": dict(MK_PRODUCER_WARPS=1, MK_TILE_IN_REGS=False, MK_L2_AHEAD=8)}
+# kernel variants (plan/megakernel_plan.py constants): where the first KV tile is loaded (registers before the qkv
+# barrier, after q / k / v are prepared, at attention's start), producer warps, the producer's L2 prefetch window
+# while the ring is full, the KV prefetch kind (2: L2 evict_last)
+VARIANTS = {"default": {}, "rt-bulkpf": dict(MK_TILE_LOAD="regs", MK_KV_PREFETCH=1),
+            "p1-rt": dict(MK_PRODUCER_WARPS=1, MK_TILE_LOAD="regs"),
+            "p1-l2pf8": dict(MK_PRODUCER_WARPS=1, MK_TILE_LOAD="after", MK_L2_AHEAD=8),
+            "early": dict(MK_TILE_LOAD="early"), "evict-last": dict(MK_KV_PREFETCH=2)}
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -132,11 +134,11 @@ def test_graph_replay_equals_eager_bitwise(runners, seed):
 
 
 @pytest.fixture(scope="module", params=["block128", "channel", "block128-tc", "channel-tc", "block128-tc-i12288",
-                                        "channel-tc-i12288"])
+                                        "channel-tc-i12288", "block128-early", "channel-tc-early"])
 def fp8_plans(request, tmp_path_factory, seed_for, sms):
     """A tiny FP8 (W8A16 at decode) plan with the megakernel (-tc: decode_1 on the tensor cores; -i12288: Qwen3-8B's
-    intermediate size, so down_proj's K = 12288 gives 2-row ring slots and a partial second mma iteration) and the
-    same model's per-op FP8 plan."""
+    intermediate size, so down_proj's K = 12288 gives 2-row ring slots and a partial second mma iteration; -early:
+    the first KV tile loaded at attention's start) and the same model's per-op FP8 plan."""
     from tests.tiny_models import make_tiny_model
     from xserv_aot.config import BuildConfig
     from xserv_aot.plan import megakernel_plan
@@ -149,6 +151,8 @@ def fp8_plans(request, tmp_path_factory, seed_for, sms):
     with pytest.MonkeyPatch.context() as mp:                # decode_1 too (selectable, not the default)
         mp.setattr(megakernel_plan, "MK_FP8_SEQS", (1, 2))
         mp.setattr(megakernel_plan, "MK_FP8_TC", tc)
+        if "early" in opts:
+            mp.setattr(megakernel_plan, "MK_FP8_TILE_LOAD", "early")
         mk = compile_plan(model_dir, tmp / "mk", BuildConfig(**fp8, megakernel_sms=sms))
     ref = compile_plan(model_dir, tmp / "ref", BuildConfig(**fp8))
     suffix = {"block128": "_f8b", "channel": "_f8c"}[scheme]

@@ -101,7 +101,7 @@ def test_fp8_weights_run_the_fp8_kernel_with_their_scales(tmp_path, scheme, suff
     tensors = plan.manifest["weights"]["tensors"]
     for name, seqs in (("decode_1", 1), ("decode_2", 2)):
         rec = next(op.cuda.launch[0] for op in bucket(plan, name).ops if op.cuda.kernel.startswith(MK_PREFIX))
-        assert rec.fn == kernel_name(seqs, 4) + suffix == f"{MK_PREFIX}m{seqs}_g4_hd128_tl2_p4{suffix}"
+        assert rec.fn == kernel_name(seqs, 4, f"fp8_{scheme}") == f"{MK_PREFIX}m{seqs}_g4_hd128_tl2_p4{suffix}"
         assert rec.args[13:17] == tuple(("ptr", f"layers.0.{w}.scale") for w in ("qkv", "o_proj", "gate_up", "down"))
         stride = rec.args[18][1]
         for w in ("qkv", "qkv.scale", "down", "down.scale", "input_norm"):     # one byte stride: 2 x the bf16 one

@@ -569,8 +569,7 @@ __device__ __forceinline__ void load_tile(const Args& a, const AttnItem& it, con
 }
 
 // L2 prefetch of the split's keys from p0 on (K and V rows): a.kv_prefetch 0, prefetch.global.L2 of each 128-B
-// line; 1, one cp.async.bulk.prefetch.L2 (the copy engine) of each 256-B row; 2, as 0 with the L2 evict_last
-// priority (the weight stream's lines are evict_first).
+// line; 1, one cp.async.bulk.prefetch.L2 (the copy engine) of each 256-B row.
 __device__ __forceinline__ void prefetch_keys(const Args& a, const AttnItem& it, const bf16* kvl, int p0) {
     const size_t stride = (size_t)a.nkv * MK_HD;
     for (int p = p0 + (threadIdx.x >> 1); p < it.k1; p += MK_CTHREADS / 2) {
@@ -578,9 +577,6 @@ __device__ __forceinline__ void prefetch_keys(const Args& a, const AttnItem& it,
         const bf16* v = k + (size_t)a.num_slots * stride;
         if (a.kv_prefetch == 1) {
             prefetch_l2(threadIdx.x & 1 ? v : k, MK_HD * 2);
-        } else if (a.kv_prefetch == 2) {
-            asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(k + (threadIdx.x & 1) * (MK_HD / 2)));
-            asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(v + (threadIdx.x & 1) * (MK_HD / 2)));
         } else {
             asm volatile("prefetch.global.L2 [%0];" :: "l"(k + (threadIdx.x & 1) * (MK_HD / 2)));
             asm volatile("prefetch.global.L2 [%0];" :: "l"(v + (threadIdx.x & 1) * (MK_HD / 2)));
@@ -985,8 +981,8 @@ __device__ void megakernel(const Args& a) {
 // TL: where a split's first KV tile (from L2, where the layer's start prefetched it) is loaded into registers: 1
 // before the qkv barrier (no suffix), 0 after q, k, v are prepared (_tl2), 2 at attention's start, before q, k, v
 // are read (_tl3); PW: producer warps (_p4: a producer warpgroup, setmaxnreg); Q: _f8c / _f8b FP8 weights
-// (fp8_channel / fp8_block128), only the _tl2_p4 / _tl3_p4 variants; TC (_f8ct / _f8bt): FP8 rows on the tensor
-// cores, one sequence
+// (fp8_channel / fp8_block128), only the _tl2_p4 / _tl3_p4 variants (_tl3 only with FP8); TC (_f8ct / _f8bt): FP8
+// rows on the tensor cores, one sequence
 MK_KERNEL(1, 4, 1, 1, 0, false, bf16, )
 MK_KERNEL(2, 4, 1, 1, 0, false, bf16, )
 MK_KERNEL(1, 4, 0, 1, 0, false, bf16, _tl2)
@@ -1001,8 +997,6 @@ MK_KERNEL(1, 4, 0, 4, 2, false, e4m3, _tl2_p4_f8b)
 MK_KERNEL(2, 4, 0, 4, 2, false, e4m3, _tl2_p4_f8b)
 MK_KERNEL(1, 4, 0, 4, 1, true, e4m3, _tl2_p4_f8ct)
 MK_KERNEL(1, 4, 0, 4, 2, true, e4m3, _tl2_p4_f8bt)
-MK_KERNEL(1, 4, 2, 4, 0, false, bf16, _tl3_p4)
-MK_KERNEL(2, 4, 2, 4, 0, false, bf16, _tl3_p4)
 MK_KERNEL(1, 4, 2, 4, 1, false, e4m3, _tl3_p4_f8c)
 MK_KERNEL(2, 4, 2, 4, 1, false, e4m3, _tl3_p4_f8c)
 MK_KERNEL(1, 4, 2, 4, 2, false, e4m3, _tl3_p4_f8b)

@@ -32,12 +32,11 @@ def sms():
 
 
 # kernel variants (plan/megakernel_plan.py constants): where the first KV tile is loaded (registers before the qkv
-# barrier, after q / k / v are prepared, at attention's start), producer warps, the producer's L2 prefetch window
-# while the ring is full, the KV prefetch kind (2: L2 evict_last)
+# barrier, after q / k / v are prepared), producer warps, the producer's L2 prefetch window while the ring is full,
+# the KV prefetch kind (1: the copy engine)
 VARIANTS = {"default": {}, "rt-bulkpf": dict(MK_TILE_LOAD="regs", MK_KV_PREFETCH=1),
             "p1-rt": dict(MK_PRODUCER_WARPS=1, MK_TILE_LOAD="regs"),
-            "p1-l2pf8": dict(MK_PRODUCER_WARPS=1, MK_TILE_LOAD="after", MK_L2_AHEAD=8),
-            "early": dict(MK_TILE_LOAD="early"), "evict-last": dict(MK_KV_PREFETCH=2)}
+            "p1-l2pf8": dict(MK_PRODUCER_WARPS=1, MK_TILE_LOAD="after", MK_L2_AHEAD=8)}
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))

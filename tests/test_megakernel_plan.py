@@ -189,3 +189,16 @@ def test_models_the_kernel_does_not_fit_keep_per_op_kernels(tmp_path, change, wh
 def test_build_setting_is_checked(bad):
     with pytest.raises(ConfigError, match="megakernel_sms"):
         BuildConfig(megakernel_sms=bad).validate()
+
+
+def test_kernel_name_refuses_variants_without_a_kernel(monkeypatch):
+    """The first tile early has FP8 kernels only; FP8 weights need the producer warpgroup (VARIANT_FORMATS)."""
+    from xserv_aot.plan import megakernel_plan as mp
+    monkeypatch.setattr(mp, "MK_TILE_LOAD", "early")
+    with pytest.raises(mp.NotEligible, match="bf16 weights: no kernel of variant '_tl3_p4'"):
+        mp.kernel_name(1, 4)
+    monkeypatch.setattr(mp, "MK_FP8_TILE_LOAD", "early")
+    assert mp.kernel_name(2, 4, "fp8_channel") == f"{mp.MK_PREFIX}m2_g4_hd128_tl3_p4_f8c"
+    monkeypatch.setattr(mp, "MK_PRODUCER_WARPS", 1)
+    with pytest.raises(mp.NotEligible, match="fp8_block128 weights: no kernel of variant '_tl3'"):
+        mp.kernel_name(2, 4, "fp8_block128")

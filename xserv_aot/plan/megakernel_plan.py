@@ -19,19 +19,21 @@ MK_MAX_SEQS = 2
 MK_GQA = (4,)                    # query heads per kv head with an instantiated kernel
 MK_HEAD_DIM = 128
 MK_TILE_LOAD = "after"           # where a split's first KV tile is loaded (from L2: prefetched at the layer's
-                                 # start): "regs" before the qkv barrier, "after" q, k, v are prepared, "early" at
-                                 # attention's start (kernel suffixes "", _tl2, _tl3); H200: after
+                                 # start): "regs" before the qkv barrier, "after" q, k, v are prepared (kernel
+                                 # suffixes "", _tl2); H200: after ("early", _tl3: FP8 only, bf16 2.6% slower)
 MK_FP8_TILE_LOAD = "after"       # the same for FP8 weights (H200, session 11: "early" takes FP8 decode_2 at ctx 128 /
                                  # 1024 from 4.24 / 4.49 to 4.10 / 4.37 ms but at 4096 from 5.78 to 6.15; bf16
                                  # decode_1 at 128 4.34 against 4.23)
 TILE_LOAD_SUFFIX = {"regs": "", "after": "_tl2", "early": "_tl3"}
+# instantiated kernels (decode_megakernel.cu MK_KERNEL): variant -> weight formats
+VARIANT_FORMATS = {"": ("",), "_tl2": ("",), "_p4": ("",), "_tl2_p4": ("", "_f8c", "_f8b"), "_tl3_p4": ("_f8c", "_f8b")}
 MK_PRODUCER_WARPS = 4            # the weight-stream producer: one warp, or a warpgroup (4) whose registers go to
                                  # the consumers (setmaxnreg; H200 decode_1: 4.14 vs 4.52 ms at ctx 128)
 MK_FP8_SEQS = (2,)               # bucket sizes whose FP8 plans take the megakernel (H200: decode_2 4.13 vs 4.38 ms
                                  # per-op; decode_1 3.37 vs 3.20: the e4m3 conversions bind the consumer warps)
 MK_FP8_TC = False                # FP8 decode_1 through the tensor cores (_f8ct / _f8bt: padded slot rows, mma.sync)
-MK_KV_PREFETCH = 0               # the layer-start KV prefetch: 0 per 128-B line, 1 per 256-B row by the copy engine,
-                                 # 2 per line with the L2 evict_last priority
+MK_KV_PREFETCH = 0               # the layer-start KV prefetch: 0 per 128-B line, 1 per 256-B row by the copy engine
+                                 # (H200: tie; per line with L2 evict_last, session 11: no change, removed)
 
 MK_MAX_STAGES = 5                # H200, decode_1: 6 slots measured 0.1 ms slower than 5 (docs/cuda-notes.md)
 MK_L2_AHEAD = 0                  # ring slots the producer prefetches into L2 while every slot holds landed rows
@@ -54,12 +56,12 @@ def tensor_cores(seqs: int, quant: str | None) -> bool:
 
 
 def kernel_name(seqs: int, g: int, quant: str | None = None) -> str:
-    """The kernel of the variant the constants above choose (kernels/decode_megakernel.cu MK_KERNEL); FP8 weights
-    only with the producer warpgroup and the tile loaded after or early (NotEligible otherwise)."""
+    """The kernel of the variant the constants above choose (kernels/decode_megakernel.cu MK_KERNEL; NotEligible
+    where VARIANT_FORMATS has none)."""
     variant = (TILE_LOAD_SUFFIX[MK_FP8_TILE_LOAD if quant else MK_TILE_LOAD]
                + ("_p4" if MK_PRODUCER_WARPS == 4 else ""))
-    if quant and variant not in ("_tl2_p4", "_tl3_p4"):
-        raise NotEligible(f"{quant} weights: no kernel of variant {variant or 'default'!r}")
+    if QUANT_SUFFIX[quant] not in VARIANT_FORMATS.get(variant, ()):
+        raise NotEligible(f"{quant or 'bf16'} weights: no kernel of variant {variant or 'default'!r}")
     return (f"{MK_PREFIX}m{seqs}_g{g}_hd{MK_HEAD_DIM}{variant}{QUANT_SUFFIX[quant]}"
             + ("t" if tensor_cores(seqs, quant) else ""))
 

@@ -192,7 +192,8 @@ def test_build_setting_is_checked(bad):
 
 
 def test_kernel_name_refuses_variants_without_a_kernel(monkeypatch):
-    """The first tile early has FP8 kernels only; FP8 weights need the producer warpgroup (VARIANT_FORMATS)."""
+    """The first tile early has FP8 kernels only; FP8 weights need the producer warpgroup (the
+    kernels decode_megakernel.cu instantiates)."""
     from xserv_aot.plan import megakernel_plan as mp
     monkeypatch.setattr(mp, "MK_TILE_LOAD", "early")
     with pytest.raises(mp.NotEligible, match="bf16 weights: no kernel of variant '_tl3_p4'"):

@@ -6,6 +6,7 @@ layer weights sit at one stride and the shapes fit the kernel's shared-memory sl
 its per-op kernels and the manifest says why (kernels.megakernel_skipped)."""
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from xserv_aot.plan.kernel_constants import (MK_CONSUMERS, MK_H_SEQ_BYTES, MK_PART_FLOATS, MK_ROW_PAD,
@@ -13,6 +14,7 @@ from xserv_aot.plan.kernel_constants import (MK_CONSUMERS, MK_H_SEQ_BYTES, MK_PA
 from xserv_aot.plan.launch_records import f32, i32, kernel, kv, launch, ptr
 from xserv_aot.plan.op_records import (AddRmsNorm, Attention, KernelChoice, Linear, Op, QkNormRopeCache, RmsNorm,
                                        SiluMul)
+from xserv_aot.plan.signatures import kernel_signatures
 from xserv_aot.plan.tensor_parallel import rank_model
 
 MK_MAX_SEQS = 2
@@ -25,8 +27,6 @@ MK_FP8_TILE_LOAD = "after"       # the same for FP8 weights (H200, session 11: "
                                  # 1024 from 4.24 / 4.49 to 4.10 / 4.37 ms but at 4096 from 5.78 to 6.15; bf16
                                  # decode_1 at 128 4.34 against 4.23)
 TILE_LOAD_SUFFIX = {"regs": "", "after": "_tl2", "early": "_tl3"}
-# instantiated kernels (decode_megakernel.cu MK_KERNEL): variant -> weight formats
-VARIANT_FORMATS = {"": ("",), "_tl2": ("",), "_p4": ("",), "_tl2_p4": ("", "_f8c", "_f8b"), "_tl3_p4": ("_f8c", "_f8b")}
 MK_PRODUCER_WARPS = 4            # the weight-stream producer: one warp, or a warpgroup (4) whose registers go to
                                  # the consumers (setmaxnreg; H200 decode_1: 4.14 vs 4.52 ms at ctx 128)
 MK_FP8_SEQS = (2,)               # bucket sizes whose FP8 plans take the megakernel (H200: decode_2 4.13 vs 4.38 ms
@@ -40,6 +40,7 @@ MK_L2_AHEAD = 0                  # ring slots the producer prefetches into L2 wh
                                  # (H200: 4 / 8 no gain at ctx <= 1024, slower for decode_2 at 4096; cuda-notes)
 FUSED = "fused_into_megakernel"
 MK_PREFIX = "decode_mk_"
+MK_SOURCE = "decode_megakernel.cu"
 LAYER_OPS = (Linear, QkNormRopeCache, Attention, Linear, AddRmsNorm, Linear, SiluMul, Linear)
 QUANT_SUFFIX = {None: "", "fp8_channel": "_f8c", "fp8_block128": "_f8b"}    # instantiated weight formats
 WEIGHT_BYTES = {None: 2, "fp8_channel": 1, "fp8_block128": 1}
@@ -56,14 +57,21 @@ def tensor_cores(seqs: int, quant: str | None) -> bool:
 
 
 def kernel_name(seqs: int, g: int, quant: str | None = None) -> str:
-    """The kernel of the variant the constants above choose (kernels/decode_megakernel.cu MK_KERNEL; NotEligible
-    where VARIANT_FORMATS has none)."""
+    """The kernel of the variant the constants above choose (NotEligible where kernels/decode_megakernel.cu
+    instantiates none)."""
     variant = (TILE_LOAD_SUFFIX[MK_FP8_TILE_LOAD if quant else MK_TILE_LOAD]
                + ("_p4" if MK_PRODUCER_WARPS == 4 else ""))
-    if QUANT_SUFFIX[quant] not in VARIANT_FORMATS.get(variant, ()):
-        raise NotEligible(f"{quant or 'bf16'} weights: no kernel of variant {variant or 'default'!r}")
-    return (f"{MK_PREFIX}m{seqs}_g{g}_hd{MK_HEAD_DIM}{variant}{QUANT_SUFFIX[quant]}"
+    name = (f"{MK_PREFIX}m{seqs}_g{g}_hd{MK_HEAD_DIM}{variant}{QUANT_SUFFIX[quant]}"
             + ("t" if tensor_cores(seqs, quant) else ""))
+    if name not in instantiated_kernels():
+        raise NotEligible(f"{quant or 'bf16'} weights: no kernel of variant {variant or 'default'!r} ({name})")
+    return name
+
+
+@functools.cache
+def instantiated_kernels() -> frozenset[str]:
+    """The megakernel's `extern "C"` kernels (the MK_KERNEL lines of its source)."""
+    return frozenset(kernel_signatures(MK_SOURCE))
 
 
 class NotEligible(Exception):
@@ -228,8 +236,8 @@ def plan_megakernel(kind: str, ops: list[Op], choices: list[KernelChoice], manif
     names, quant = check_layers(ops, start, layers)
     if quant and seqs not in MK_FP8_SEQS:
         raise NotEligible(f"FP8 weights at {seqs} seqs: the per-op kernels measured faster (MK_FP8_SEQS)")
-    fn = kernel_name(seqs, m["num_heads"] // m["num_kv_heads"], quant)
     smax = check_shapes(m, seqs, sms, WEIGHT_BYTES[quant], tensor_cores(seqs, quant))
+    fn = kernel_name(seqs, m["num_heads"] // m["num_kv_heads"], quant)
     if quant and (n := layer_scale_floats(m, sms, quant)) > MK_SCALE_FLOATS:
         raise NotEligible(f"{n} FP8 scales a block and layer: more than the {MK_SCALE_FLOATS} staged in shared "
                           "memory")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import time
@@ -192,3 +193,42 @@ def test_fp8_config_follows_the_warpgroup_count(quant):
     assert pick(256, 4096, 12288) == (pp, 0)
     assert pick(2048, 4096, 12288) == (coop, 0)         # prefill rows
     assert pick(256, 4096, 4096, "float32") == (f"sm90_fp8_{scheme}_f32out_128x128x128_coop", 0)   # no f32 variant
+
+
+def _sleeper(tmp_path: Path, i: int) -> list[str]:
+    """A stand-in compiler unit that records its pid, then runs for ten minutes."""
+    return ["sh", "-c", f"echo $$ > {tmp_path}/pid{i}; exec sleep 600", f"unit{i}.o"]
+
+
+def _alive(tmp_path: Path) -> list[int]:
+    pids = []
+    for f in tmp_path.glob("pid*"):
+        pid = int(f.read_text())
+        try:
+            os.kill(pid, 0)
+            pids.append(pid)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def test_a_failed_unit_stops_the_build_at_once(tmp_path):
+    """The first compiler error is raised without waiting for the queued and running units, which are killed."""
+    units = [_sleeper(tmp_path, 0), ["sh", "-c", "sleep 0.5; echo 'x.cu(3): error: bad' >&2; exit 2", "bad.o"],
+             *(_sleeper(tmp_path, i) for i in range(1, 6))]
+    t0 = time.monotonic()
+    with pytest.raises(cb.GemmBuildError, match=r"nvcc failed \(bad.o\): x.cu\(3\): error: bad"):
+        cb.run_compilers(units, jobs=3, progress=lambda m: None)
+    assert time.monotonic() - t0 < 120          # the sleepers alone would take 600 s
+    assert (tmp_path / "pid0").exists() and _alive(tmp_path) == []
+
+
+def test_an_interrupted_build_kills_its_compilers(tmp_path):
+    """SIGTERM's SystemExit (cli_compile) raised while units run: nothing keeps compiling behind the exit."""
+    def progress(msg):
+        raise SystemExit(143)
+    units = [["true", "fast.o"], *(_sleeper(tmp_path, i) for i in range(4))]
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit):
+        cb.run_compilers(units, jobs=2, progress=progress)
+    assert time.monotonic() - t0 < 120 and _alive(tmp_path) == []

@@ -12,8 +12,9 @@
 // the descriptor). o: QK^T of tile kt is issued with PV of tile kt - 1, and kt's softmax runs while that PV does;
 // p: the consumer warpgroups take turns issuing (round robin, named barriers); l: lazy softmax (wgmma.cuh); q: Q in
 // registers (QK^T as register-A wgmma); e: the lean producer copy and descriptors stepped by adds.
-// Grid (nh / H, ceil(T / rows a block) + num_seqs): block y takes the y-th (seq, tile) pair, a seq's tiles in
-// reverse (longest rows first); every block zeroes uncovered rows r with r % gridDim.y == y.
+// Grid (nh / H, Y): block y takes the (seq, tile) pairs y, y + Y, ... (a seq's tiles in reverse: longest rows
+// first; Y covers the tiles of one long prompt plus a few partial ones, attention_plan.PREFILL_EXTRA_TILES);
+// every block zeroes uncovered rows r with r % Y == y.
 #include "wgmma.cuh"
 
 constexpr int WG_HD = 128;                                       // head size
@@ -54,245 +55,268 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     const int covered = qsl[num_seqs];
     for (int r = covered + blockIdx.y; r < T; r += gridDim.y)
         for (int d = tid; d < HB * HD; d += NT) out[((size_t)r * nh + h0) * HD + d] = 0;
-
-    int seq, tile;
-    find_tile<NT>(qsl, num_seqs, min_rows, BQ, blockIdx.y, seq, tile);  // (its barriers also publish the inits)
-    if (seq < 0) return;
-    const int n = qsl[seq + 1] - qsl[seq], pos0 = seq_lens[seq] - n, kvh = h0 / (nh / nkv);
-    const int q0 = ((n + BQ - 1) / BQ - 1 - tile) * BQ;          // first query (within seq) of this block
-    const int max_pos = pos0 + min(q0 + BQ, n) - 1;
-    const int ntiles = max_pos / KT + 1;
+    const int kvh = h0 / (nh / nkv), bs_log2 = __ffs(block_size) - 1;   // block_size: a power of two (BuildConfig)
     const size_t kv_stride = (size_t)nkv * HD, v_off = (size_t)num_slots * kv_stride;
-    const int* bt = block_tables + (size_t)seq * max_blocks;
-    const int bs_log2 = __ffs(block_size) - 1;                   // block_size is a power of two (BuildConfig)
     const bf16* kv_head = kv_layer + (size_t)kvh * HD;
-    auto slot_of = [&](int kt) { return kv_s + (kt % STAGES) * 2 * TILE; };
+    // The block's (seq, tile) pairs: y, y + gridDim.y, ...; every thread searches each (find_tile's barriers, which
+    // also publish the inits), the producer in its own loop (its registers are given away before it).
+    auto find_pair = [&](int b, int& seq, int& tile) {
+        find_tile<NT>(qsl, num_seqs, min_rows, BQ, b, seq, tile);
+        __syncthreads();                                         // every thread has read it before the next search
+        return seq >= 0;
+    };
+    auto pair_keys = [&](int seq, int tile, int& n, int& pos0, int& q0) {   // -> keys up to the last row (max_pos)
+        n = qsl[seq + 1] - qsl[seq];
+        pos0 = seq_lens[seq] - n;
+        q0 = ((n + BQ - 1) / BQ - 1 - tile) * BQ;                // first query (within seq) of this block
+        return pos0 + min(q0 + BQ, n) - 1;
+    };
+    // The ring's slots and phases count key tiles over all of a block's pairs (g: base + kt).
+    auto ring_slot = [&](int g) { return kv_s + (g % STAGES) * 2 * TILE; };
 
     if (WS && tid >= NC) {                                       // the producer warpgroup
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(ws_producer_regs(NWG)));
         const int t = tid - NC, ch = t & 15;
         const char* k_base = reinterpret_cast<const char*>(kv_head + ch * 8);
         const char* v_base = reinterpret_cast<const char*>(kv_head + v_off + ch * 8);
-        for (int kt = 0; kt < ntiles; kt++) {
-            if (kt >= STAGES) mbar_wait(empty + 8 * (kt % STAGES), (kt / STAGES - 1) & 1);
-            if constexpr (LE)
-                copy_kv_tile_lean<KT>(slot_of(kt), k_base, v_base, bt, kt, max_pos, bs_log2, (u32)kv_stride * 2,
-                                      t >> 4, sw128_offset(t >> 4, ch, KT));
-            else
-                copy_kv_tile<KT, 128>(slot_of(kt), kv_head, bt, kt, max_pos, bs_log2, kv_stride, v_off, t);
-            mbar_arrive_on_copies(full + 8 * (kt % STAGES));
+        int seq, tile, n, pos0, q0;
+        for (int b = blockIdx.y, base = 0; find_pair(b, seq, tile); b += gridDim.y) {
+            const int max_pos = pair_keys(seq, tile, n, pos0, q0), ntiles = max_pos / KT + 1;
+            const int* bt = block_tables + (size_t)seq * max_blocks;
+            for (int kt = 0; kt < ntiles; kt++) {
+                const int g = base + kt;
+                if (g >= STAGES) mbar_wait(empty + 8 * (g % STAGES), (g / STAGES - 1) & 1);
+                if constexpr (LE)
+                    copy_kv_tile_lean<KT>(ring_slot(g), k_base, v_base, bt, kt, max_pos, bs_log2, (u32)kv_stride * 2,
+                                          t >> 4, sw128_offset(t >> 4, ch, KT));
+                else
+                    copy_kv_tile<KT, 128>(ring_slot(g), kv_head, bt, kt, max_pos, bs_log2, kv_stride, v_off, t);
+                mbar_arrive_on_copies(full + 8 * (g % STAGES));
+            }
+            base += ntiles;
         }
         cp_async_commit();
         cp_async_wait<0>();
         return;
     }
-    // Q tile w * HPW + j: warpgroup w's 64 rows (rows past the seq's end repeat its last row; results dropped) of
-    // head h0 + (w % HG) HPW + j; wg: every thread copies every tile (in the first tile's group), ws: each
-    // warpgroup its own.
-    constexpr int QW = WS ? HPW : NWG * HPW, QTH = WS ? 128 : NC;
-#pragma unroll
-    for (int i = 0; i < QW * 64 * 16 / QTH; i++) {
-        const int c = (WS ? tid & 127 : tid) + i * QTH, qt = (WS ? wg * HPW : 0) + (c >> 10), r = (c >> 4) & 63;
-        const int w = qt / HPW, head = h0 + (w % HG) * HPW + qt % HPW, ch = c & 15;
-        const size_t row = qsl[seq] + min(q0 + (w / HG) * 64 + r, n - 1);
-        cp_async16_zfill(q_s + qt * WG_QTILE + sw128_offset(r, ch, 64), q + (row * nh + head) * HD + ch * 8, 16);
-    }
-    if constexpr (WS) {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(ws_consumer_regs(NWG)));
-        cp_async_commit();                                       // (wait_group waits for committed groups only)
-        cp_async_wait<0>();
-        fence_proxy_async();
-        asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");   // this warpgroup's Q is in place
-    }
+    if constexpr (WS) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(ws_consumer_regs(NWG)));
 
-    // This warpgroup: rows w0 .. w0 + 63 (within seq), thread rows wl * 16 + lane / 4 + 8 e.
-    const int w0 = q0 + (wg / HG) * 64, row_l = w0 + wl * 16 + (lane >> 2);
-    const int wpos_first = pos0 + min(w0, n - 1), wpos_last = w0 < n ? pos0 + min(w0 + 63, n - 1) : -1;
-    const int wtiles = wpos_last < 0 ? 0 : wpos_last / KT + 1;  // tiles with a key visible to this warpgroup
-    const int qpos[2] = {pos0 + min(row_l, n - 1), pos0 + min(row_l + 8, n - 1)};
-    const u32 qw = q_s + wg * HPW * WG_QTILE;                    // this warpgroup's first Q tile
-    const float sl2 = scale * 1.4426950408889634f;
-    float o[HPW][64], s[KT / 2], m_r[HPW][2], l_r[HPW][2], corr[2];   // o, m, l: one set per head in turn
-    u32 pf[KT / 16][4], qf[QR ? HD / 16 : 1][4];                  // P (A of PV); qr: Q (A of QK^T)
-    if constexpr (QR) {                                          // warp wl's 16 rows, k-step k: ldmatrix x4
-#pragma unroll
-        for (int k = 0; k < HD / 16; k++) {
-            const int i = lane >> 3;
-            ldmatrix_x4_at(qf[k], qw + sw128_offset(wl * 16 + (i & 1) * 8 + (lane & 7), 2 * k + (i >> 1), 64));
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < HPW; j++) {
-#pragma unroll
-        for (int i = 0; i < 64; i++) o[j][i] = 0.f;
-        m_r[j][0] = m_r[j][1] = -__int_as_float(0x7f800000);
-        l_r[j][0] = l_r[j][1] = 0.f;
-    }
+    int seq, tile, n, pos0, q0;
+    for (int b = blockIdx.y, base = 0; find_pair(b, seq, tile); b += gridDim.y) {
+        const int max_pos = pair_keys(seq, tile, n, pos0, q0), ntiles = max_pos / KT + 1;
+        const int* bt = block_tables + (size_t)seq * max_blocks;
+        auto slot_of = [&](int kt) { return ring_slot(base + kt); };
 
-    // 128B-swizzle descriptor of base + off (e: from the base's low word stepped by an add; the high word constant)
-    auto tile_desc = [&](u32 base, u32 off, u32 lbo) {
-        return LE ? desc_at(sw128_desc_lo(base, lbo) + (off >> 4), 1024) : sw128_desc(base + off, lbo, 1024);
-    };
-    auto issue_s = [&](int kt, u32 qw) {                         // s = Q K(kt)^T, committed as one group
-        const u32 ks = slot_of(kt);
-        wg_fence();
+        // Q tile w * HPW + j: warpgroup w's 64 rows (rows past the seq's end repeat its last row; results dropped) of
+        // head h0 + (w % HG) HPW + j; wg: every thread copies every tile (in the first tile's group), ws: each
+        // warpgroup its own.
+        constexpr int QW = WS ? HPW : NWG * HPW, QTH = WS ? 128 : NC;
 #pragma unroll
-        for (int k = 0; k < HD / 16; k++) {
-            const u64 kd = tile_desc(ks, (k >> 2) * HALF + (k & 3) * 32, 16);
-            if constexpr (QR) wgmma_rs(s, qf[k], kd, k > 0);
-            else wgmma_ss(s, tile_desc(qw, (k >> 2) * (WG_QTILE / 2) + (k & 3) * 32, 16), kd, k > 0);
+        for (int i = 0; i < QW * 64 * 16 / QTH; i++) {
+            const int c = (WS ? tid & 127 : tid) + i * QTH, qt = (WS ? wg * HPW : 0) + (c >> 10), r = (c >> 4) & 63;
+            const int w = qt / HPW, head = h0 + (w % HG) * HPW + qt % HPW, ch = c & 15;
+            const size_t row = qsl[seq] + min(q0 + (w / HG) * 64 + r, n - 1);
+            cp_async16_zfill(q_s + qt * WG_QTILE + sw128_offset(r, ch, 64), q + (row * nh + head) * HD + ch * 8, 16);
         }
-        wg_commit();
-    };
-    auto issue_pv = [&](int kt, float (&o)[64]) {                // o += P V(kt), committed as one group
-        const u32 vs = slot_of(kt) + TILE;
-        reg_fence(o);
-        wg_fence();
+        if constexpr (WS) {
+            cp_async_commit();                                       // (wait_group waits for committed groups only)
+            cp_async_wait<0>();
+            fence_proxy_async();
+            asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");   // this warpgroup's Q is in place
+        }
+
+        // This warpgroup: rows w0 .. w0 + 63 (within seq), thread rows wl * 16 + lane / 4 + 8 e.
+        const int w0 = q0 + (wg / HG) * 64, row_l = w0 + wl * 16 + (lane >> 2);
+        const int wpos_first = pos0 + min(w0, n - 1), wpos_last = w0 < n ? pos0 + min(w0 + 63, n - 1) : -1;
+        const int wtiles = wpos_last < 0 ? 0 : wpos_last / KT + 1;  // tiles with a key visible to this warpgroup
+        const int qpos[2] = {pos0 + min(row_l, n - 1), pos0 + min(row_l + 8, n - 1)};
+        const u32 qw = q_s + wg * HPW * WG_QTILE;                    // this warpgroup's first Q tile
+        const float sl2 = scale * 1.4426950408889634f;
+        float o[HPW][64], s[KT / 2], m_r[HPW][2], l_r[HPW][2], corr[2];   // o, m, l: one set per head in turn
+        u32 pf[KT / 16][4], qf[QR ? HD / 16 : 1][4];                  // P (A of PV); qr: Q (A of QK^T)
+        if constexpr (QR) {                                          // warp wl's 16 rows, k-step k: ldmatrix x4
 #pragma unroll
-        for (int kk = 0; kk < KT / 16; kk++)
-            wgmma_rs_n128_tb(o, pf[kk], tile_desc(vs, kk * 16 * 128, HALF));
-        wg_commit();
-    };
-    // s -> P in place; corr; returns moved (the overlap variants branch around the causal mask)
-    auto softmax = [&](int kt, float (&m)[2], float (&l)[2]) {
-        const int kb = kt * KT;
-        const int lim[2] = {qpos[0] - kb - (lane & 3) * 2, qpos[1] - kb - (lane & 3) * 2};
-        reg_fence(s);
-        return softmax_tile<KT / 2, OV, LZ>(s, m, l, corr, kb + KT - 1 > wpos_first, lim, sl2);
-    };
-    auto step = [&](int kt) {                                    // tile kt, products one after the other
-        if (kt >= wtiles) return;                                // every key is after this warpgroup's rows
+            for (int k = 0; k < HD / 16; k++) {
+                const int i = lane >> 3;
+                ldmatrix_x4_at(qf[k], qw + sw128_offset(wl * 16 + (i & 1) * 8 + (lane & 7), 2 * k + (i >> 1), 64));
+            }
+        }
 #pragma unroll
         for (int j = 0; j < HPW; j++) {
-            issue_s(kt, qw + j * WG_QTILE);
-            wg_wait<0>();
-            const bool moved = softmax(kt, m_r[j], l_r[j]);
-            rescale(o[j], corr, moved);
-            pack_p(s, pf);
-            issue_pv(kt, o[j]);
-            wg_wait<0>();
-            reg_fence(o[j]);
-            reg_fence(pf);
+#pragma unroll
+            for (int i = 0; i < 64; i++) o[j][i] = 0.f;
+            m_r[j][0] = m_r[j][1] = -__int_as_float(0x7f800000);
+            l_r[j][0] = l_r[j][1] = 0.f;
         }
-    };
-    // p: the warpgroups take turns issuing their products, 0, 1, .. NWG - 1, 0, .. (named barrier turn0 + w: w's
-    // turn, after 1 + w of the Q tiles), so that one's softmax runs while the others' products do; the last one
-    // lets warpgroup 0 go first and skips its last pass (counts match).
-    const int my_turn = 1 + NWG + wg, next_turn = 1 + NWG + (wg + 1) % NWG;
-    auto turn_wait = [&]() {
-        if constexpr (PP) asm volatile("bar.sync %0, 256;" :: "r"(my_turn) : "memory");
-    };
-    auto turn_pass = [&](int kt) {
-        if constexpr (PP)
-            if (wg < NWG - 1 || kt < ntiles) asm volatile("bar.arrive %0, 256;" :: "r"(next_turn) : "memory");
-    };
-    // kt in 0..ntiles: S(kt) and PV(kt - 1) in flight together. Each case is straight-line code from the first
-    // issue to the last wait: a branch in between makes ptxas wait for every group (or serialize every wgmma).
-    auto step_overlap = [&](int kt) {
-        turn_wait();
-        if (kt > 0 && kt < wtiles) {
-            issue_s(kt, qw);
-            issue_pv(kt - 1, o[0]);
-            if constexpr (PP) asm volatile("bar.arrive %0, 256;" :: "r"(next_turn) : "memory");
-            wg_wait<1>();                                        // S(kt) done, PV(kt - 1) may still run
-            // PV(kt - 1) is waited for in both arms of the vote: a branch ptxas cannot hoist above the softmax
-            // (in one block it hoists the wait, and the P packing that waits on it, into the softmax).
-            if (__any_sync(0xffffffffu, softmax(kt, m_r[0], l_r[0]))) {
+
+        // 128B-swizzle descriptor of base + off (e: from the base's low word stepped by an add; the high word constant)
+        auto tile_desc = [&](u32 base, u32 off, u32 lbo) {
+            return LE ? desc_at(sw128_desc_lo(base, lbo) + (off >> 4), 1024) : sw128_desc(base + off, lbo, 1024);
+        };
+        auto issue_s = [&](int kt, u32 qw) {                         // s = Q K(kt)^T, committed as one group
+            const u32 ks = slot_of(kt);
+            wg_fence();
+#pragma unroll
+            for (int k = 0; k < HD / 16; k++) {
+                const u64 kd = tile_desc(ks, (k >> 2) * HALF + (k & 3) * 32, 16);
+                if constexpr (QR) wgmma_rs(s, qf[k], kd, k > 0);
+                else wgmma_ss(s, tile_desc(qw, (k >> 2) * (WG_QTILE / 2) + (k & 3) * 32, 16), kd, k > 0);
+            }
+            wg_commit();
+        };
+        auto issue_pv = [&](int kt, float (&o)[64]) {                // o += P V(kt), committed as one group
+            const u32 vs = slot_of(kt) + TILE;
+            reg_fence(o);
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < KT / 16; kk++)
+                wgmma_rs_n128_tb(o, pf[kk], tile_desc(vs, kk * 16 * 128, HALF));
+            wg_commit();
+        };
+        // s -> P in place; corr; returns moved (the overlap variants branch around the causal mask)
+        auto softmax = [&](int kt, float (&m)[2], float (&l)[2]) {
+            const int kb = kt * KT;
+            const int lim[2] = {qpos[0] - kb - (lane & 3) * 2, qpos[1] - kb - (lane & 3) * 2};
+            reg_fence(s);
+            return softmax_tile<KT / 2, OV, LZ>(s, m, l, corr, kb + KT - 1 > wpos_first, lim, sl2);
+        };
+        auto step = [&](int kt) {                                    // tile kt, products one after the other
+            if (kt >= wtiles) return;                                // every key is after this warpgroup's rows
+#pragma unroll
+            for (int j = 0; j < HPW; j++) {
+                issue_s(kt, qw + j * WG_QTILE);
+                wg_wait<0>();
+                const bool moved = softmax(kt, m_r[j], l_r[j]);
+                rescale(o[j], corr, moved);
+                pack_p(s, pf);
+                issue_pv(kt, o[j]);
+                wg_wait<0>();
+                reg_fence(o[j]);
+                reg_fence(pf);
+            }
+        };
+        // p: the warpgroups take turns issuing their products, 0, 1, .. NWG - 1, 0, .. (named barrier turn0 + w: w's
+        // turn, after 1 + w of the Q tiles), so that one's softmax runs while the others' products do; the last one
+        // lets warpgroup 0 go first and skips its last pass (counts match).
+        const int my_turn = 1 + NWG + wg, next_turn = 1 + NWG + (wg + 1) % NWG;
+        auto turn_wait = [&]() {
+            if constexpr (PP) asm volatile("bar.sync %0, 256;" :: "r"(my_turn) : "memory");
+        };
+        auto turn_pass = [&](int kt) {
+            if constexpr (PP)
+                if (wg < NWG - 1 || kt < ntiles) asm volatile("bar.arrive %0, 256;" :: "r"(next_turn) : "memory");
+        };
+        // kt in 0..ntiles: S(kt) and PV(kt - 1) in flight together. Each case is straight-line code from the first
+        // issue to the last wait: a branch in between makes ptxas wait for every group (or serialize every wgmma).
+        auto step_overlap = [&](int kt) {
+            turn_wait();
+            if (kt > 0 && kt < wtiles) {
+                issue_s(kt, qw);
+                issue_pv(kt - 1, o[0]);
+                if constexpr (PP) asm volatile("bar.arrive %0, 256;" :: "r"(next_turn) : "memory");
+                wg_wait<1>();                                        // S(kt) done, PV(kt - 1) may still run
+                // PV(kt - 1) is waited for in both arms of the vote: a branch ptxas cannot hoist above the softmax
+                // (in one block it hoists the wait, and the P packing that waits on it, into the softmax).
+                if (__any_sync(0xffffffffu, softmax(kt, m_r[0], l_r[0]))) {
+                    wg_wait<0>();
+                    reg_fence(o[0]);
+                    rescale_rows(o[0], corr);
+                } else {
+                    wg_wait<0>();
+                }
+                reg_fence(o[0]);
+                reg_fence(pf);
+                pack_p(s, pf);
+            } else if (kt == 0 && wtiles > 0) {
+                issue_s(0, qw);
+                wg_wait<0>();
+                turn_pass(kt);
+                softmax(0, m_r[0], l_r[0]);                          // o is still 0: nothing to rescale
+                pack_p(s, pf);
+            } else if (kt == wtiles && kt > 0) {
+                issue_pv(kt - 1, o[0]);
                 wg_wait<0>();
                 reg_fence(o[0]);
-                rescale_rows(o[0], corr);
+                reg_fence(pf);
+                turn_pass(kt);
             } else {
-                wg_wait<0>();
+                turn_pass(kt);
             }
-            reg_fence(o[0]);
-            reg_fence(pf);
-            pack_p(s, pf);
-        } else if (kt == 0 && wtiles > 0) {
-            issue_s(0, qw);
-            wg_wait<0>();
-            turn_pass(kt);
-            softmax(0, m_r[0], l_r[0]);                          // o is still 0: nothing to rescale
-            pack_p(s, pf);
-        } else if (kt == wtiles && kt > 0) {
-            issue_pv(kt - 1, o[0]);
-            wg_wait<0>();
-            reg_fence(o[0]);
-            reg_fence(pf);
-            turn_pass(kt);
+        };
+
+        if constexpr (WS) {
+            // Tile kt waits for full[kt % S] (phase kt / S); a warp releases a slot (empty) when done with its tile:
+            // after step kt, or after step_overlap kt + 1 (V of tile kt is read there).
+            if (PP && wg == NWG - 1) asm volatile("bar.arrive %0, 256;" :: "r"(next_turn) : "memory");
+            for (int kt = 0; kt <= ntiles; kt++) {
+                if (kt < ntiles) {
+                    mbar_wait(full + 8 * ((base + kt) % STAGES), ((base + kt) / STAGES) & 1);
+                    fence_proxy_async();
+                }
+                if constexpr (OV) step_overlap(kt); else if (kt < ntiles) step(kt);
+                const int done = OV ? kt - 1 : kt;
+                __syncwarp();
+                if (lane == 0 && done >= 0 && done < ntiles) mbar_arrive(empty + 8 * ((base + done) % STAGES));
+            }
+        } else if constexpr (!OV) {
+#pragma unroll
+            for (int st = 0; st < STAGES - 1; st++) {
+                if (st < ntiles)
+                    copy_kv_tile<KT, NT>(slot_of(st), kv_head, bt, st, max_pos, bs_log2, kv_stride, v_off, tid);
+                cp_async_commit();                                   // group 0 also holds Q
+            }
+            for (int kt = 0; kt < ntiles; kt++) {
+                cp_async_wait<STAGES - 2>();                         // tile kt landed (this thread's copies) ...
+                fence_proxy_async();                                 // ... visible to the tensor cores
+                __syncthreads();                                     // ... every thread's; tile kt - 1 is free
+                if (kt + STAGES - 1 < ntiles)
+                    copy_kv_tile<KT, NT>(slot_of(kt + STAGES - 1), kv_head, bt, kt + STAGES - 1, max_pos, bs_log2,
+                                         kv_stride, v_off, tid);
+                cp_async_commit();
+                step(kt);
+            }
         } else {
-            turn_pass(kt);
-        }
-    };
-
-    if constexpr (WS) {
-        // Tile kt waits for full[kt % S] (phase kt / S); a warp releases a slot (empty) when done with its tile:
-        // after step kt, or after step_overlap kt + 1 (V of tile kt is read there).
-        if (PP && wg == NWG - 1) asm volatile("bar.arrive %0, 256;" :: "r"(next_turn) : "memory");
-        for (int kt = 0; kt <= ntiles; kt++) {
-            if (kt < ntiles) {
-                mbar_wait(full + 8 * (kt % STAGES), (kt / STAGES) & 1);
-                fence_proxy_async();
+            // Tile kt's slot is refilled at iteration kt + 2 (its V is read in iteration kt + 1): S - 2 tiles ahead.
+#pragma unroll
+            for (int st = 0; st < STAGES - 2; st++) {
+                if (st < ntiles)
+                    copy_kv_tile<KT, NT>(slot_of(st), kv_head, bt, st, max_pos, bs_log2, kv_stride, v_off, tid);
+                cp_async_commit();
             }
-            if constexpr (OV) step_overlap(kt); else if (kt < ntiles) step(kt);
-            const int done = OV ? kt - 1 : kt;
-            __syncwarp();
-            if (lane == 0 && done >= 0 && done < ntiles) mbar_arrive(empty + 8 * (done % STAGES));
+            for (int kt = 0; kt <= ntiles; kt++) {
+                cp_async_wait<STAGES - 3>();                         // tile kt landed
+                fence_proxy_async();
+                __syncthreads();                                     // every warpgroup is done with tile kt - 2
+                if (kt + STAGES - 2 < ntiles)
+                    copy_kv_tile<KT, NT>(slot_of(kt + STAGES - 2), kv_head, bt, kt + STAGES - 2, max_pos, bs_log2,
+                                         kv_stride, v_off, tid);
+                cp_async_commit();
+                step_overlap(kt);
+            }
         }
-    } else if constexpr (!OV) {
-#pragma unroll
-        for (int st = 0; st < STAGES - 1; st++) {
-            if (st < ntiles)
-                copy_kv_tile<KT, NT>(slot_of(st), kv_head, bt, st, max_pos, bs_log2, kv_stride, v_off, tid);
-            cp_async_commit();                                   // group 0 also holds Q
-        }
-        for (int kt = 0; kt < ntiles; kt++) {
-            cp_async_wait<STAGES - 2>();                         // tile kt landed (this thread's copies) ...
-            fence_proxy_async();                                 // ... visible to the tensor cores
-            __syncthreads();                                     // ... every thread's; tile kt - 1 is free
-            if (kt + STAGES - 1 < ntiles)
-                copy_kv_tile<KT, NT>(slot_of(kt + STAGES - 1), kv_head, bt, kt + STAGES - 1, max_pos, bs_log2,
-                                     kv_stride, v_off, tid);
-            cp_async_commit();
-            step(kt);
-        }
-    } else {
-        // Tile kt's slot is refilled at iteration kt + 2 (its V is read in iteration kt + 1): S - 2 tiles ahead.
-#pragma unroll
-        for (int st = 0; st < STAGES - 2; st++) {
-            if (st < ntiles)
-                copy_kv_tile<KT, NT>(slot_of(st), kv_head, bt, st, max_pos, bs_log2, kv_stride, v_off, tid);
-            cp_async_commit();
-        }
-        for (int kt = 0; kt <= ntiles; kt++) {
-            cp_async_wait<STAGES - 3>();                         // tile kt landed
-            fence_proxy_async();
-            __syncthreads();                                     // every warpgroup is done with tile kt - 2
-            if (kt + STAGES - 2 < ntiles)
-                copy_kv_tile<KT, NT>(slot_of(kt + STAGES - 2), kv_head, bt, kt + STAGES - 2, max_pos, bs_log2,
-                                     kv_stride, v_off, tid);
-            cp_async_commit();
-            step_overlap(kt);
-        }
-    }
-    cp_async_wait<0>();                                          // no copy outlives the block
+        cp_async_wait<0>();                                          // this tile's copies (Q, wg: K / V) landed
 
 #pragma unroll
-    for (int j = 0; j < HPW; j++) {
+        for (int j = 0; j < HPW; j++) {
 #pragma unroll
-        for (int e = 0; e < 2; e++) {
-            float l = l_r[j][e];
-            l += __shfl_xor_sync(0xffffffffu, l, 1);
-            l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const float inv = 1.f / l;
-            const int r = row_l + e * 8;
-            if (r >= n) continue;
-            bf16* orow = out + ((size_t)(qsl[seq] + r) * nh + h0 + (wg % HG) * HPW + j) * HD + (lane & 3) * 2;
+            for (int e = 0; e < 2; e++) {
+                float l = l_r[j][e];
+                l += __shfl_xor_sync(0xffffffffu, l, 1);
+                l += __shfl_xor_sync(0xffffffffu, l, 2);
+                const float inv = 1.f / l;
+                const int r = row_l + e * 8;
+                if (r >= n) continue;
+                bf16* orow = out + ((size_t)(qsl[seq] + r) * nh + h0 + (wg % HG) * HPW + j) * HD + (lane & 3) * 2;
 #pragma unroll
-            for (int t = 0; t < 16; t++)
-                *reinterpret_cast<u32*>(orow + t * 8) = pack2(o[j][4 * t + 2 * e] * inv,
-                                                              o[j][4 * t + 2 * e + 1] * inv);
+                for (int t = 0; t < 16; t++)
+                    *reinterpret_cast<u32*>(orow + t * 8) = pack2(o[j][4 * t + 2 * e] * inv,
+                                                                  o[j][4 * t + 2 * e + 1] * inv);
+            }
         }
+        base += ntiles;
     }
+    cp_async_commit();
+    cp_async_wait<0>();                                          // no copy outlives the block
 }
 
 #define PREFILL_WGMMA_KERNEL(MODE, NWG, HB, KEYS, S, SUFFIX, OV, WS, PP, LZ, QR, LE, THREADS)                       \
@@ -314,28 +338,19 @@ PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, o, true, true, false, false, false, false,
 PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 4, o, true, true, false, false, false, false, 384)
 PREFILL_WGMMA_KERNEL(ws, 2, 1, 64, 3, o, true, true, false, false, false, false, 384)
 PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, o, true, true, false, false, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 2, , false, true, false, false, false, false, 384)
 PREFILL_WGMMA_KERNEL(wg, 2, 2, 128, 2, , false, false, false, false, false, false, 256)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, , false, true, false, false, false, false, 384)
 PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, , false, true, false, false, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 2, , false, true, false, false, false, false, 384)
 PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, , false, true, false, false, false, false, 512)
 PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, , false, true, false, false, false, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, op, true, true, true, false, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 1, 128, 3, op, true, true, true, false, false, false, 384)
 PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 4, , false, true, false, false, false, false, 384)
 PREFILL_WGMMA_KERNEL(ws, 2, 4, 64, 3, , false, true, false, false, false, false, 384)
 PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, o, true, true, false, false, false, false, 512)
 PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, o, true, true, false, false, false, false, 512)
 PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, op, true, true, true, false, false, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, op, true, true, true, false, false, false, 512)
 PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, op, true, true, true, false, false, false, 512)
 PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, ol, true, true, false, true, false, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 3, opl, true, true, true, true, false, false, 512)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, opl, true, true, true, true, false, false, 384)
 PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, opl, true, true, true, true, false, false, 384)
 PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, oplq, true, true, true, true, true, false, 384)
-PREFILL_WGMMA_KERNEL(ws, 2, 2, 128, 3, oplq, true, true, true, true, true, false, 384)
 PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, q, false, true, false, false, true, false, 384)
 PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, oe, true, true, false, false, false, true, 512)
 PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, oplqe, true, true, true, true, true, true, 384)

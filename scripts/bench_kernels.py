@@ -264,8 +264,8 @@ def bench_attn(args) -> None:
 
 def bench_prefill(args) -> None:
     """The flash prefill kernels (attention_plan.PREFILL_ATTN_VARIANTS, launched with the plan's geometry) on
-    causal prompts over a shuffled paged KV: `--prompts 2048,4096,8192,4x1024` (N x L: N seqs of L new tokens),
-    plus a mixed-bucket case (one 640-token prompt in a bucket of 256 seq slots, the rest empty). Each output
+    causal prompts over a shuffled paged KV: `--prompts 2048,4096,8192,4x1024,640@256` (N x L @ S: N seqs of L new
+    tokens in a bucket of S seq slots, the rest empty, as the plan's buckets have 256; S defaults to N). Each output
     poisoned, checked against torch float32 (per seq and q head); ms is one layer; causal TFLOP/s counts
     4 x sum over queries of the keys each attends x head_dim x num_heads (QK^T and PV), against 790; fill TB/s:
     the K/V bytes the kernel's blocks copy from L2 into shared memory (attention_plan.prefill_tiles) per second."""
@@ -277,8 +277,11 @@ def bench_prefill(args) -> None:
     variants = args.variants.split(",") if args.variants else list(attention_plan.PREFILL_ATTN_VARIANTS)
     kern = Kernels(*sorted({attention_plan.prefill_attn_source(v) for v in variants}))
     gen = torch.Generator(device="cuda").manual_seed(1234)
-    cases = [[int(L)] * int(N) for N, L in (c.split("x") if "x" in c else ("1", c) for c in args.prompts.split(","))]
-    cases = [(c, len(c)) for c in cases] + [([640], 256)]
+    cases = []
+    for c in args.prompts.split(","):                            # [N x] L [@ S]
+        spec, _, slots = c.partition("@")
+        N, L = spec.split("x") if "x" in spec else ("1", spec)
+        cases.append(([int(L)] * int(N), int(slots) if slots else int(N)))
     print(f"prefill attention, Qwen3-8B shape (nh {nh}, nkv {nkv}, hd {hd}), block_size {bs}; ms per layer; "
           f"TFLOP/s = 4 * sum(keys attended) * hd * nh / t, vs 790 dense bf16; "
           "plan defaults: " + ", ".join(f"buckets >= {least} rows {t[hd][0]}"
@@ -355,7 +358,8 @@ def main() -> None:
     ap.add_argument("--both-schemes", action="store_true", help="fp8-batched: fp8_channel too (default block128)")
     ap.add_argument("--batches", default="1,16,64,128,256")
     ap.add_argument("--contexts", default="256,1024,4096,8192")
-    ap.add_argument("--prompts", default="2048,4096,8192,4x1024", help="prefill: N x L or L (one seq)")
+    ap.add_argument("--prompts", default="2048,4096,8192,4x1024,640@256,4096@256",
+                    help="prefill: [N x] L [@ S]: N seqs of L tokens in S seq slots")
     ap.add_argument("--variants", default=None, help="prefill: comma list of attention_plan.PREFILL_ATTN_VARIANTS; "
                     "prefill-elementwise: label substrings of the variants to time (and the plan's); fp8-wgmma: "
                     "all (also sweep the cp.async kernel's variants)")

@@ -1,8 +1,9 @@
 """Every flash prefill attention variant (attention_plan.PREFILL_ATTN_VARIANTS, the plan's geometry) against the
 NumPy attention op on fresh random inputs: prompt chunks at an offset (prefix-cache hits, chunked prefill),
 partially filled blocks, several seqs of mixed lengths over more than one query tile, empty seq slots, rows of
-padding (zeroed), one-row seqs left alone under the mixed-step min_rows 2; outputs poisoned with NaN; a second
-launch and a CUDA-graph replay (PDL on) bit-identical to the first launch."""
+padding (zeroed), one-row seqs left alone under the mixed-step min_rows 2, more (seq, tile) pairs than the grid has
+rows (the wgmma blocks loop); outputs poisoned with NaN; a second launch and a CUDA-graph replay (PDL on)
+bit-identical to the first launch."""
 from __future__ import annotations
 
 import numpy as np
@@ -22,6 +23,10 @@ CASES = {
     "tiles": [(300, 1000), (129, 129), (17, 17), (200, 455), (0, 0), (0, 0)],
     "offsets": [(1, 1), (127, 1024), (64, 65), (256, 256), (3, 900)],
 }
+# 40 short seqs (2 - 40 rows at offsets 0 - 50, seed 14): 40 partial tiles against a grid of
+# ceil(rows / tile) + PREFILL_EXTRA_TILES rows, so wgmma blocks take several pairs and their rings wrap across seqs
+_many = np.random.default_rng(14)
+CASES["many"] = [(int(n), int(n + o)) for n, o in zip(_many.integers(2, 41, 40), _many.integers(0, 51, 40))]
 
 
 def prefill_inputs(lib, rng, seqs, nh, nkv, hd, pad=7, q_scale=1.0):
@@ -93,10 +98,11 @@ def test_wgmma_prefill_long_seqs_and_head_groups(lib, rng, variant, nh, nkv):
 
 
 @pytest.mark.parametrize("variant", attention_plan.PREFILL_ATTN_VARIANTS)
-def test_prefill_attention_replay(lib, rng, variant):
+@pytest.mark.parametrize("case", ["tiles", "many"])
+def test_prefill_attention_replay(lib, rng, variant, case):
     """Relaunch and graph replay (PDL attribute on, as the runner captures) rewrite every element identically."""
     from xserv_aot.runtime.cuda.driver import Launch
-    seqs, nh, nkv, hd = CASES["tiles"], 32, 8, 128
+    seqs, nh, nkv, hd = CASES[case], 32, 8, 128
     _, dev, T = prefill_inputs(lib, rng, seqs, nh, nkv, hd)
     out = lib.empty((T, nh * hd), "bfloat16")
     rec, args = prefill_launch(variant, seqs, T, nh, nkv, hd, dev, out, 2)

@@ -16,7 +16,7 @@ BUILD = dict(max_num_seqs=2, decode_buckets=[1, 2], prefill_buckets=[16, 256], m
              dtype="bfloat16", target="sm_90a")
 
 
-@pytest.mark.parametrize("variant", ["auto", "wg3h1k64s4o", "ws2h2k128s3op", "ws3h1k64s4", "ws3h1k64s4o",
+@pytest.mark.parametrize("variant", ["auto", "wg3h1k64s4o", "ws2h2k128s3o", "ws3h1k64s4", "ws3h1k64s4o",
                                      "ws2h2k64s4oplq"])
 def test_wgmma_variant_plan_matches_numpy_backend(tmp_path, seed, variant):
     from xserv_aot.runtime.select import gpu_available

@@ -84,6 +84,16 @@ def test_grid_covers_every_query_tile_of_any_split_of_the_rows(variant, seed):
         assert sum(-(-int(x) // rows_per_tile) for x in n) <= tile_blocks, n.tolist()
 
 
+@pytest.mark.parametrize("variant", ap.PREFILL_ATTN_WGMMA)
+def test_wgmma_grid_has_a_few_partial_tiles_not_a_row_per_seq_slot(variant):
+    """Blocks past the last pair find no work at one block an SM: a 256-slot bucket gets the prompt's tiles plus
+    PREFILL_EXTRA_TILES rows, and the kernel's blocks loop over the pairs past them (tests/test_cuda_prefill.py)."""
+    rows_per_tile = ap.prefill_tiles(variant)[0]
+    for rows, seqs in ((4096, 256), (2048, 256), (1000, 5), (1000, 16)):
+        rec = ap.prefill_attn_launch(op(rows, seqs), MODEL, [], [], variant)
+        assert rec.grid[1] == -(-rows // rows_per_tile) + min(seqs, ap.PREFILL_EXTRA_TILES), (rows, seqs, rec.grid)
+
+
 def test_a_default_that_shares_kv_tiles_across_q_heads_gives_way_where_they_do_not_divide(monkeypatch):
     monkeypatch.setattr(ap, "PREFILL_ATTN_TIERS", ((2048, {128: ("ws2h2k64s4oplq", "ws3h1k64s4o")}),
                                                    (0, {128: ("ws2h4k64s4", "ws2h2k64s4", "w4m2k16s4")})))

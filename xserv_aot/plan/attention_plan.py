@@ -28,18 +28,24 @@ PREFILL_ATTN_VARIANTS = ("v1", "w8m1k64s2", "w8m1k64s3", "w4m1k64s2", "w4m2k32s2
 # in registers (QK^T reads only K from shared memory), e: lean producer copy and descriptors (fewer instructions a
 # tile; H200: ws3h1k64s4oe 382 / 476 / 504 TFLOP/s at 2k / 4k / 8k against 359 / 440 / 471 without e).
 PREFILL_ATTN_WGMMA = ("wg2h2k64s2", "wg3h1k64s2", "wg2h2k64s4o", "wg3h1k64s4o", "wg2h2k128s2", "ws2h2k64s3",
-                      "ws2h2k64s4", "ws2h2k64s4o", "ws2h1k64s4o", "ws2h1k64s3o", "ws2h2k128s2", "ws2h2k128s3",
-                      "ws2h1k128s2", "ws2h2k128s3o", "ws2h2k128s3op", "ws2h1k128s3op", "ws3h1k64s3", "ws3h1k64s4",
-                      "ws2h4k64s3", "ws2h4k64s4", "ws3h1k64s3o", "ws3h1k64s4o", "ws2h2k64s4op", "ws3h1k64s3op",
-                      "ws3h1k64s4op", "ws3h1k64s3ol", "ws3h1k64s3opl", "ws2h2k128s3opl", "ws2h2k64s4opl",
-                      "ws2h2k64s4oplq", "ws2h2k128s3oplq", "ws2h2k64s4q", "ws3h1k64s4oe", "ws2h2k64s4oplqe")
+                      "ws2h2k64s4", "ws2h2k64s4o", "ws2h1k64s4o", "ws2h1k64s3o", "ws2h2k128s3o", "ws3h1k64s3",
+                      "ws3h1k64s4", "ws2h4k64s3", "ws2h4k64s4", "ws3h1k64s3o", "ws3h1k64s4o", "ws2h2k64s4op",
+                      "ws3h1k64s4op", "ws3h1k64s3ol", "ws2h2k64s4opl", "ws2h2k64s4oplq", "ws2h2k64s4q",
+                      "ws3h1k64s4oe", "ws2h2k64s4oplqe")
 PREFILL_ATTN_VARIANTS += PREFILL_ATTN_WGMMA
 PREFILL_ATTN_BOTH_HD = ("v1", "w8m1k64s2", "w4m2k32s2")
 # Defaults per head size, best first, by bucket rows: the first tier whose minimum rows the bucket reaches, in it the
 # first variant whose q heads a block divide the model's q heads per KV head (the H200 sweeps, docs/cuda-notes.md).
+# Below 2048 rows (session 14, without the empty blocks): ws2h2k64s4 ties ws3h1k64s4oe on one prompt of 128 - 1024
+# rows in a 256-slot bucket and leads on chunk mixes (8 x 64, 2 x 256: 0.0125 / 0.0134 ms against 0.0184 / 0.0161);
+# ws2h4k64s4 was 1.4 - 1.7x slower on single prompts.
 PREFILL_ATTN_TIERS = ((2048, {128: ("ws3h1k64s4oe",)}),
-                      (0, {128: ("ws2h4k64s4", "ws2h2k64s4", "w4m2k16s4")}))
+                      (0, {128: ("ws2h2k64s4", "w4m2k16s4")}))
 PREFILL_ATTN_OTHER_HD = "w8m1k64s2"         # head sizes without a sweep (hd 64: tested, not timed)
+# wgmma kernels: grid rows beyond one prompt's query tiles; a seq adds at most one partial tile, and the blocks
+# loop over the (seq, tile) pairs past the grid (kernels/attention_prefill_wgmma.cu). A row per seq slot (256) made
+# 8192 blocks a layer that found no work: +56 us a 4096-row layer at one block an SM (session 14).
+PREFILL_EXTRA_TILES = 16
 # An FP8 KV cache (kernels/kv_fp8.cuh): the pipe variants built with an e4m3 ring (attention_prefill_pipe.cu
 # attn_prefill_f8kv_*; the wgmma kernels have no FP8-KV variant), the first the hd 128 default (the pipe kernels'
 # best in the issue-14 sweeps); hd 64: PREFILL_ATTN_F8KV_HD64 only.
@@ -204,7 +210,7 @@ def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, varian
                                    f"divisible by {heads} (head_dim {hd}, {nh} q heads, {m['num_kv_heads']} KV heads)")
         q_tiles = groups * heads // min(heads, groups)                # 64 rows of one head each
         smem = (q_tiles * 64 + stages * 2 * keys) * hd * 2 + 1024   # Q tiles, K/V ring, 1024-B alignment
-        grid = [nh // heads, -(-op.rows // prefill_tiles(variant)[0]) + op.num_seqs]
+        grid = [nh // heads, -(-op.rows // prefill_tiles(variant)[0]) + min(op.num_seqs, PREFILL_EXTRA_TILES)]
         return launch(f"attn_prefill_{variant}_hd{hd}", grid, [128 * groups + (128 if mode == "s" else 0)], smem, args)
     warps, mt, keys, stages = (int(x) for x in _PIPE.fullmatch(variant).groups())
     smem = stages * 2 * keys * (hd + 8) * 2                              # K and V tiles, rows padded to hd + 8

@@ -15,7 +15,12 @@
 // Grid (nh / H, Y): block y takes the (seq, tile) pairs y, y + Y, ... (a seq's tiles in reverse: longest rows
 // first; Y covers the tiles of one long prompt plus a few partial ones, attention_plan.PREFILL_EXTRA_TILES);
 // every block zeroes uncovered rows r with r % Y == y.
+// KVT e4m3 (attn_prefill_f8kv_ws*, an FP8 cache: kv_fp8.cuh; ws only): the producer warpgroup cp.asyncs a tile's
+// e4m3 rows into one of two staging buffers after the ring (2 x [K | V] x KT x 128 B), one tile ahead, converts the
+// staged tile into its ring slot as the same swizzled bf16 tile (exact), and arrives on the slot's full barrier;
+// k_scale joins the softmax scale, v_scale the output.
 #include "wgmma.cuh"
+#include "kv_fp8.cuh"
 
 constexpr int WG_HD = 128;                                       // head size
 constexpr u32 WG_QTILE = 64 * WG_HD * 2;                         // bytes of one warpgroup's Q tile
@@ -24,12 +29,24 @@ constexpr u32 WG_QTILE = 64 * WG_HD * 2;                         // bytes of one
 __device__ constexpr int ws_producer_regs(int nwg) { return nwg == 2 ? 40 : 32; }
 __device__ constexpr int ws_consumer_regs(int nwg) { return nwg == 2 ? 232 : 160; }
 
-template <int NWG, int HB, int KT, int STAGES, bool OV, bool WS, bool PP, bool LZ, bool QR, bool LE>
+// ld.shared.v2.u32 / st.shared.v4.u32 at a shared-window address.
+__device__ __forceinline__ uint2 lds8(u32 a) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a));
+    return v;
+}
+__device__ __forceinline__ void sts16(u32 a, const vec16& v) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" :: "r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+template <int NWG, int HB, int KT, int STAGES, bool OV, bool WS, bool PP, bool LZ, bool QR, bool LE,
+          typename KVT = bf16>
 __device__ __forceinline__ void attn_prefill_wgmma_impl(
-        const bf16* __restrict__ q, const bf16* __restrict__ kv_layer, const int* __restrict__ qsl,
+        const bf16* __restrict__ q, const KVT* __restrict__ kv_layer, const int* __restrict__ qsl,
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables, bf16* __restrict__ out,
         int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots, float scale,
-        int min_rows) {
+        int min_rows, float k_scale = 1.f, float v_scale = 1.f) {
     pdl_entry();
     // HB q heads a block: the warpgroups split them HG ways (the rest of the warpgroups take further rows), each
     // warpgroup covers HPW of them in turn (its K/V tiles serve HPW x 64 (row, head) pairs).
@@ -42,6 +59,8 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     static_assert(!LZ || OV, "the lazy softmax: overlap variants");
     static_assert(!QR || (WS && HPW == 1), "Q in registers: ws, one Q tile a warpgroup");
     static_assert(!LE || WS, "the lean producer: ws");
+    constexpr bool F8 = KvF8<KVT>::value;
+    static_assert(!F8 || WS, "an FP8 cache: the producer warpgroup converts");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     __shared__ __align__(8) u64 bars[2 * STAGES];               // ws: full[STAGES], empty[STAGES]
     const u32 q_s = (smem_addr(smem_raw) + 1023u) & ~1023u;      // swizzle atoms need 1024-byte alignment
@@ -57,13 +76,11 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         for (int d = tid; d < HB * HD; d += NT) out[((size_t)r * nh + h0) * HD + d] = 0;
     const int kvh = h0 / (nh / nkv), bs_log2 = __ffs(block_size) - 1;   // block_size: a power of two (BuildConfig)
     const size_t kv_stride = (size_t)nkv * HD, v_off = (size_t)num_slots * kv_stride;
-    const bf16* kv_head = kv_layer + (size_t)kvh * HD;
-    // The block's (seq, tile) pairs: y, y + gridDim.y, ...; every thread searches each (find_tile's barriers, which
+    const KVT* kv_head = kv_layer + (size_t)kvh * HD;
+    // The block's (seq, tile) pairs: y, y + gridDim.y, ...; every thread searches each (next_pair's barriers, which
     // also publish the inits), the producer in its own loop (its registers are given away before it).
     auto find_pair = [&](int b, int& seq, int& tile) {
-        find_tile<NT>(qsl, num_seqs, min_rows, BQ, b, seq, tile);
-        __syncthreads();                                         // every thread has read it before the next search
-        return seq >= 0;
+        return next_pair<NT>(qsl, num_seqs, min_rows, BQ, b, seq, tile);
     };
     auto pair_keys = [&](int seq, int tile, int& n, int& pos0, int& q0) {   // -> keys up to the last row (max_pos)
         n = qsl[seq + 1] - qsl[seq];
@@ -74,7 +91,54 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     // The ring's slots and phases count key tiles over all of a block's pairs (g: base + kt).
     auto ring_slot = [&](int g) { return kv_s + (g % STAGES) * 2 * TILE; };
 
-    if (WS && tid >= NC) {                                       // the producer warpgroup
+    if constexpr (F8) if (tid >= NC) {                           // the producer warpgroup over an FP8 cache
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(ws_producer_regs(NWG)));
+        const int t = tid - NC;
+        const u32 stg = kv_s + STAGES * 2 * TILE;                // staging [2][K | V][KT][128 B]
+        const char* k8 = reinterpret_cast<const char*>(kv_head) + (t & 7) * 16;   // thread t: 16 B chunk t % 8
+        const char* v8 = k8 + v_off;                             // (e4m3: bytes = elements)
+        const u32 row_bytes = (u32)kv_stride;
+        auto stage = [&](int g, const int* bt, int kt, int max_pos) {   // rows t / 8 + 16 i of tile kt, K and V
+            const u32 d = stg + (g & 1) * 2 * HALF + (t >> 3) * 128 + (t & 7) * 16;
+#pragma unroll
+            for (int i = 0; i < KT / 16; i++) {
+                const int p = kt * KT + (t >> 3) + 16 * i;
+                const bool ok = p <= max_pos;
+                const u32 slot = ok ? ((u32)bt[p >> bs_log2] << bs_log2) + (p & ((1 << bs_log2) - 1)) : 0u;
+                cp_async16_zfill(d + i * 16 * 128, k8 + (size_t)slot * row_bytes, ok ? 16 : 0);
+                cp_async16_zfill(d + HALF + i * 16 * 128, v8 + (size_t)slot * row_bytes, ok ? 16 : 0);
+            }
+            cp_async_commit();
+        };
+        auto convert = [&](int g) {                              // staging g % 2 -> ring slot g, bf16 swizzled
+            const u32 src = stg + (g & 1) * 2 * HALF, dst = ring_slot(g);
+#pragma unroll 4
+            for (int i = 0; i < 2 * KT * 16 / 128; i++) {
+                const int c = t + 128 * i, v = c / (KT * 16), r = (c >> 4) % KT, ch = c & 15;
+                sts16(dst + v * KT * 256 + sw128_offset(r, ch, KT), e4m3x8_bf16x8(lds8(src + v * HALF + r * 128
+                                                                                        + ch * 8)));
+            }
+        };
+        int seq, tile, n, pos0, q0;
+        for (int b = blockIdx.y, base = 0; find_pair(b, seq, tile); b += gridDim.y) {
+            const int max_pos = pair_keys(seq, tile, n, pos0, q0), ntiles = max_pos / KT + 1;
+            const int* bt = block_tables + (size_t)seq * max_blocks;
+            stage(base, bt, 0, max_pos);
+            for (int kt = 0; kt < ntiles; kt++) {
+                const int g = base + kt;
+                cp_async_wait<0>();                              // tile g staged (this thread's copies) ...
+                asm volatile("bar.sync 15, 128;" ::: "memory"); // ... every producer's; g - 1's staging read
+                if (kt + 1 < ntiles) stage(g + 1, bt, kt + 1, max_pos);
+                if (g >= STAGES) mbar_wait(empty + 8 * (g % STAGES), (g / STAGES - 1) & 1);
+                convert(g);
+                fence_proxy_async();
+                mbar_arrive(full + 8 * (g % STAGES));
+            }
+            base += ntiles;
+        }
+        return;
+    }
+    if constexpr (WS && !F8) if (tid >= NC) {                    // the producer warpgroup
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(ws_producer_regs(NWG)));
         const int t = tid - NC, ch = t & 15;
         const char* k_base = reinterpret_cast<const char*>(kv_head + ch * 8);
@@ -131,7 +195,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         const int wtiles = wpos_last < 0 ? 0 : wpos_last / KT + 1;  // tiles with a key visible to this warpgroup
         const int qpos[2] = {pos0 + min(row_l, n - 1), pos0 + min(row_l + 8, n - 1)};
         const u32 qw = q_s + wg * HPW * WG_QTILE;                    // this warpgroup's first Q tile
-        const float sl2 = scale * 1.4426950408889634f;
+        const float sl2 = scale * k_scale * 1.4426950408889634f;
         float o[HPW][64], s[KT / 2], m_r[HPW][2], l_r[HPW][2], corr[2];   // o, m, l: one set per head in turn
         u32 pf[KT / 16][4], qf[QR ? HD / 16 : 1][4];                  // P (A of PV); qr: Q (A of QK^T)
         if constexpr (QR) {                                          // warp wl's 16 rows, k-step k: ldmatrix x4
@@ -303,7 +367,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
                 float l = l_r[j][e];
                 l += __shfl_xor_sync(0xffffffffu, l, 1);
                 l += __shfl_xor_sync(0xffffffffu, l, 2);
-                const float inv = 1.f / l;
+                const float inv = v_scale / l;
                 const int r = row_l + e * 8;
                 if (r >= n) continue;
                 bf16* orow = out + ((size_t)(qsl[seq] + r) * nh + h0 + (wg % HG) * HPW + j) * HD + (lane & 3) * 2;
@@ -315,8 +379,6 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         }
         base += ntiles;
     }
-    cp_async_commit();
-    cp_async_wait<0>();                                          // no copy outlives the block
 }
 
 #define PREFILL_WGMMA_KERNEL(MODE, NWG, HB, KEYS, S, SUFFIX, OV, WS, PP, LZ, QR, LE, THREADS)                       \
@@ -354,3 +416,18 @@ PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, oplq, true, true, true, true, true, false,
 PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, q, false, true, false, false, true, false, 384)
 PREFILL_WGMMA_KERNEL(ws, 3, 1, 64, 4, oe, true, true, false, false, false, true, 512)
 PREFILL_WGMMA_KERNEL(ws, 2, 2, 64, 4, oplqe, true, true, true, true, true, true, 384)
+
+// attn_prefill_f8kv_ws*: the same over an FP8 cache (ws only). Dynamic shared memory: the bf16 kernel's + the two
+// staging tiles, 2 x 2 x KEYS x 128 B (plan.attention_plan.prefill_attn_launch).
+#define PREFILL_WGMMA_F8KV_KERNEL(NWG, HB, KEYS, S, SUFFIX, OV, PP, LZ, QR, LE, THREADS)                               \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                        \
+    attn_prefill_f8kv_ws##NWG##h##HB##k##KEYS##s##S##SUFFIX##_hd128(                                                \
+        const bf16* q, const e4m3* kv_layer, const int* qsl, const int* seq_lens, const int* block_tables,          \
+        bf16* out, int T, int num_seqs, int nh, int nkv, int block_size, int max_blocks, int num_slots,             \
+        float scale, int min_rows, float k_scale, float v_scale) {                                                  \
+        attn_prefill_wgmma_impl<NWG, HB, KEYS, S, OV, true, PP, LZ, QR, LE, e4m3>(                                  \
+            q, kv_layer, qsl, seq_lens, block_tables, out, T, num_seqs, nh, nkv, block_size, max_blocks, num_slots, \
+            scale, min_rows, k_scale, v_scale); }
+
+PREFILL_WGMMA_F8KV_KERNEL(3, 1, 64, 4, oe, true, false, false, false, true, 512)
+PREFILL_WGMMA_F8KV_KERNEL(2, 2, 64, 4, , false, false, false, false, false, 384)

@@ -1,4 +1,4 @@
-// (seq, tile) lookup shared by the prefill attention kernels (attention_prefill.cu, attention_prefill_pipe.cu).
+// (seq, tile) lookup shared by the prefill attention kernels (attention_prefill*.cu).
 #pragma once
 #include "common.cuh"
 
@@ -37,6 +37,29 @@ __device__ __forceinline__ void find_tile(const int* __restrict__ qsl, int num_s
     }
     seq = found_seq;
     tile = found_tile;
+}
+
+// A block's next (seq, tile) pair when the blocks loop past the grid (pairs blockIdx, + gridDim, ...): false after
+// the last. The barrier after the search: every thread has read its result (and is done with the previous pair's
+// shared memory) before the next search resets it. The caller keeps b in a register (the wgmma kernels)...
+template <int NT>
+__device__ __forceinline__ bool next_pair(const int* __restrict__ qsl, int num_seqs, int min_rows, int rows_per_tile,
+                                          int b, int& seq, int& tile) {
+    find_tile<NT>(qsl, num_seqs, min_rows, rows_per_tile, b, seq, tile);
+    __syncthreads();
+    return seq >= 0;
+}
+// ... or in shared memory (*b: blockIdx at the start, published; it advances by `grid`, gridDim of the pairs'
+// axis): a register kept across the loop spilled 8 B in the 255-register pipe kernels (session 15). Every thread
+// reads *b before find_tile's barriers, thread 0 advances it after them, the last barrier publishes it.
+template <int NT>
+__device__ __forceinline__ bool next_pair(const int* __restrict__ qsl, int num_seqs, int min_rows, int rows_per_tile,
+                                          int* b, int grid, int& seq, int& tile) {
+    const int bi = *b;
+    find_tile<NT>(qsl, num_seqs, min_rows, rows_per_tile, bi, seq, tile);
+    if (threadIdx.x == 0) *b = bi + grid;
+    __syncthreads();
+    return seq >= 0;
 }
 
 // Two finite floats to bf16 (round to nearest even, as pack2) in one instruction; lo in the low half.

@@ -268,14 +268,17 @@ def bench_prefill(args) -> None:
     tokens in a bucket of S seq slots, the rest empty, as the plan's buckets have 256; S defaults to N). Each output
     poisoned, checked against torch float32 (per seq and q head); ms is one layer; causal TFLOP/s counts
     4 x sum over queries of the keys each attends x head_dim x num_heads (QK^T and PV), against 790; fill TB/s:
-    the K/V bytes the kernel's blocks copy from L2 into shared memory (attention_plan.prefill_tiles) per second."""
+    the K/V bytes the kernel's blocks copy from L2 into shared memory (attention_plan.prefill_tiles) per second.
+    `f8kv:VARIANT` (attention_plan.PREFILL_ATTN_F8KV): the kernel over an FP8 cache; every case's KV is then e4m3
+    values x 2^-4, exact in bf16, so one reference checks both caches."""
     from xserv_aot.plan import attention_plan
     from xserv_aot.plan.op_records import Attention
     nh, nkv, hd, bs = 32, 8, 128, 16
     G, scale = nh // nkv, hd ** -0.5
     torch.zeros(1, device="cuda")
     variants = args.variants.split(",") if args.variants else list(attention_plan.PREFILL_ATTN_VARIANTS)
-    kern = Kernels(*sorted({attention_plan.prefill_attn_source(v) for v in variants}))
+    f8_scale = 2.0 ** -4
+    kern = Kernels(*sorted({attention_plan.prefill_attn_source(v.removeprefix("f8kv:")) for v in variants}))
     gen = torch.Generator(device="cuda").manual_seed(1234)
     cases = []
     for c in args.prompts.split(","):                            # [N x] L [@ S]
@@ -286,13 +289,16 @@ def bench_prefill(args) -> None:
           f"TFLOP/s = 4 * sum(keys attended) * hd * nh / t, vs 790 dense bf16; "
           "plan defaults: " + ", ".join(f"buckets >= {least} rows {t[hd][0]}"
                                         for least, t in attention_plan.PREFILL_ATTN_TIERS))
-    print(f"{'prompts':>10} {'S':>4} {'variant':13} {'ms':>8} {'TFLOP/s':>8} {'%790':>5} {'err':>8} {'fill TB/s':>9}")
+    print(f"{'prompts':>10} {'S':>4} {'variant':18} {'ms':>8} {'TFLOP/s':>8} {'%790':>5} {'err':>8} {'fill TB/s':>9}")
     for lens_list, S in cases:
         T = sum(lens_list)
         blocks = [-(-L // bs) for L in lens_list]
         max_blocks = max(blocks)
         num_blocks = sum(blocks) + 3
         kv = torch.randn(2, num_blocks * bs, nkv, hd, device="cuda", generator=gen).bfloat16()
+        if any(v.startswith("f8kv:") for v in variants):
+            kv8 = (kv.float() / f8_scale).to(torch.float8_e4m3fn)
+            kv = (kv8.float() * f8_scale).bfloat16()
         q = torch.randn(T, nh, hd, device="cuda", generator=gen).bfloat16()
         perm = torch.randperm(num_blocks, device="cuda", generator=gen).int()
         bt = torch.zeros(S, max_blocks, dtype=torch.int32, device="cuda")
@@ -331,19 +337,22 @@ def bench_prefill(args) -> None:
         tail = [("i32", bs), ("i32", max_blocks), ("i32", kv.shape[1]), ("f32", scale)]
         name = f"{len(lens_list)}x{lens_list[0]}"
         for var in variants:
-            rec = attention_plan.prefill_attn_launch(op, m, [], [], var)
-            fn = kern.fn(attention_plan.prefill_attn_source(var), rec.fn, rec.smem)
+            base, f8 = var.removeprefix("f8kv:"), var.startswith("f8kv:")
+            rec = attention_plan.prefill_attn_launch(op, m, [], [], base, scales=(f8_scale, f8_scale) if f8 else None)
+            fn = kern.fn(attention_plan.prefill_attn_source(base), rec.fn, rec.smem)
+            kv_ptr = [("ptr", kv8.data_ptr())] if f8 else [ptrs[1]]
             lp = Launch(rec.fn, fn, rec.grid, rec.block, rec.smem,
-                        ptrs + [("ptr", out.data_ptr()), ("i32", T), ("i32", S), ("i32", nh), ("i32", nkv), *tail,
-                                ("i32", 2)], pdl=False)
+                        ptrs[:1] + kv_ptr + ptrs[2:] + [("ptr", out.data_ptr()), ("i32", T), ("i32", S), ("i32", nh),
+                                                        ("i32", nkv), *tail, ("i32", 2)]
+                        + ([("f32", f8_scale)] * 2 if f8 else []), pdl=False)
             out.fill_(float("nan"))
             lp(stream())
             torch.cuda.synchronize()
             err = rel_err(out, ref)
             ms = time_graph(lambda j: lp(stream()), 1)
             tf = flops / ms / 1e9
-            print(f"{name:>10} {S:4} {var:13} {ms:8.4f} {tf:8.1f} {100 * tf / 790:5.1f} {err:8.1e} "
-                  f"{fill_bytes(var) / ms / 1e9:7.2f}", flush=True)
+            print(f"{name:>10} {S:4} {var:18} {ms:8.4f} {tf:8.1f} {100 * tf / 790:5.1f} {err:8.1e} "
+                  f"{fill_bytes(base) / (1 + f8) / ms / 1e9:7.2f}", flush=True)
         del kv, q, out, ref
         torch.cuda.empty_cache()
 

@@ -14,8 +14,9 @@ import pytest
 
 from tests.cuda_fixtures import bf, rng  # noqa: F401  (fixtures)
 from tests.test_cuda_kernels import check, paged_setup, rope_inputs
+from tests.test_cuda_prefill import CASES, LONG
 from xserv_aot import kv_cache
-from xserv_aot.dtypes import FP8, encode
+from xserv_aot.dtypes import FP8, decode, encode
 from xserv_aot.plan import attention_plan as ap
 from xserv_aot.plan import row_kernels as rk
 from xserv_aot.plan.kernel_build import qk_rope_launch
@@ -23,7 +24,8 @@ from xserv_aot.plan.op_records import Attention, QkNormRopeCache
 from xserv_aot.runtime import numpy_ops as ref
 
 pytestmark = pytest.mark.gpu
-KV_SOURCES = ("rope_cache.cu", "rows_prefill.cu", "attention_decode_tc.cu", "attention_prefill_pipe.cu")
+KV_SOURCES = ("rope_cache.cu", "rows_prefill.cu", "attention_decode_tc.cu", "attention_prefill_pipe.cu",
+              "attention_prefill_wgmma.cu")
 SCALES = [(0.02, 0.011), (1.0, 1.0)]          # k, v: amax-like scales (values near 448 saturate), and the default
 
 
@@ -156,13 +158,22 @@ def test_batched_decode_f8kv_matches_numpy(lib, rng, hd, nh, nkv, scales, side, 
 
 @pytest.mark.parametrize("variant", ap.PREFILL_ATTN_F8KV)
 @pytest.mark.parametrize("hd,nh,nkv", [(128, 32, 8), (64, 9, 3)])
-def test_prefill_f8kv_matches_numpy(lib, rng, hd, nh, nkv, variant):
+@pytest.mark.parametrize("case", ["mixed", "many", "long", "codes"])
+def test_prefill_f8kv_matches_numpy(lib, rng, hd, nh, nkv, variant, case):
+    """many: more (seq, tile) pairs than the grid has rows, so blocks loop and their rings wrap across seqs; long:
+    many key tiles a seq (the wgmma kernels' ring and staging buffers wrap), chunks at offsets; codes: a cache of
+    every finite e4m3 code (subnormals, +-0, +-448) at random places, read exactly (the ALU conversion)."""
     if hd != 128 and variant != ap.PREFILL_ATTN_F8KV_HD64:
         pytest.skip("hd 64: PREFILL_ATTN_F8KV_HD64 only")
-    seqs = [(50, 50), (70, 200), (0, 0), (1, 33), (130, 130)]
+    mixed = [(50, 50), (70, 200), (0, 0), (1, 33), (130, 130)]
+    seqs = {"mixed": mixed, "many": CASES["many"], "long": LONG, "codes": mixed}[case]
     block_size, max_blocks, scales = 16, 64, (0.021, 0.013)
     qsl, lens, tables, kv = paged_setup(rng, seqs, nkv, hd)
     raw, real = random_fp8_cache(rng, kv.shape, scales)
+    if case == "codes":
+        codes = np.setdiff1d(np.arange(256, dtype=np.uint8), [0x7F, 0xFF])          # every code but the NaNs
+        raw = rng.choice(codes, raw.shape).astype(np.uint8).view(raw.dtype)
+        real = decode(raw, FP8) * np.asarray(scales, np.float32).reshape(2, 1, 1, 1)
     T = int(qsl[-1]) + 7
     q = bf(rng.standard_normal((T, nh, hd)))
     op, common = attention_op(T, len(seqs), nh, nkv, hd)

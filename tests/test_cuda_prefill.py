@@ -2,7 +2,7 @@
 NumPy attention op on fresh random inputs: prompt chunks at an offset (prefix-cache hits, chunked prefill),
 partially filled blocks, several seqs of mixed lengths over more than one query tile, empty seq slots, rows of
 padding (zeroed), one-row seqs left alone under the mixed-step min_rows 2, more (seq, tile) pairs than the grid has
-rows (the wgmma blocks loop); outputs poisoned with NaN; a second launch and a CUDA-graph replay (PDL on)
+rows (the blocks loop); outputs poisoned with NaN; a second launch and a CUDA-graph replay (PDL on)
 bit-identical to the first launch."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ CASES = {
     "offsets": [(1, 1), (127, 1024), (64, 65), (256, 256), (3, 900)],
 }
 # 40 short seqs (2 - 40 rows at offsets 0 - 50, seed 14): 40 partial tiles against a grid of
-# ceil(rows / tile) + PREFILL_EXTRA_TILES rows, so wgmma blocks take several pairs and their rings wrap across seqs
+# ceil(rows / tile) + PREFILL_EXTRA_TILES rows, so blocks take several pairs and their rings wrap across seqs
 _many = np.random.default_rng(14)
 CASES["many"] = [(int(n), int(n + o)) for n, o in zip(_many.integers(2, 41, 40), _many.integers(0, 51, 40))]
 

@@ -266,7 +266,7 @@ def test_every_kv_kernel_is_its_fp8_variant_with_the_layer_scales(tmp_path):
         "attn_decode_fused_f8kv_s3_hd128", "attn_decode_tc_f8kvn_b{}_s{}_hd128".format(*ap.BATCHED_ATTN_F8KVN_VARIANT)
         if ap.BATCHED_ATTN_F8KVN_VARIANT else f"attn_decode_tc_f8kv_s{ap.BATCHED_ATTN_F8KV_STAGES}_hd128",
         "qk_norm_rope_cache_f8kv_hd128",
-        "qk_norm_rope_cache_rows_f8kv_hd128", "attn_prefill_f8kv_w4m2k16s4_hd128"}
+        "qk_norm_rope_cache_rows_f8kv_hd128", "attn_prefill_f8kv_ws2h2k64s4_hd128"}   # the bf16 tier's (< 2048 rows)
     for _, op, rec in records:
         assert rec.args[-2:] == (("f32", 1.0), ("f32", 1.0)), rec.fn
     per_op = compile_tiny(tmp_path, "per_op", MK_CONFIG, **{**GPU_BUILD, "megakernel_sms": 0})
@@ -292,7 +292,8 @@ def test_checkpoint_scales_reach_every_layers_launches(tmp_path):
 
 
 @pytest.mark.parametrize("variant,fn", [("w8m1k64s3", "attn_prefill_f8kv_w8m1k64s3_hd128"),
-                                        ("ws2h2k64s4", None), ("v1", None)])
+                                        ("ws2h2k64s4", "attn_prefill_f8kv_ws2h2k64s4_hd128"), ("ws3h1k64s4o", None),
+                                        ("v1", None)])
 def test_prefill_attention_choice_over_an_fp8_cache(tmp_path, variant, fn):
     pytest.importorskip("cuda.core")
     from xserv_aot.plan.nvrtc_build import KernelBuildError
@@ -348,8 +349,8 @@ def test_fp8_kv_launch_records_match_the_kernel_signatures():
     from xserv_aot.plan.kernel_build import qk_rope_launch
     from xserv_aot.plan.op_records import Attention, QkNormRopeCache
     from xserv_aot.plan.signatures import kernel_signatures
-    sigs = {fn: p for src in ("attention_decode_tc.cu", "attention_prefill_pipe.cu", "rope_cache.cu",
-                              "rows_prefill.cu") for fn, p in kernel_signatures(src).items()}
+    sigs = {fn: p for src in ("attention_decode_tc.cu", "attention_prefill_pipe.cu", "attention_prefill_wgmma.cu",
+                              "rope_cache.cu", "rows_prefill.cu") for fn, p in kernel_signatures(src).items()}
     scales = (0.25, 0.125)
     recs = []
     for hd, nh, nkv in ((128, 32, 8), (64, 8, 2)):

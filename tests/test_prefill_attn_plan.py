@@ -84,14 +84,18 @@ def test_grid_covers_every_query_tile_of_any_split_of_the_rows(variant, seed):
         assert sum(-(-int(x) // rows_per_tile) for x in n) <= tile_blocks, n.tolist()
 
 
-@pytest.mark.parametrize("variant", ap.PREFILL_ATTN_WGMMA)
-def test_wgmma_grid_has_a_few_partial_tiles_not_a_row_per_seq_slot(variant):
-    """Blocks past the last pair find no work at one block an SM: a 256-slot bucket gets the prompt's tiles plus
-    PREFILL_EXTRA_TILES rows, and the kernel's blocks loop over the pairs past them (tests/test_cuda_prefill.py)."""
+@pytest.mark.parametrize("variant,fp8_kv", [(v, False) for v in ap.PREFILL_ATTN_VARIANTS]
+                         + [(v, True) for v in ap.PREFILL_ATTN_F8KV])
+def test_grid_has_a_few_partial_tiles_not_a_row_per_seq_slot(variant, fp8_kv):
+    """Blocks past the last pair find no work: a 256-slot bucket gets the prompt's tiles plus PREFILL_EXTRA_TILES
+    rows, and the kernels' blocks loop over the pairs past them (tests/test_cuda_prefill.py, test_cuda_kv_fp8.py);
+    v1 (no loop) keeps a row per seq slot."""
     rows_per_tile = ap.prefill_tiles(variant)[0]
     for rows, seqs in ((4096, 256), (2048, 256), (1000, 5), (1000, 16)):
-        rec = ap.prefill_attn_launch(op(rows, seqs), MODEL, [], [], variant)
-        assert rec.grid[1] == -(-rows // rows_per_tile) + min(seqs, ap.PREFILL_EXTRA_TILES), (rows, seqs, rec.grid)
+        rec = ap.prefill_attn_launch(op(rows, seqs), MODEL, [], [], variant, scales=(0.5, 0.25) if fp8_kv else None)
+        tiles_axis, extra = (0, seqs) if variant == "v1" else (1, min(seqs, ap.PREFILL_EXTRA_TILES))   # v1: a slot each
+        assert rec.grid[tiles_axis] == -(-rows // rows_per_tile) + extra, (rows, seqs, rec.grid)
+        assert rec.grid[1 - tiles_axis] * ap.prefill_tiles(variant)[1] == MODEL["num_heads"]
 
 
 def test_a_default_that_shares_kv_tiles_across_q_heads_gives_way_where_they_do_not_divide(monkeypatch):
@@ -105,6 +109,20 @@ def test_a_default_that_shares_kv_tiles_across_q_heads_gives_way_where_they_do_n
     assert fn == {32: ["attn_prefill_ws2h4k64s4_hd128", "attn_prefill_ws2h2k64s4oplq_hd128"],
                   16: ["attn_prefill_ws2h2k64s4_hd128", "attn_prefill_ws2h2k64s4oplq_hd128"],
                   24: ["attn_prefill_w4m2k16s4_hd128", "attn_prefill_ws3h1k64s4o_hd128"]}
+
+
+def test_an_fp8_cache_takes_the_bf16_tiers_variant_where_it_is_built_and_the_first_built_otherwise(monkeypatch):
+    m24 = dict(MODEL, num_heads=24)                          # 3 q heads a KV head: no ws2h2 below 2048 rows
+    assert ap.default_prefill_variant(MODEL, 4096, True) == ap.default_prefill_variant(MODEL, 4096) == "ws3h1k64s4oe"
+    assert ap.default_prefill_variant(MODEL, 512, True) == ap.default_prefill_variant(MODEL, 512) == "ws2h2k64s4"
+    assert ap.default_prefill_variant(m24, 512, True) == ap.PREFILL_ATTN_F8KV[0] == "w4m2k16s4"
+    assert ap.default_prefill_variant(dict(MODEL, head_dim=64), 512, True) == ap.PREFILL_ATTN_F8KV_HD64
+    monkeypatch.setattr(ap, "PREFILL_ATTN_TIERS", ((0, {128: ("ws2h4k64s4",)}),))   # built for bf16 only
+    assert ap.default_prefill_variant(MODEL, 512, True) == "w4m2k16s4"
+    rec = ap.prefill_attn_launch(op(4096, 256), MODEL, [], [], "ws3h1k64s4oe", scales=(0.5, 0.25))
+    bf16 = ap.prefill_attn_launch(op(4096, 256), MODEL, [], [], "ws3h1k64s4oe")
+    assert rec.fn == "attn_prefill_f8kv_ws3h1k64s4oe_hd128" and rec.smem == bf16.smem + 2 * 2 * 64 * 128
+    assert rec.grid == bf16.grid and rec.args[-2:] == (("f32", 0.5), ("f32", 0.25))
 
 
 def test_the_build_config_selects_the_variant_and_wgmma_refuses_shapes_it_lacks():
@@ -159,5 +177,6 @@ def test_ptxas_keeps_every_wgmma_variant_asynchronous_and_spill_free():
     serialized = [line for line in log.splitlines() if "C7514" in line or "C7515" in line or "serialized" in line]
     assert not serialized, serialized
     resources = ptxas_summary(log)
-    assert set(resources) == {f"attn_prefill_{v}_hd128" for v in ap.PREFILL_ATTN_WGMMA}
+    assert set(resources) == {f"attn_prefill_{v}_hd128" for v in ap.PREFILL_ATTN_WGMMA} | {
+        f"attn_prefill_f8kv_{v}_hd128" for v in ap.PREFILL_ATTN_F8KV if v in ap.PREFILL_ATTN_WGMMA}
     assert not [fn for fn, r in resources.items() if "spill" in r], resources

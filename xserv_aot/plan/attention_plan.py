@@ -42,14 +42,17 @@ PREFILL_ATTN_BOTH_HD = ("v1", "w8m1k64s2", "w4m2k32s2")
 PREFILL_ATTN_TIERS = ((2048, {128: ("ws3h1k64s4oe",)}),
                       (0, {128: ("ws2h2k64s4", "w4m2k16s4")}))
 PREFILL_ATTN_OTHER_HD = "w8m1k64s2"         # head sizes without a sweep (hd 64: tested, not timed)
-# wgmma kernels: grid rows beyond one prompt's query tiles; a seq adds at most one partial tile, and the blocks
-# loop over the (seq, tile) pairs past the grid (kernels/attention_prefill_wgmma.cu). A row per seq slot (256) made
-# 8192 blocks a layer that found no work: +56 us a 4096-row layer at one block an SM (session 14).
+# Prefill kernels' grid rows beyond one prompt's query tiles (prefill_grid_rows); a seq adds at most one partial
+# tile, and the blocks loop over the (seq, tile) pairs past the grid (kernels/prefill_tiles.cuh next_pair). A row
+# per seq slot (256) made 8192 wgmma blocks a layer that found no work: +56 us a 4096-row layer (session 14); the
+# pipe kernels 0.035 -> 0.019 ms at 8 x 64 rows (session 15). v1 keeps a row per seq slot: looping made it 22 - 25%
+# slower on one prompt (session 15).
 PREFILL_EXTRA_TILES = 16
-# An FP8 KV cache (kernels/kv_fp8.cuh): the pipe variants built with an e4m3 ring (attention_prefill_pipe.cu
-# attn_prefill_f8kv_*; the wgmma kernels have no FP8-KV variant), the first the hd 128 default (the pipe kernels'
-# best in the issue-14 sweeps); hd 64: PREFILL_ATTN_F8KV_HD64 only.
-PREFILL_ATTN_F8KV = ("w4m2k16s4", "w8m1k64s2", "w8m1k64s3")
+# An FP8 KV cache (kernels/kv_fp8.cuh): the variants built as attn_prefill_f8kv_*: pipe kernels with an e4m3 ring
+# (attention_prefill_pipe.cu), wgmma kernels whose producer warpgroup converts staged e4m3 tiles into the bf16 ring
+# (attention_prefill_wgmma.cu). hd 128 default: the bf16 tier's variant where it is built here, else the first;
+# hd 64: PREFILL_ATTN_F8KV_HD64 only.
+PREFILL_ATTN_F8KV = ("w4m2k16s4", "w8m1k64s2", "w8m1k64s3", "ws3h1k64s4oe", "ws2h2k64s4")
 PREFILL_ATTN_F8KV_HD64 = "w8m1k64s2"
 FEW_ATTN_F8KV_STAGES = (3, 4)   # fused few-seq kernel over an FP8 cache: the ring depths built (hd 64: 3)
 TC_F8KV_STAGES = (2, 3, 4)      # batched tensor-core kernel over an FP8 cache: the ring depths built (hd 64: 2, 4)
@@ -175,17 +178,23 @@ def prefill_tiles(variant: str) -> tuple[int, int, int]:
 
 def default_prefill_variant(m: dict, rows: int, fp8_kv: bool = False) -> str:
     """The default prefill attention variant for this model and a bucket of `rows` query rows."""
-    if fp8_kv:
-        return PREFILL_ATTN_F8KV[0] if m["head_dim"] == 128 else PREFILL_ATTN_F8KV_HD64
     hd, group = m["head_dim"], m["num_heads"] // m["num_kv_heads"]
     table = next(t for least, t in PREFILL_ATTN_TIERS if rows >= least)
-    return next((v for v in table.get(hd, ()) if group % prefill_tiles(v)[1] == 0), PREFILL_ATTN_OTHER_HD)
+    choice = next((v for v in table.get(hd, ()) if group % prefill_tiles(v)[1] == 0), PREFILL_ATTN_OTHER_HD)
+    if fp8_kv and (hd != 128 or choice not in PREFILL_ATTN_F8KV):
+        return PREFILL_ATTN_F8KV[0] if hd == 128 else PREFILL_ATTN_F8KV_HD64
+    return choice
+
+
+def prefill_grid_rows(op: Attention, rows_per_tile: int) -> int:
+    """Grid rows of a prefill attention launch: the bucket's query tiles + PREFILL_EXTRA_TILES partial ones."""
+    return -(-op.rows // rows_per_tile) + min(op.num_seqs, PREFILL_EXTRA_TILES)
 
 
 def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, variant: str | None = None,
                         min_rows: int = 2, scales: tuple[float, float] | None = None) -> LaunchRecord:
     """The flash prefill kernel (variant: the model's default) over every seq of >= min_rows query rows; it
-    zeroes the rows no seq covers. scales: an FP8 cache's layer scales (the attn_prefill_f8kv_* pipe kernels)."""
+    zeroes the rows no seq covers. scales: an FP8 cache's layer scales (the attn_prefill_f8kv_* kernels)."""
     nh, hd = m["num_heads"], m["head_dim"]
     variant = variant or default_prefill_variant(m, op.rows, bool(scales))
     args = common + [ptr(op.out), i32(op.rows), i32(op.num_seqs), i32(nh), i32(m["num_kv_heads"]), *tail,
@@ -195,13 +204,12 @@ def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, varian
             raise KernelBuildError(f"prefill attention {variant} has no FP8 KV cache variant (built: "
                                    f"{', '.join(PREFILL_ATTN_F8KV)}; hd 64: {PREFILL_ATTN_F8KV_HD64}); use "
                                    f"--prefill-attention auto")
-        warps, mt, keys, stages = (int(x) for x in _PIPE.fullmatch(variant).groups())
-        smem = stages * 2 * keys * hd + 2 * keys * (hd + 8) * 2            # e4m3 ring + the converted bf16 pair
-        return launch(f"attn_prefill_f8kv_{variant}_hd{hd}", [nh, -(-op.rows // prefill_tiles(variant)[0])
-                                                               + op.num_seqs], [32 * warps], smem,
-                      args + kv_scale_args(scales))
-    if variant == "v1":
-        return launch(f"attn_prefill_hd{hd}", [-(-op.rows // 64) + op.num_seqs, nh], [128], 0, args)
+        if variant not in PREFILL_ATTN_WGMMA:
+            warps, mt, keys, stages = (int(x) for x in _PIPE.fullmatch(variant).groups())
+            smem = stages * 2 * keys * hd + 2 * keys * (hd + 8) * 2        # e4m3 ring + the converted bf16 pair
+            return launch(f"attn_prefill_f8kv_{variant}_hd{hd}",
+                          [nh, prefill_grid_rows(op, prefill_tiles(variant)[0])], [32 * warps], smem,
+                          args + kv_scale_args(scales))
     if variant in PREFILL_ATTN_WGMMA:
         mode, *shape = _WGMMA.fullmatch(variant).groups()
         groups, heads, keys, stages = (int(x) for x in shape)
@@ -210,11 +218,16 @@ def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, varian
                                    f"divisible by {heads} (head_dim {hd}, {nh} q heads, {m['num_kv_heads']} KV heads)")
         q_tiles = groups * heads // min(heads, groups)                # 64 rows of one head each
         smem = (q_tiles * 64 + stages * 2 * keys) * hd * 2 + 1024   # Q tiles, K/V ring, 1024-B alignment
-        grid = [nh // heads, -(-op.rows // prefill_tiles(variant)[0]) + min(op.num_seqs, PREFILL_EXTRA_TILES)]
-        return launch(f"attn_prefill_{variant}_hd{hd}", grid, [128 * groups + (128 if mode == "s" else 0)], smem, args)
+        if scales:
+            smem += 2 * 2 * keys * hd                                # two staged e4m3 K/V tiles
+        grid = [nh // heads, prefill_grid_rows(op, prefill_tiles(variant)[0])]
+        return launch(f"attn_prefill_{'f8kv_' if scales else ''}{variant}_hd{hd}", grid,
+                      [128 * groups + (128 if mode == "s" else 0)], smem, args + kv_scale_args(scales))
+    if variant == "v1":
+        return launch(f"attn_prefill_hd{hd}", [-(-op.rows // 64) + op.num_seqs, nh], [128], 0, args)   # a seq slot each
     warps, mt, keys, stages = (int(x) for x in _PIPE.fullmatch(variant).groups())
     smem = stages * 2 * keys * (hd + 8) * 2                              # K and V tiles, rows padded to hd + 8
-    return launch(f"attn_prefill_{variant}_hd{hd}", [nh, -(-op.rows // prefill_tiles(variant)[0]) + op.num_seqs],
+    return launch(f"attn_prefill_{variant}_hd{hd}", [nh, prefill_grid_rows(op, prefill_tiles(variant)[0])],
                   [32 * warps], smem, args)
 
 

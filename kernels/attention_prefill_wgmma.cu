@@ -91,26 +91,29 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     // The ring's slots and phases count key tiles over all of a block's pairs (g: base + kt).
     auto ring_slot = [&](int g) { return kv_s + (g % STAGES) * 2 * TILE; };
 
-    if constexpr (F8) if (tid >= NC) {                           // the producer warpgroup over an FP8 cache
+    if constexpr (WS) if (tid >= NC) {                           // the producer warpgroup
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(ws_producer_regs(NWG)));
-        const int t = tid - NC;
-        const u32 stg = kv_s + STAGES * 2 * TILE;                // staging [2][K | V][KT][128 B]
-        const char* k8 = reinterpret_cast<const char*>(kv_head) + (t & 7) * 16;   // thread t: 16 B chunk t % 8
+        const int t = tid - NC, ch = t & 15;
+        const char* k_base = reinterpret_cast<const char*>(kv_head + ch * 8);
+        const char* v_base = reinterpret_cast<const char*>(kv_head + v_off + ch * 8);
+        // F8: thread t stages 16-B chunk t % 8 of rows t / 8 + 16 i (an e4m3 row is 128 B) into staging g % 2
+        // ([2][K | V][KT][128 B] after the ring), then converts staging g % 2 into ring slot g, bf16 swizzled.
+        const u32 stg = kv_s + STAGES * 2 * TILE;
+        const char* k8 = reinterpret_cast<const char*>(kv_head) + (t & 7) * 16;
         const char* v8 = k8 + v_off;                             // (e4m3: bytes = elements)
-        const u32 row_bytes = (u32)kv_stride;
-        auto stage = [&](int g, const int* bt, int kt, int max_pos) {   // rows t / 8 + 16 i of tile kt, K and V
+        auto stage = [&](int g, const int* bt, int kt, int max_pos) {
             const u32 d = stg + (g & 1) * 2 * HALF + (t >> 3) * 128 + (t & 7) * 16;
 #pragma unroll
             for (int i = 0; i < KT / 16; i++) {
                 const int p = kt * KT + (t >> 3) + 16 * i;
                 const bool ok = p <= max_pos;
-                const u32 slot = ok ? ((u32)bt[p >> bs_log2] << bs_log2) + (p & ((1 << bs_log2) - 1)) : 0u;
-                cp_async16_zfill(d + i * 16 * 128, k8 + (size_t)slot * row_bytes, ok ? 16 : 0);
-                cp_async16_zfill(d + HALF + i * 16 * 128, v8 + (size_t)slot * row_bytes, ok ? 16 : 0);
+                const u32 slot = ok ? paged_slot(bt, p, bs_log2) : 0u;
+                cp_async16_zfill(d + i * 16 * 128, k8 + (size_t)slot * (u32)kv_stride, ok ? 16 : 0);
+                cp_async16_zfill(d + HALF + i * 16 * 128, v8 + (size_t)slot * (u32)kv_stride, ok ? 16 : 0);
             }
             cp_async_commit();
         };
-        auto convert = [&](int g) {                              // staging g % 2 -> ring slot g, bf16 swizzled
+        auto convert = [&](int g) {
             const u32 src = stg + (g & 1) * 2 * HALF, dst = ring_slot(g);
 #pragma unroll 4
             for (int i = 0; i < 2 * KT * 16 / 128; i++) {
@@ -123,39 +126,27 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         for (int b = blockIdx.y, base = 0; find_pair(b, seq, tile); b += gridDim.y) {
             const int max_pos = pair_keys(seq, tile, n, pos0, q0), ntiles = max_pos / KT + 1;
             const int* bt = block_tables + (size_t)seq * max_blocks;
-            stage(base, bt, 0, max_pos);
+            if constexpr (F8) stage(base, bt, 0, max_pos);
             for (int kt = 0; kt < ntiles; kt++) {
                 const int g = base + kt;
-                cp_async_wait<0>();                              // tile g staged (this thread's copies) ...
-                asm volatile("bar.sync 15, 128;" ::: "memory"); // ... every producer's; g - 1's staging read
-                if (kt + 1 < ntiles) stage(g + 1, bt, kt + 1, max_pos);
+                if constexpr (F8) {
+                    cp_async_wait<0>();                          // tile g staged (this thread's copies) ...
+                    asm volatile("bar.sync 15, 128;" ::: "memory");   // ... every producer's; g - 1's staging read
+                    if (kt + 1 < ntiles) stage(g + 1, bt, kt + 1, max_pos);
+                }
                 if (g >= STAGES) mbar_wait(empty + 8 * (g % STAGES), (g / STAGES - 1) & 1);
-                convert(g);
-                fence_proxy_async();
-                mbar_arrive(full + 8 * (g % STAGES));
-            }
-            base += ntiles;
-        }
-        return;
-    }
-    if constexpr (WS && !F8) if (tid >= NC) {                    // the producer warpgroup
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(ws_producer_regs(NWG)));
-        const int t = tid - NC, ch = t & 15;
-        const char* k_base = reinterpret_cast<const char*>(kv_head + ch * 8);
-        const char* v_base = reinterpret_cast<const char*>(kv_head + v_off + ch * 8);
-        int seq, tile, n, pos0, q0;
-        for (int b = blockIdx.y, base = 0; find_pair(b, seq, tile); b += gridDim.y) {
-            const int max_pos = pair_keys(seq, tile, n, pos0, q0), ntiles = max_pos / KT + 1;
-            const int* bt = block_tables + (size_t)seq * max_blocks;
-            for (int kt = 0; kt < ntiles; kt++) {
-                const int g = base + kt;
-                if (g >= STAGES) mbar_wait(empty + 8 * (g % STAGES), (g / STAGES - 1) & 1);
-                if constexpr (LE)
-                    copy_kv_tile_lean<KT>(ring_slot(g), k_base, v_base, bt, kt, max_pos, bs_log2, (u32)kv_stride * 2,
-                                          t >> 4, sw128_offset(t >> 4, ch, KT));
-                else
-                    copy_kv_tile<KT, 128>(ring_slot(g), kv_head, bt, kt, max_pos, bs_log2, kv_stride, v_off, t);
-                mbar_arrive_on_copies(full + 8 * (g % STAGES));
+                if constexpr (F8) {
+                    convert(g);
+                    fence_proxy_async();
+                    mbar_arrive(full + 8 * (g % STAGES));
+                } else {
+                    if constexpr (LE)
+                        copy_kv_tile_lean<KT>(ring_slot(g), k_base, v_base, bt, kt, max_pos, bs_log2,
+                                              (u32)kv_stride * 2, t >> 4, sw128_offset(t >> 4, ch, KT));
+                    else
+                        copy_kv_tile<KT, 128>(ring_slot(g), kv_head, bt, kt, max_pos, bs_log2, kv_stride, v_off, t);
+                    mbar_arrive_on_copies(full + 8 * (g % STAGES));
+                }
             }
             base += ntiles;
         }

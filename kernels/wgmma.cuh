@@ -191,6 +191,11 @@ __device__ __forceinline__ void copy_kv_tile(u32 dst, const bf16* kv_head, const
     }
 }
 
+// Cache slot (32-bit) of key p of a seq through its block table row bt (block_size 1 << bs_log2).
+__device__ __forceinline__ u32 paged_slot(const int* bt, int p, int bs_log2) {
+    return ((u32)bt[p >> bs_log2] << bs_log2) + (p & ((1 << bs_log2) - 1));
+}
+
 // e: the producer warpgroup's copy with the per-thread constants hoisted: thread t always copies chunk t % 16 of rows
 // t / 16 + 8 i, so its swizzled offsets are off0 + 1024 i, and its K / V row addresses one 32 x 32 -> 64-bit
 // multiply-add each from bases that already hold the head and the chunk.
@@ -201,7 +206,7 @@ __device__ __forceinline__ void copy_kv_tile_lean(u32 dst, const char* k_base, c
     for (int i = 0; i < KT / 8; i++) {
         const int p = kt * KT + r0 + 8 * i;
         const bool ok = p <= max_pos;
-        const u32 slot = ok ? ((u32)bt[p >> bs_log2] << bs_log2) + (p & ((1 << bs_log2) - 1)) : 0u;
+        const u32 slot = ok ? paged_slot(bt, p, bs_log2) : 0u;
         const u32 d = dst + off0 + 1024 * i;
         cp_async16_zfill(d, k_base + (size_t)slot * row_bytes, ok ? 16 : 0);
         cp_async16_zfill(d + KT * 256, v_base + (size_t)slot * row_bytes, ok ? 16 : 0);

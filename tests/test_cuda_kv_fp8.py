@@ -162,7 +162,7 @@ def test_batched_decode_f8kv_matches_numpy(lib, rng, hd, nh, nkv, scales, side, 
 def test_prefill_f8kv_matches_numpy(lib, rng, hd, nh, nkv, variant, case):
     """many: more (seq, tile) pairs than the grid has rows, so blocks loop and their rings wrap across seqs; long:
     many key tiles a seq (the wgmma kernels' ring and staging buffers wrap), chunks at offsets; codes: a cache of
-    every finite e4m3 code (subnormals, +-0, +-448) at random places, read exactly (the ALU conversion)."""
+    every finite e4m3 code (subnormals, +-0, +-448) at random places, read exactly."""
     if hd != 128 and variant != ap.PREFILL_ATTN_F8KV_HD64:
         pytest.skip("hd 64: PREFILL_ATTN_F8KV_HD64 only")
     mixed = [(50, 50), (70, 200), (0, 0), (1, 33), (130, 130)]

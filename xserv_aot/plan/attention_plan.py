@@ -199,17 +199,11 @@ def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, varian
     variant = variant or default_prefill_variant(m, op.rows, bool(scales))
     args = common + [ptr(op.out), i32(op.rows), i32(op.num_seqs), i32(nh), i32(m["num_kv_heads"]), *tail,
                      i32(min_rows)]
-    if scales:
-        if variant not in PREFILL_ATTN_F8KV or (hd != 128 and variant != PREFILL_ATTN_F8KV_HD64):
-            raise KernelBuildError(f"prefill attention {variant} has no FP8 KV cache variant (built: "
-                                   f"{', '.join(PREFILL_ATTN_F8KV)}; hd 64: {PREFILL_ATTN_F8KV_HD64}); use "
-                                   f"--prefill-attention auto")
-        if variant not in PREFILL_ATTN_WGMMA:
-            warps, mt, keys, stages = (int(x) for x in _PIPE.fullmatch(variant).groups())
-            smem = stages * 2 * keys * hd + 2 * keys * (hd + 8) * 2        # e4m3 ring + the converted bf16 pair
-            return launch(f"attn_prefill_f8kv_{variant}_hd{hd}",
-                          [nh, prefill_grid_rows(op, prefill_tiles(variant)[0])], [32 * warps], smem,
-                          args + kv_scale_args(scales))
+    if scales and (variant not in PREFILL_ATTN_F8KV or (hd != 128 and variant != PREFILL_ATTN_F8KV_HD64)):
+        raise KernelBuildError(f"prefill attention {variant} has no FP8 KV cache variant (built: "
+                               f"{', '.join(PREFILL_ATTN_F8KV)}; hd 64: {PREFILL_ATTN_F8KV_HD64}); use "
+                               f"--prefill-attention auto")
+    fn = f"attn_prefill_{'f8kv_' if scales else ''}{variant}_hd{hd}"           # (v1: its own name, no FP8 build)
     if variant in PREFILL_ATTN_WGMMA:
         mode, *shape = _WGMMA.fullmatch(variant).groups()
         groups, heads, keys, stages = (int(x) for x in shape)
@@ -221,14 +215,16 @@ def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, varian
         if scales:
             smem += 2 * 2 * keys * hd                                # two staged e4m3 K/V tiles
         grid = [nh // heads, prefill_grid_rows(op, prefill_tiles(variant)[0])]
-        return launch(f"attn_prefill_{'f8kv_' if scales else ''}{variant}_hd{hd}", grid,
-                      [128 * groups + (128 if mode == "s" else 0)], smem, args + kv_scale_args(scales))
+        return launch(fn, grid, [128 * groups + (128 if mode == "s" else 0)], smem, args + kv_scale_args(scales))
     if variant == "v1":
         return launch(f"attn_prefill_hd{hd}", [-(-op.rows // 64) + op.num_seqs, nh], [128], 0, args)   # a seq slot each
     warps, mt, keys, stages = (int(x) for x in _PIPE.fullmatch(variant).groups())
-    smem = stages * 2 * keys * (hd + 8) * 2                              # K and V tiles, rows padded to hd + 8
-    return launch(f"attn_prefill_{variant}_hd{hd}", [nh, prefill_grid_rows(op, prefill_tiles(variant)[0])],
-                  [32 * warps], smem, args)
+    if scales:
+        smem = stages * 2 * keys * hd + 2 * keys * (hd + 8) * 2          # e4m3 ring + the converted bf16 pair
+    else:
+        smem = stages * 2 * keys * (hd + 8) * 2                          # K and V tiles, rows padded to hd + 8
+    return launch(fn, [nh, prefill_grid_rows(op, prefill_tiles(variant)[0])], [32 * warps], smem,
+                  args + kv_scale_args(scales))
 
 
 def plan_attention(op: Attention, kind: str, m: dict, attn: dict, block_size: int, max_blocks: int,

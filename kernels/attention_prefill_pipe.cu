@@ -70,7 +70,7 @@ __device__ __forceinline__ void attn_prefill_pipe_impl(
             for (int i = 0; i < KT * (HD / EPC) / NT; i++) {
                 const int c = tid + i * NT, kr = c / (HD / EPC), kc = (c % (HD / EPC)) * EPC, p = kt * KT + kr;
                 const bool ok = p <= max_pos;
-                const size_t slot = ok ? ((size_t)bt[p >> bs_log2] << bs_log2) + (p & (block_size - 1)) : 0;
+                const size_t slot = ok ? paged_slot(bt, p, bs_log2) : 0u;
                 const KVT* kp = kv_head + slot * kv_stride + kc;
                 cp_async16(ks + kr * ROW + kc * (int)sizeof(KVT), kp, ok ? 16 : 0);
                 cp_async16(ks + (KT + kr) * ROW + kc * (int)sizeof(KVT), kp + v_off, ok ? 16 : 0);

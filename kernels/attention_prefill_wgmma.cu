@@ -16,29 +16,19 @@
 // first; Y covers the tiles of one long prompt plus a few partial ones, attention_plan.PREFILL_EXTRA_TILES);
 // every block zeroes uncovered rows r with r % Y == y.
 // KVT e4m3 (attn_prefill_f8kv_ws*, an FP8 cache: kv_fp8.cuh; ws only): the producer warpgroup cp.asyncs a tile's
-// e4m3 rows into one of two staging buffers after the ring (2 x [K | V] x KT x 128 B), one tile ahead, converts the
-// staged tile into its ring slot as the same swizzled bf16 tile (exact), and arrives on the slot's full barrier;
-// k_scale joins the softmax scale, v_scale the output.
+// e4m3 rows into a ring of PREFILL_F8KV_STAGING staging buffers after the bf16 ring ([K | V] x KT x 128 B each),
+// PREFILL_F8KV_STAGING - 1 tiles ahead, converts the staged tile into its ring slot as the same swizzled bf16 tile
+// (exact), and arrives on the slot's full barrier; k_scale joins the softmax scale, v_scale the output.
 #include "wgmma.cuh"
 #include "kv_fp8.cuh"
 
 constexpr int WG_HD = 128;                                       // head size
 constexpr u32 WG_QTILE = 64 * WG_HD * 2;                         // bytes of one warpgroup's Q tile
 // ws: the producer warpgroup's registers go to the consumers (at launch 65536 / threads each, rounded down to 8):
-// 2 consumer warpgroups 168 -> 40 / 232, 3 consumer warpgroups 128 -> 32 / 160.
-__device__ constexpr int ws_producer_regs(int nwg) { return nwg == 2 ? 40 : 32; }
-__device__ constexpr int ws_consumer_regs(int nwg) { return nwg == 2 ? 232 : 160; }
-
-// ld.shared.v2.u32 / st.shared.v4.u32 at a shared-window address.
-__device__ __forceinline__ uint2 lds8(u32 a) {
-    uint2 v;
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a));
-    return v;
-}
-__device__ __forceinline__ void sts16(u32 a, const vec16& v) {
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" :: "r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                 : "memory");
-}
+// 2 consumer warpgroups 168 -> 40 / 232, 3 consumer warpgroups 128 -> 32 / 160. An FP8 cache's producer converts
+// 8 chunks at a time and keeps 56 (consumers 224 / 152): with 32 - 40 its conversion bound the kernel.
+__device__ constexpr int ws_producer_regs(int nwg, bool f8) { return f8 ? 56 : nwg == 2 ? 40 : 32; }
+__device__ constexpr int ws_consumer_regs(int nwg, bool f8) { return nwg == 2 ? (f8 ? 224 : 232) : (f8 ? 152 : 160); }
 
 template <int NWG, int HB, int KT, int STAGES, bool OV, bool WS, bool PP, bool LZ, bool QR, bool LE,
           typename KVT = bf16>
@@ -61,6 +51,8 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     static_assert(!LE || WS, "the lean producer: ws");
     constexpr bool F8 = KvF8<KVT>::value;
     static_assert(!F8 || WS, "an FP8 cache: the producer warpgroup converts");
+    static_assert(!WS || (NWG * ws_consumer_regs(NWG, F8) + ws_producer_regs(NWG, F8)) * 128 <= 65536 / NT / 8 * 8 * NT,
+                  "setmaxnreg moves registers only inside the block's launch allotment");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     __shared__ __align__(8) u64 bars[2 * STAGES];               // ws: full[STAGES], empty[STAGES]
     const u32 q_s = (smem_addr(smem_raw) + 1023u) & ~1023u;      // swizzle atoms need 1024-byte alignment
@@ -92,17 +84,21 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
     auto ring_slot = [&](int g) { return kv_s + (g % STAGES) * 2 * TILE; };
 
     if constexpr (WS) if (tid >= NC) {                           // the producer warpgroup
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(ws_producer_regs(NWG)));
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(ws_producer_regs(NWG, F8)));
         const int t = tid - NC, ch = t & 15;
         const char* k_base = reinterpret_cast<const char*>(kv_head + ch * 8);
         const char* v_base = reinterpret_cast<const char*>(kv_head + v_off + ch * 8);
-        // F8: thread t stages 16-B chunk t % 8 of rows t / 8 + 16 i (an e4m3 row is 128 B) into staging g % 2
-        // ([2][K | V][KT][128 B] after the ring), then converts staging g % 2 into ring slot g, bf16 swizzled.
+        // F8: thread t stages 16-B chunk t % 8 of rows t / 8 + 16 i (an e4m3 row is 128 B) into staging g % NS
+        // ([NS][K | V][KT][128 B] after the ring), then converts staging g % NS into ring slot g, bf16 swizzled.
+        // Every staging step commits one cp.async group (empty past the pair's tiles), so tile g has landed once at
+        // most NS - 2 groups are pending.
+        constexpr int NS = PREFILL_F8KV_STAGING;
+        static_assert(NS >= 2, "a tile staged ahead");
         const u32 stg = kv_s + STAGES * 2 * TILE;
         const char* k8 = reinterpret_cast<const char*>(kv_head) + (t & 7) * 16;
         const char* v8 = k8 + v_off;                             // (e4m3: bytes = elements)
         auto stage = [&](int g, const int* bt, int kt, int max_pos) {
-            const u32 d = stg + (g & 1) * 2 * HALF + (t >> 3) * 128 + (t & 7) * 16;
+            const u32 d = stg + (g % NS) * 2 * HALF + (t >> 3) * 128 + (t & 7) * 16;
 #pragma unroll
             for (int i = 0; i < KT / 16; i++) {
                 const int p = kt * KT + (t >> 3) + 16 * i;
@@ -114,8 +110,8 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
             cp_async_commit();
         };
         auto convert = [&](int g) {
-            const u32 src = stg + (g & 1) * 2 * HALF, dst = ring_slot(g);
-#pragma unroll 4
+            const u32 src = stg + (g % NS) * 2 * HALF, dst = ring_slot(g);
+#pragma unroll 8
             for (int i = 0; i < 2 * KT * 16 / 128; i++) {
                 const int c = t + 128 * i, v = c / (KT * 16), r = (c >> 4) % KT, ch = c & 15;
                 sts16(dst + v * KT * 256 + sw128_offset(r, ch, KT), e4m3x8_bf16x8(lds8(src + v * HALF + r * 128
@@ -126,13 +122,20 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         for (int b = blockIdx.y, base = 0; find_pair(b, seq, tile); b += gridDim.y) {
             const int max_pos = pair_keys(seq, tile, n, pos0, q0), ntiles = max_pos / KT + 1;
             const int* bt = block_tables + (size_t)seq * max_blocks;
-            if constexpr (F8) stage(base, bt, 0, max_pos);
+            if constexpr (F8) {
+#pragma unroll
+                for (int i = 0; i < NS - 1; i++) {
+                    if (i < ntiles) stage(base + i, bt, i, max_pos);
+                    else cp_async_commit();
+                }
+            }
             for (int kt = 0; kt < ntiles; kt++) {
                 const int g = base + kt;
                 if constexpr (F8) {
-                    cp_async_wait<0>();                          // tile g staged (this thread's copies) ...
+                    cp_async_wait<NS - 2>();                     // tile g staged (this thread's copies) ...
                     asm volatile("bar.sync 15, 128;" ::: "memory");   // ... every producer's; g - 1's staging read
-                    if (kt + 1 < ntiles) stage(g + 1, bt, kt + 1, max_pos);
+                    if (kt + NS - 1 < ntiles) stage(g + NS - 1, bt, kt + NS - 1, max_pos);
+                    else cp_async_commit();
                 }
                 if (g >= STAGES) mbar_wait(empty + 8 * (g % STAGES), (g / STAGES - 1) & 1);
                 if constexpr (F8) {
@@ -154,7 +157,7 @@ __device__ __forceinline__ void attn_prefill_wgmma_impl(
         cp_async_wait<0>();
         return;
     }
-    if constexpr (WS) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(ws_consumer_regs(NWG)));
+    if constexpr (WS) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(ws_consumer_regs(NWG, F8)));
 
     int seq, tile, n, pos0, q0;
     for (int b = blockIdx.y, base = 0; find_pair(b, seq, tile); b += gridDim.y) {

@@ -10,11 +10,6 @@
 // g, u rounded to bf16 first (the unfused linear + silu_mul semantics).
 #include "fp8.cuh"
 
-__device__ __forceinline__ uint2 skf_lds8(u32 addr) {
-    uint2 v;
-    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
-    return v;
-}
 __device__ __forceinline__ vec16 skf_ld_x(const void* p) {
     vec16 v;
     asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
@@ -127,7 +122,7 @@ __device__ __forceinline__ void skinny_fp8_impl(const bf16* __restrict__ X, cons
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int r = rt * 16 + g + 8 * h;
-                wv[rt][h] = ok ? skf_dequant(skf_lds8(slot + (u32)(r * 128 + ((p ^ ((r & 3) << 1)) * 16) + (t & 1) * 8)))
+                wv[rt][h] = ok ? skf_dequant(lds8(slot + (u32)(r * 128 + ((p ^ ((r & 3) << 1)) * 16) + (t & 1) * 8)))
                                : zero;
             }
         vec16 xn[MB];

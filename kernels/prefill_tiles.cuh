@@ -2,6 +2,11 @@
 #pragma once
 #include "common.cuh"
 
+// Cache slot (32-bit) of key p of a seq through its block table row bt (block_size 1 << bs_log2).
+__device__ __forceinline__ u32 paged_slot(const int* bt, int p, int bs_log2) {
+    return ((u32)bt[p >> bs_log2] << bs_log2) + (p & ((1 << bs_log2) - 1));
+}
+
 // Which (seq, tile) block b takes, tiles of rows_per_tile query rows: the NT threads scan NT seqs at a time (tile
 // counts, block prefix sum). seq -1: none (a spare block). Seqs with fewer than min_rows rows have no tiles.
 template <int NT>

@@ -183,17 +183,12 @@ __device__ __forceinline__ void copy_kv_tile(u32 dst, const bf16* kv_head, const
         const int c = t + i * NTH, kr = c >> 4, ch = c & 15, p = kt * KT + kr;
         if (KT * 16 % NTH != 0 && c >= KT * 16) break;
         const bool ok = p <= max_pos;
-        const size_t slot = ok ? ((size_t)bt[p >> bs_log2] << bs_log2) + (p & ((1 << bs_log2) - 1)) : 0;
+        const size_t slot = ok ? paged_slot(bt, p, bs_log2) : 0u;
         const bf16* kp = kv_head + slot * kv_stride + ch * 8;
         const u32 off = sw128_offset(kr, ch, KT);
         cp_async16_zfill(dst + off, kp, ok ? 16 : 0);
         cp_async16_zfill(dst + KT * 256 + off, kp + v_off, ok ? 16 : 0);
     }
-}
-
-// Cache slot (32-bit) of key p of a seq through its block table row bt (block_size 1 << bs_log2).
-__device__ __forceinline__ u32 paged_slot(const int* bt, int p, int bs_log2) {
-    return ((u32)bt[p >> bs_log2] << bs_log2) + (p & ((1 << bs_log2) - 1));
 }
 
 // e: the producer warpgroup's copy with the per-thread constants hoisted: thread t always copies chunk t % 16 of rows

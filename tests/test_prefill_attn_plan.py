@@ -9,6 +9,7 @@ import pytest
 from xserv_aot.config import BuildConfig, ConfigError
 from xserv_aot.plan import attention_plan as ap
 from xserv_aot.plan import signatures as sg
+from xserv_aot.plan.kernel_constants import PREFILL_F8KV_STAGING
 from xserv_aot.plan.nvrtc_build import KernelBuildError
 from xserv_aot.plan.op_records import Attention
 
@@ -121,7 +122,8 @@ def test_an_fp8_cache_takes_the_bf16_tiers_variant_where_it_is_built_and_the_fir
     assert ap.default_prefill_variant(MODEL, 512, True) == "w4m2k16s4"
     rec = ap.prefill_attn_launch(op(4096, 256), MODEL, [], [], "ws3h1k64s4oe", scales=(0.5, 0.25))
     bf16 = ap.prefill_attn_launch(op(4096, 256), MODEL, [], [], "ws3h1k64s4oe")
-    assert rec.fn == "attn_prefill_f8kv_ws3h1k64s4oe_hd128" and rec.smem == bf16.smem + 2 * 2 * 64 * 128
+    assert rec.fn == "attn_prefill_f8kv_ws3h1k64s4oe_hd128"
+    assert rec.smem == bf16.smem + PREFILL_F8KV_STAGING * 2 * 64 * 128 <= 227 * 1024   # staging; sm_90's limit
     assert rec.grid == bf16.grid and rec.args[-2:] == (("f32", 0.5), ("f32", 0.25))
 
 

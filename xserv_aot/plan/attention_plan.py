@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+from xserv_aot.plan.kernel_constants import PREFILL_F8KV_STAGING
 from xserv_aot.plan.launch_records import f32, i32, kernel, kv, launch, ptr
 from xserv_aot.plan.nvrtc_build import KernelBuildError
 from xserv_aot.plan.op_records import Attention, KernelChoice, LaunchRecord, QkNormRopeCache
@@ -213,7 +214,7 @@ def prefill_attn_launch(op: Attention, m: dict, common: list, tail: list, varian
         q_tiles = groups * heads // min(heads, groups)                # 64 rows of one head each
         smem = (q_tiles * 64 + stages * 2 * keys) * hd * 2 + 1024   # Q tiles, K/V ring, 1024-B alignment
         if scales:
-            smem += 2 * 2 * keys * hd                                # two staged e4m3 K/V tiles
+            smem += PREFILL_F8KV_STAGING * 2 * keys * hd             # the staged e4m3 K/V tiles
         grid = [nh // heads, prefill_grid_rows(op, prefill_tiles(variant)[0])]
         return launch(fn, grid, [128 * groups + (128 if mode == "s" else 0)], smem, args + kv_scale_args(scales))
     if variant == "v1":

@@ -28,6 +28,8 @@ WG8_WGS = 2             # consumer warpgroups (m64 weight tiles) of a kernels/ge
 WG8_STAGES_N64 = 8      # ... its ring of 128-k steps (64 WG8_WGS weight lines + the NT-row X tile each) at NT 64
 WG8_STAGES_N128 = 6     # ... and at NT 128 (both ~200 KB of shared memory)
 WG8_STAGES_N256 = 4     # ... and at NT 256 (two n128 halves on one weight tile, ~197 KB)
+PREFILL_F8KV_STAGING = 2   # e4m3 K/V tiles staged by the FP8-KV wgmma prefill producer (this many - 1 ahead; 3: no
+                           # faster, ws2h2k64s4 12% slower: docs/cuda-notes.md "Session 16")
 
 KERNEL_DEFINES = {"P_KEYS": P_KEYS, "G_MAX": G_MAX, "NORM_NC": NORM_NC, "GEMM_BK": GEMM_BK, "GEMM_LDS": GEMM_LDS,
                   "GEMM_STAGES_128": GEMM_STAGES_128, "GEMM_STAGES_64": GEMM_STAGES_64, "SK_WARPS": SK_WARPS,
@@ -37,7 +39,8 @@ KERNEL_DEFINES = {"P_KEYS": P_KEYS, "G_MAX": G_MAX, "NORM_NC": NORM_NC, "GEMM_BK
                   "MK_CONSUMERS": MK_CONSUMERS, "MK_TILE": MK_TILE,
                   "MK_TRACE": MK_TRACE, "SW8_STAGES": SW8_STAGES,
                   "WG8_WGS": WG8_WGS, "WG8_STAGES_N64": WG8_STAGES_N64,
-                  "WG8_STAGES_N128": WG8_STAGES_N128, "WG8_STAGES_N256": WG8_STAGES_N256}
+                  "WG8_STAGES_N128": WG8_STAGES_N128, "WG8_STAGES_N256": WG8_STAGES_N256,
+                  "PREFILL_F8KV_STAGING": PREFILL_F8KV_STAGING}
 
 
 def gemm_smem(tile: str) -> int:

@@ -11,9 +11,11 @@ struct __align__(16) vec16 { u32 x, y, z, w; };
 // Programmatic dependent launch (sm_90): let the next kernel in the stream be scheduled now, then wait until the
 // previous kernel has finished and its writes are visible. Every kernel calls this first, before any memory access,
 // so overlapping launches can never observe stale data; kernels launched without the PDL attribute just run.
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_entry() {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    pdl_trigger();
+    pdl_wait();
 }
 
 __device__ __forceinline__ float bf2f(bf16 h) { return __uint_as_float(((u32)h) << 16); }

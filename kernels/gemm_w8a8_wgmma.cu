@@ -80,11 +80,11 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
 #pragma unroll
     for (int j = 0; j < STAGES - 1; j++) issue(j);
 
-    float acc[NT / 2], d[NW / 2];                  // acc: the NH halves' sums; d: one half's step sum
+    float acc[1][NT / 2], d[1][NW / 2];            // acc: the NH halves' sums; d: one half's step sum
 #pragma unroll
-    for (int i = 0; i < NT / 2; i++) acc[i] = 0.f;
+    for (int i = 0; i < NT / 2; i++) acc[0][i] = 0.f;
 #pragma unroll
-    for (int i = 0; i < NW / 2; i++) d[i] = 0.f;
+    for (int i = 0; i < NW / 2; i++) d[0][i] = 0.f;
     // BLK: a warpgroup's 64 rows lie in one 128-row block of the weight scales
     const float* sw_row = WS + (size_t)(min(n0 + wg * 64, N - 1) >> 7) * steps;
 
@@ -101,7 +101,7 @@ __device__ __forceinline__ void w8a8_wgmma_impl(const e4m3* __restrict__ XQ, con
             issue(j + STAGES - 1);
         }
         const u32 st = base + (u32)(slot * TILE);
-        const float sw = BLK ? __ldg(sw_row + z + j * C) : 0.f;
+        const float sw[1] = {BLK ? __ldg(sw_row + z + j * C) : 0.f};
         w8a8_step<NT, BLK>(acc, d, st, wg, t,
                            reinterpret_cast<const float*>(smem_raw + (xs_ring - raw)) + slot * NT, sw);
         if (MB) {

@@ -1,7 +1,7 @@
 // The parts of the W8A8 wgmma GEMMs that do not depend on how a step's tiles reach shared memory
 // (gemm_w8a8_wgmma.cu: cp.async by every thread; gemm_w8a8_tma.cu: TMA from a producer warp): the e4m3 wgmma, one
 // 128-k step's MMAs and promotion, and the end (partial sums over the ring, the cluster reduction in rank order,
-// scales, bias, stores). A slot holds the ROWS = 64 WG8_WGS weight lines of 128 B, then the NT X lines, both in the
+// scales, bias, stores). A slot holds the ROWS weight lines of 128 B (64 x the m64 tiles of its block), then the NT X lines, both in the
 // 128B-swizzle layout (row r at 128 r, 16-byte chunk c at (c ^ (r & 7)) * 16), 1024-byte aligned.
 #pragma once
 #include "fp8.cuh"
@@ -23,39 +23,47 @@ __device__ __forceinline__ void wg8_cp4(u32 dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(src) : "memory");
 }
 
-// Warpgroup wg's step on the slot at st: for each of the NH halves of NW activation rows, d = the 4 k32 wgmmas' sum,
-// then acc += d * sw * xs[m] (BLK; xs: the slot's NT X scales in shared memory) or acc += d (CH).
-template <int NT, bool BLK>
-__device__ __forceinline__ void w8a8_step(float (&acc)[NT / 2], float (&d)[(NT > 128 ? NT / 2 : NT) / 2], u32 st,
-                                          int wg, int t, const float* xs, float sw) {
-    constexpr int ROWS = 64 * WG8_WGS, W_BYTES = ROWS * 128;
+// Warpgroup wg's step on the slot at st (ROWS weight lines, then the X lines): the warpgroup owns TPW m64 tiles,
+// weight rows 64 (TPW wg + p) .. + 63 of the slot; for each of the NH halves of NW activation rows, d[p] = tile p's
+// 4 k32 wgmmas' sum (all TPW tiles issued before one wait), then acc[p] += d[p] * sw[p] * xs[m] (BLK; xs: the
+// slot's NT X scales in shared memory, sw[p]: tile p's weight scale) or acc[p] += d[p] (CH).
+template <int NT, bool BLK, int ROWS = 64 * WG8_WGS, int TPW = 1>
+__device__ __forceinline__ void w8a8_step(float (&acc)[TPW][NT / 2], float (&d)[TPW][(NT > 128 ? NT / 2 : NT) / 2],
+                                          u32 st, int wg, int t, const float* xs, const float (&sw)[TPW]) {
+    constexpr int W_BYTES = ROWS * 128;
     constexpr int NH = NT > 128 ? 2 : 1, NW = NT / NH;   // NT 256: two n128 wgmma chains on one weight tile
 #pragma unroll
-    for (int h = 0; h < NH; h++) {              // activation rows h NW .. + NW - 1, the same A tile
+    for (int h = 0; h < NH; h++) {              // activation rows h NW .. + NW - 1, the same A tiles
         wg_fence();
 #pragma unroll
-        for (int kc = 0; kc < 4; kc++)
-            wgmma_e4m3(d, sw128_desc(st + (u32)(wg * 64 * 128 + kc * 32), 16, 1024),
-                       sw128_desc(st + (u32)(W_BYTES + h * NW * 128 + kc * 32), 16, 1024), kc);
+        for (int p = 0; p < TPW; p++)
+#pragma unroll
+            for (int kc = 0; kc < 4; kc++)
+                wgmma_e4m3(d[p], sw128_desc(st + (u32)((wg * TPW + p) * 64 * 128 + kc * 32), 16, 1024),
+                           sw128_desc(st + (u32)(W_BYTES + h * NW * 128 + kc * 32), 16, 1024), kc);
         wg_commit();
         wg_wait<0>();                          // (ptxas serialises wgmma when other accumulators are read
-        reg_fence(d);                          // while one is in flight: no overlap of steps in a warpgroup)
-        float* ah = acc + h * (NW / 2);
-        if (BLK) {
-            const float* xh = xs + h * NW;
 #pragma unroll
-            for (int jj = 0; jj < NW / 8; jj++) {
-                const float2 s = *reinterpret_cast<const float2*>(xh + 8 * jj + 2 * t);
-                const float s0 = s.x * sw, s1 = s.y * sw;
+        for (int p = 0; p < TPW; p++) reg_fence(d[p]);   // while one is in flight: no overlap of steps)
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    ah[4 * jj + 2 * e] += d[4 * jj + 2 * e] * s0;
-                    ah[4 * jj + 2 * e + 1] += d[4 * jj + 2 * e + 1] * s1;
+        for (int p = 0; p < TPW; p++) {
+            float* ah = acc[p] + h * (NW / 2);
+            if (BLK) {
+                const float* xh = xs + h * NW;
+#pragma unroll
+                for (int jj = 0; jj < NW / 8; jj++) {
+                    const float2 s = *reinterpret_cast<const float2*>(xh + 8 * jj + 2 * t);
+                    const float s0 = s.x * sw[p], s1 = s.y * sw[p];
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        ah[4 * jj + 2 * e] += d[p][4 * jj + 2 * e] * s0;
+                        ah[4 * jj + 2 * e + 1] += d[p][4 * jj + 2 * e + 1] * s1;
+                    }
                 }
-            }
-        } else {
+            } else {
 #pragma unroll
-            for (int i = 0; i < NW / 2; i++) ah[i] += d[i];
+                for (int i = 0; i < NW / 2; i++) ah[i] += d[p][i];
+            }
         }
     }
 }
@@ -63,21 +71,25 @@ __device__ __forceinline__ void w8a8_step(float (&acc)[NT / 2], float (&d)[(NT >
 // The end of a block, after its last step (the caller has made the ring free: no copy in flight, __syncthreads):
 // the consumers' sums as partials [NT][ROWS + 4] over the ring, then block z of the cluster reduces its share of
 // the tile's outputs over ranks 0..C-1 in order, applies the scales (CH) and bias, stores rows m < M, n < N.
-// Every thread of the block calls it (consumer: one of the 128 WG8_WGS MMA threads, which hold acc).
-template <int NT, bool OUT_F32, bool BLK, int C>
-__device__ __forceinline__ void w8a8_finish(const float (&acc)[NT / 2], float* part, u32 base, bool consumer, int tid,
-                                            int z, int n0, const float* __restrict__ XS, const float* __restrict__ WS,
-                                            const bf16* __restrict__ bias, void* __restrict__ out, int M, int N) {
-    constexpr int ROWS = 64 * WG8_WGS, THREADS = 128 * WG8_WGS, PSTRIDE = ROWS + 4;
+// Every thread of the block calls it (consumer: one of the 128 WGS MMA threads, which hold acc; TPW tiles each).
+template <int NT, bool OUT_F32, bool BLK, int C, int WGS = WG8_WGS, int TPW = 1>
+__device__ __forceinline__ void w8a8_finish(const float (&acc)[TPW][NT / 2], float* part, u32 base, bool consumer,
+                                            int tid, int z, int n0, const float* __restrict__ XS,
+                                            const float* __restrict__ WS, const bf16* __restrict__ bias,
+                                            void* __restrict__ out, int M, int N) {
+    constexpr int ROWS = 64 * WGS * TPW, THREADS = 128 * WGS, PSTRIDE = ROWS + 4;
     const int wg = tid >> 7, w4 = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
     if (consumer) {
 #pragma unroll
-        for (int jj = 0; jj < NT / 8; jj++)            // (the NH halves: jj runs on over both)
+        for (int p = 0; p < TPW; p++)
 #pragma unroll
-            for (int e = 0; e < 2; e++)
+            for (int jj = 0; jj < NT / 8; jj++)        // (the NH halves: jj runs on over both)
 #pragma unroll
-                for (int c = 0; c < 2; c++)
-                    part[(8 * jj + 2 * t + c) * PSTRIDE + wg * 64 + 16 * w4 + g + 8 * e] = acc[4 * jj + 2 * e + c];
+                for (int e = 0; e < 2; e++)
+#pragma unroll
+                    for (int c = 0; c < 2; c++)
+                        part[(8 * jj + 2 * t + c) * PSTRIDE + (wg * TPW + p) * 64 + 16 * w4 + g + 8 * e] =
+                            acc[p][4 * jj + 2 * e + c];
     }
     if (C > 1) cluster_barrier();
     else __syncthreads();

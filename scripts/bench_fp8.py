@@ -70,7 +70,7 @@ def launches(kern, rec, arg_sets):
            if rec.fn.startswith("w8a8_wgmma") else "gemm_w8a8_tma.cu" if rec.fn.startswith("w8a8_tma")
            else "gemm_skinny_fp8.cu" if rec.fn.startswith("skinny") else "gemv_fp8.cu")
     fn = kern.fn(src, rec.fn, rec.smem)
-    return [Launch(rec.fn, fn, rec.grid, rec.block, rec.smem, a, pdl=False) for a in arg_sets]
+    return [Launch(rec.fn, fn, rec.grid, rec.block, rec.smem, a, pdl=rec.pdl) for a in arg_sets]
 
 
 def bench_fp8(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:

@@ -20,7 +20,8 @@ import torch
 from scripts.bench_fp8 import BATCHED_SHAPES, FP8_SHAPES, Fp8Gemm, launches, weights
 from xserv_aot import fp8
 from xserv_aot.plan.cutlass_build import fp8_config, library_config_names
-from xserv_aot.plan.fp8_build import (W8A8_TMA_CLUSTERS, W8A8_WGMMA_CLUSTERS, W8A8_WGMMA_MBAR, W8A8_WGMMA_TILES,
+from xserv_aot.plan.fp8_build import (W8A8_TMA_CLUSTERS, W8A8_TMA_CLUSTERS_R256, W8A8_TMA_SHAPES,
+                                      W8A8_WGMMA_CLUSTERS, tma_shape, W8A8_WGMMA_MBAR, W8A8_WGMMA_TILES,
                                       W8A8_WGMMA_WIDE, plan_quantize, plan_w8a8_tma, plan_w8a8_wgmma)
 from xserv_aot.plan.linear_plan import plan_linear
 from xserv_aot.plan.op_records import Linear, QuantizeFp8
@@ -112,24 +113,33 @@ def bench_fp8_wgmma(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> Non
                         best[(scheme, name, M, "wgmma")] = ms
                     else:                                  # timed after every shape's planned kernel
                         keep.append((ws, x, xq, xs))           # the launches hold raw pointers into these
-                        extras.append((scheme, name, M, rec.fn, body, copies, N * K, ref, y))
-                tma_planned = plan_w8a8_tma(op8, "bfloat16").launch[0]
-                for c in (None, *W8A8_TMA_CLUSTERS):
-                    rec = plan_w8a8_tma(op8, "bfloat16", c).launch[0]
-                    if c is not None and rec.fn == tma_planned.fn:
-                        continue
-                    tw, tx = rec.args[0][1], rec.args[1][1]
-                    ls = launches(kern, rec, [[("tmap", encode(tw, w.data_ptr())), ("tmap", encode(tx, xq.data_ptr())),
-                                               ("ptr", xs.data_ptr()), ("ptr", s.data_ptr()), ("ptr", 0),
-                                               ("ptr", y.data_ptr()), ("i32", M), ("i32", N), ("i32", K)]
-                                              for w, s in ws])
-                    body = lambda j, ls=ls: ls[j](stream())  # noqa: E731
-                    if c is None:
-                        ms = run(scheme, name, M, f"{rec.fn} (planned)", body, copies, N * K, ref, y, "tma")
-                        best[(scheme, name, M, "tma")] = ms
-                    else:
-                        keep.append((ws, x, xq, xs))
-                        extras.append((scheme, name, M, rec.fn, body, copies, N * K, ref, y))
+                        extras.append((scheme, name, M, rec.fn, body, copies, N * K, ref, y, "wgmma"))
+                for shape, tag in W8A8_TMA_SHAPES.items():
+                    if shape != (2, 1) and M > 64:
+                        continue                       # 256-row blocks: 33-64 rows only
+                    tma_kind = f"tma{tag}"
+                    built = W8A8_TMA_CLUSTERS if shape == (2, 1) else W8A8_TMA_CLUSTERS_R256
+                    tma_planned = plan_w8a8_tma(op8, "bfloat16", None, shape).launch[0]
+                    for c, early in ((None, True), (None, False), *((c, True) for c in built)):
+                        rec = plan_w8a8_tma(op8, "bfloat16", c, shape, early).launch[0]
+                        if c is not None and rec.fn == tma_planned.fn:
+                            continue
+                        tw, tx = rec.args[0][1], rec.args[1][1]
+                        ls = launches(kern, rec, [[("tmap", encode(tw, w.data_ptr())),
+                                                   ("tmap", encode(tx, xq.data_ptr())), ("ptr", xs.data_ptr()),
+                                                   ("ptr", s.data_ptr()), ("ptr", 0), ("ptr", y.data_ptr()),
+                                                   ("i32", M), ("i32", N), ("i32", K)] for w, s in ws])
+                        body = lambda j, ls=ls: ls[j](stream())  # noqa: E731
+                        label = rec.fn + (" pdl" if rec.pdl else "")
+                        if c is None and early:
+                            ms = run(scheme, name, M, f"{label} (planned" + (", the plan's shape)" if shape ==
+                                     tma_shape(N, M) else ")"), body, copies, N * K, ref, y, tma_kind)
+                            best[(scheme, name, M, tma_kind)] = ms
+                            if shape == tma_shape(N, M):
+                                total[(scheme, M, "tma plan")] = total.get((scheme, M, "tma plan"), 0.0) + 36 * ms
+                        else:
+                            keep.append((ws, x, xq, xs))
+                            extras.append((scheme, name, M, label, body, copies, N * K, ref, y, tma_kind))
                 if so is not None:
                     cfg, splits = fp8_config(scheme, "bfloat16", M, N, K)   # the config plans take
 
@@ -142,8 +152,7 @@ def bench_fp8_wgmma(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> Non
     summary(total, schemes, rows_list)
     print("\nthe TMA kernel at every built cluster size" +
           (", the cp.async kernel at every cluster size, its mb ring and n256 tile:" if sweep_cp_async else ":"))
-    for scheme, name, M, variant, body, copies, wbytes, ref, y in extras:
-        kind = "tma" if variant.startswith("w8a8_tma_") else "wgmma"
+    for scheme, name, M, variant, body, copies, wbytes, ref, y, kind in extras:
         best[(scheme, name, M, kind)] = min(best[(scheme, name, M, kind)],
                                             run(scheme, name, M, variant, body, copies, wbytes, ref, y))
     for (scheme, name, M, kind), ms in best.items():
@@ -156,9 +165,9 @@ def summary(total, schemes, rows_list) -> None:
         for M in rows_list:
             t = {k: v for (s, m, k), v in total.items() if s in (scheme, "bf16") and m == M}
             q = t.get("quantize_o", 0.0)
-            parts = [f"{k} {t[k]:.3f} (+ o_proj quantize {t[k] + q:.3f})" for k in ("wgmma", "wgmma best", "tma",
-                                                                                       "tma best", "cutlass")
-                     if k in t]
+            kinds = ["wgmma", "wgmma best", "tma plan"] + [k for tag in W8A8_TMA_SHAPES.values()
+                                                           for k in (f"tma{tag}", f"tma{tag} best")]
+            parts = [f"{k} {t[k]:.3f} (+ o_proj quantize {t[k] + q:.3f})" for k in kinds + ["cutlass"] if k in t]
             print(f"Qwen3-8B layer linears, 36 layers, rows {M}, {scheme}: " + "; ".join(parts) +
                   (f"; bf16 plan {t['bf16']:.3f}" if "bf16" in t else ""), flush=True)
 

@@ -65,13 +65,13 @@ def test_tensor_map_box_equals_source(lib, rng, rows, cols, box_rows, box_cols, 
     np.testing.assert_array_equal(got, expected_box(src, c0, c1, box_cols, box_rows, swizzle))
 
 
-def run_tma(lib, rng, scheme, M, N, K, out_dtype, bias, cluster=None):
+def run_tma(lib, rng, scheme, M, N, K, out_dtype, bias, cluster=None, shape=None):
     """quantize_fp8 (device) + the TMA kernel as a plan without the CUTLASS library routes it (fp8_w8a8_tma: rows
-    33-256) or at a forced cluster size."""
+    33-256) or at a forced cluster size / block shape."""
     bufs, recs, inputs, choice = run_w8a8(
         lib, rng, scheme, M, N, K, out_dtype, bias,
-        lambda op: (fp8_build.plan_w8a8_tma(op, out_dtype, cluster) if cluster
-                    else plan_linear(op, out_dtype, None, None, decode=True, fp8_wgmma="tma")))
+        lambda op: (fp8_build.plan_w8a8_tma(op, out_dtype, cluster, shape)
+                    if cluster or shape else plan_linear(op, out_dtype, None, None, decode=True, fp8_wgmma="tma")))
     assert choice.kernel.startswith(f"w8a8_tma_{fp8_build.SCHEME_TAG[scheme]}_"), choice.kernel
     return bufs, recs, inputs
 
@@ -96,6 +96,35 @@ def test_w8a8_tma_every_cluster(lib, rng, scheme, cluster, M, K):
     bufs, recs, (x, q, s, b) = run_tma(lib, rng, scheme, M, 1000, K, "float32", True, cluster)
     assert recs[-1].grid[1] == cluster
     check_w8a8(bufs, x, q, s, b, scheme, "float32")
+
+
+R256_SHAPES = [sh for sh in fp8_build.W8A8_TMA_SHAPES if sh[0] * sh[1] == 4]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("shape", R256_SHAPES)
+@pytest.mark.parametrize("cluster", fp8_build.W8A8_TMA_CLUSTERS_R256)
+@pytest.mark.parametrize("M,N,K", [(64, 1000, 2176), (33, 520, 4096), (47, 136, 768)])
+def test_w8a8_tma_256_row_blocks(lib, rng, scheme, shape, cluster, M, N, K):
+    """The 256-row blocks (2 x 2) at every built cluster size: N tails inside a tile's second 128-row scale
+    block (1000, 520) and past it (136: the second block's scale index clamps), K tails, a block with no step."""
+    bufs, recs, (x, q, s, b) = run_tma(lib, rng, scheme, M, N, K, "float32", M % 2 == 1, cluster, shape)
+    assert recs[-1].grid[1] == cluster and recs[-1].block[0] == 128 * shape[0] + 32
+    check_w8a8(bufs, x, q, s, b, scheme, "float32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("shape", R256_SHAPES)
+@pytest.mark.parametrize("M,N,K,out_dtype", [(64, 6144, 4096, "bfloat16"), (40, 4096, 12288, "bfloat16"),
+                                             (64, 24576, 4096, "float32"), (57, 4096, 4096, "bfloat16")])
+def test_w8a8_tma_256_row_blocks_qwen3_shapes(lib, rng, scheme, shape, M, N, K, out_dtype):
+    bufs, recs, (x, q, s, b) = run_tma(lib, rng, scheme, M, N, K, out_dtype, True, None, shape)
+    check_w8a8(bufs, x, q, s, b, scheme, out_dtype)
+    assert recs[-1].pdl                # the replay overlaps quantize_fp8: the GEMM's X waits for it
+    assert_replay_equals_eager(lib, bufs, ("out", "xq", "xs"),
+                               lambda stream: [lib.launch_record(r, bufs, sync=False) for r in recs])
 
 
 CASES = [  # rows, N, K, out dtype, bias: the Qwen3-8B shapes (qkv, o, gate_up, down) and tails
@@ -167,6 +196,37 @@ def test_w8a8_tma_cluster_rule(rows, n, k, cluster):
     """Clustered grids within W8A8_TMA_BLOCKS (96) blocks; more tiles: the fewest waves per K share; C <= steps."""
     (rec,) = fp8_build.plan_w8a8_tma(w8a8_op(rows, n, k, fp8.BLOCK128), "bfloat16").launch
     assert rec.grid[1] == cluster, rec.grid
+
+
+@pytest.mark.parametrize("rows,n,shape", [(64, 24576, (2, 2)), (33, 17000, (2, 2)), (64, 16896, (2, 1)),
+                                          (64, 6144, (2, 1)), (64, 4096, (2, 1)), (65, 24576, (2, 1))])
+def test_w8a8_tma_shape_rule(rows, n, shape):
+    """256-row blocks where the 128-row tiles are more than one wave (> 132) at <= 64 rows, else 128-row ones;
+    every TMA launch is a PDL one (its weights stream before griddepcontrol.wait)."""
+    assert fp8_build.tma_shape(n, rows) == shape
+    (rec,) = fp8_build.plan_w8a8_tma(w8a8_op(rows, n, 4096, fp8.BLOCK128), "bfloat16").launch
+    assert rec.block[0] == 128 * shape[0] + 32 and rec.pdl
+    assert fp8_build.W8A8_TMA_SHAPES[shape] in rec.fn
+    d = rec.to_dict()
+    assert d["pdl"] is True and type(rec).from_dict(d, "t") == rec
+
+
+@pytest.mark.parametrize("shape", R256_SHAPES)
+@pytest.mark.parametrize("rows,n,k,tiles,cluster", [(64, 6144, 4096, 24, 4), (64, 4096, 4096, 16, 6),
+                                                    (64, 24576, 4096, 96, 1), (48, 4096, 12288, 16, 6),
+                                                    (64, 1000, 256, 4, 2)])
+def test_w8a8_tma_256_row_records(shape, rows, n, k, tiles, cluster):
+    """A 256-row block: 128 x warpgroups + 32 threads, one 256-row weight box, clusters from (1, 2, 3, 4, 6) within
+    96 blocks, shared memory within the SM's 227 KB; above 64 rows the plan keeps the 128-row block."""
+    op = w8a8_op(rows, n, k, fp8.BLOCK128)
+    (rec,) = fp8_build.plan_w8a8_tma(op, "bfloat16", None, shape).launch
+    tag = fp8_build.W8A8_TMA_SHAPES[shape]
+    assert rec.fn == f"w8a8_tma_blk_n64c{cluster}{tag}_bf16" and rec.grid[:2] == (tiles, cluster), rec
+    assert rec.block == (128 * shape[0] + 32, 1, 1) and rec.smem <= 227 * 1024
+    (_, tw), (_, tx) = rec.args[:2]
+    assert tw["box"] == [128, 256] and tx["box"] == [128, rows]
+    (rec,) = fp8_build.plan_w8a8_tma(w8a8_op(100, n, k, fp8.BLOCK128), "bfloat16", None, shape).launch
+    assert rec.fn.startswith("w8a8_tma_blk_n128c") and rec.block == (288, 1, 1)
 
 
 @pytest.fixture(scope="module")

@@ -73,6 +73,19 @@ def test_kernel_choice_round_trips_next_to_its_op():
         op_from_dict(d)
 
 
+def test_pdl_launch_record_round_trips_and_bad_pdl_is_refused():
+    """A launch under PDL carries "pdl": true (absent otherwise, so other records keep their bytes); any other value,
+    or pdl on a host-library call, is not a launch record."""
+    rec = LaunchRecord("w8a8_tma_blk_n64c1_bf16", (("i32", 1),), (4, 1, 1), (288, 1, 1), 1024, pdl=True)
+    d = json.loads(json.dumps(rec.to_dict()))
+    assert d["pdl"] is True and LaunchRecord.from_dict(d, "t") == rec
+    assert "pdl" not in LaunchRecord("f", (), (1, 1, 1), (32, 1, 1), 0).to_dict()
+    for bad in ({**d, "pdl": False}, {**d, "pdl": 1},
+                {"fn": "xserv_gemm_bf16", "library": "gemm_library", "args": [], "pdl": True}):
+        with pytest.raises(OpRecordError, match="bad launch record"):
+            LaunchRecord.from_dict(bad, "t")
+
+
 def test_unknown_build_setting_in_a_manifest_is_refused(plan_dir, tmp_path):
     m = json.loads((plan_dir / "manifest.json").read_text())
     m["build"]["no_cutlass"] = True

@@ -8,7 +8,7 @@ from __future__ import annotations
 from xserv_aot import fp8
 from xserv_aot.dtypes import FP8
 from xserv_aot.plan.kernel_constants import (skinny_smem, skinny_w8a8_rows, skinny_w8a8_smem, WG8_WGS,
-                                             w8a8_wgmma_rows, w8a8_wgmma_smem)
+                                             w8a8_tma_smem, w8a8_wgmma_rows, w8a8_wgmma_smem)
 from xserv_aot.plan.launch_records import i32, kernel, launch, library_call, ptr
 from xserv_aot.plan.linear_plan import GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS
 from xserv_aot.plan.nvrtc_build import KERNEL_DIR, KernelBuildError
@@ -46,6 +46,10 @@ W8A8_TMA_MAX_ROWS = 64                    # build setting fp8_w8a8_tma: W8A8 lin
                                           # CUTLASS W8A8 on every Qwen3-8B shape at 64 rows; at 128 slower on qkv /
                                           # gate_up, at 256 on all); more rows: CUTLASS where the plan has it
 W8A8_TMA_CLUSTERS = (1, 2, 3, 4)          # blocks a cluster of kernels/gemm_w8a8_tma.cu (the TMA-fed variant)
+W8A8_TMA_SHAPES = {(2, 1): "", (2, 2): "t2"}   # its blocks: (consumer warpgroups, m64 tiles each) -> kernel tag;
+                                          # the 256-row t2 at <= 64 activation rows only (tma_shape)
+W8A8_TMA_CLUSTERS_R256 = (1, 2, 3, 4, 6)  # ... cluster sizes built for the 256-row block
+W8A8_TMA_EARLY = True                     # ... launched under PDL, its weight boxes issued before griddepcontrol.wait
 W8A8_TMA_BLOCKS = 96                      # ... its clustered grids stay within this many blocks where the tiles allow
                                           # (the W8A8 skinny sweep: more blocks in clusters do not all run at once)
 
@@ -198,36 +202,48 @@ def plan_w8a8_wgmma(op: Linear, out_dtype: str, cluster: int | None = None, mbar
     return kernel(launch(fn, [tiles * slices, c], [128 * WG8_WGS], w8a8_wgmma_smem(nt), args))
 
 
-def tma_cluster(tiles: int, steps: int, blocks: int = W8A8_TMA_BLOCKS) -> int:
+def tma_cluster(tiles: int, steps: int, blocks: int = W8A8_TMA_BLOCKS, built: tuple = W8A8_TMA_CLUSTERS) -> int:
     """Blocks splitting K per (weight tile, activation slice) of the TMA kernel: the largest built C with tiles x C
     <= blocks; with more tiles, the C of the fewest waves per 1 / C of the K steps (waves of W8A8_WGMMA_SMS blocks
     unclustered, of `blocks` clustered), the smaller C on ties; never more blocks a cluster than 128-k steps."""
-    built = [c for c in W8A8_TMA_CLUSTERS if c <= steps] or [1]
+    built = [c for c in built if c <= steps] or [1]
     if tiles * built[0] <= blocks:
         return max(c for c in built if tiles * c <= blocks)
     return min(built, key=lambda c: (-(-tiles * c // (W8A8_WGMMA_SMS if c == 1 else blocks)) / c, c))
 
 
-def plan_w8a8_tma(op: Linear, out_dtype: str, cluster: int | None = None) -> KernelChoice:
+def tma_shape(n: int, rows: int) -> tuple[int, int]:
+    """The TMA kernel's block for an [n, k] weight at `rows` activation rows: 128-row blocks (2 x 1) unless their
+    tiles fill more than one wave of SMs at <= 64 rows, then 256-row t2 blocks (gate_up at 64 rows: 192 tiles -> 96;
+    H200 session 17: 35.1 against 40.1 us, qkv / o / down slower on t2)."""
+    return (2, 2) if rows <= W8A8_WGMMA_TILES[0] and -(-n // 128) > W8A8_WGMMA_SMS else (2, 1)
+
+
+def plan_w8a8_tma(op: Linear, out_dtype: str, cluster: int | None = None, shape: tuple[int, int] | None = None,
+                  early: bool = W8A8_TMA_EARLY) -> KernelChoice:
     """The W8A8 wgmma GEMM with TMA-fed tiles (kernels/gemm_w8a8_tma.cu): tensor maps over the weight [N, K] and
-    xq [M, K] (e4m3, 128B swizzle, boxes of 128 bytes x the tile's rows or all N / M where fewer), then the
-    cp.async kernel's arguments less xq and W; grid as plan_w8a8_wgmma's, 128 WG8_WGS + 32 threads (a producer
-    warp); cluster: force the K split (tests, bench), by default tma_cluster."""
+    xq [M, K] (e4m3, 128B swizzle, boxes of 128 bytes x the block's weight rows / activation rows, or all N / M
+    where fewer), then the cp.async kernel's arguments less xq and W; grid as plan_w8a8_wgmma's, 128 wgs + 32
+    threads (a producer warp); cluster: force the K split (tests, bench), by default tma_cluster; shape: the block's
+    (consumer warpgroups, m64 tiles each), a W8A8_TMA_SHAPES key (by default tma_shape; above 64 rows (2, 1));
+    early: the record's pdl (the launch may overlap the previous kernel, whose output it waits for)."""
     if op.k % 16 or op.k < 128:
         raise KernelBuildError(f"FP8 linear {op.weight}: k={op.k} (the W8A8 TMA kernel needs k % 16 == 0, k >= 128)")
     nt = next((t for t in W8A8_WGMMA_TILES if t >= op.rows), W8A8_WGMMA_TILES[-1])
-    rows = w8a8_wgmma_rows()
+    wgs, tpw = (shape or tma_shape(op.n, op.rows)) if nt == W8A8_WGMMA_TILES[0] else (2, 1)
+    rows = 64 * wgs * tpw
+    built = W8A8_TMA_CLUSTERS if rows == 128 else W8A8_TMA_CLUSTERS_R256
     tiles, slices = -(-op.n // rows), -(-op.rows // nt)
-    c = cluster or tma_cluster(tiles * slices, -(-op.k // 128))
-    if c not in W8A8_TMA_CLUSTERS:
-        raise KernelBuildError(f"W8A8 TMA cluster {c} is not built (built: {W8A8_TMA_CLUSTERS})")
+    c = cluster or tma_cluster(tiles * slices, -(-op.k // 128), built=built)
+    if c not in built:
+        raise KernelBuildError(f"W8A8 TMA cluster {c} is not built for {rows}-row blocks (built: {built})")
     suffix = "f32" if out_dtype == "float32" else "bf16"
     tw = matrix_map(op.weight, FP8, op.n, op.k, min(rows, op.n), 128)
     tx = matrix_map(op.inp, FP8, op.rows, op.k, min(nt, op.rows), 128, l2_promotion="128B")
     args = [tw, tx, ptr(op.inp_scale), ptr(op.weight_scale), ptr(op.bias), ptr(op.out), i32(op.rows), i32(op.n),
             i32(op.k)]
-    return kernel(launch(f"w8a8_tma_{SCHEME_TAG[op.quant]}_n{nt}c{c}_{suffix}", [tiles * slices, c],
-                         [128 * WG8_WGS + 32], w8a8_wgmma_smem(nt), args))
+    fn = f"w8a8_tma_{SCHEME_TAG[op.quant]}_n{nt}c{c}{W8A8_TMA_SHAPES[(wgs, tpw)]}_{suffix}"
+    return kernel(launch(fn, [tiles * slices, c], [128 * wgs + 32], w8a8_tma_smem(nt, rows), args, pdl=early))
 
 
 def plan_quantize(op: QuantizeFp8) -> KernelChoice:

@@ -28,6 +28,7 @@ WG8_WGS = 2             # consumer warpgroups (m64 weight tiles) of a kernels/ge
 WG8_STAGES_N64 = 8      # ... its ring of 128-k steps (64 WG8_WGS weight lines + the NT-row X tile each) at NT 64
 WG8_STAGES_N128 = 6     # ... and at NT 128 (both ~200 KB of shared memory)
 WG8_STAGES_N256 = 4     # ... and at NT 256 (two n128 halves on one weight tile, ~197 KB)
+WG8_STAGES_R256 = 5     # ... of a 256-row kernels/gemm_w8a8_tma.cu block at NT 64 (~202 KB)
 PREFILL_F8KV_STAGING = 2   # e4m3 K/V tiles staged by the FP8-KV wgmma prefill producer (this many - 1 ahead; 3: no
                            # faster, ws2h2k64s4 12% slower: docs/cuda-notes.md "Session 16")
 
@@ -40,6 +41,7 @@ KERNEL_DEFINES = {"P_KEYS": P_KEYS, "G_MAX": G_MAX, "NORM_NC": NORM_NC, "GEMM_BK
                   "MK_TRACE": MK_TRACE, "SW8_STAGES": SW8_STAGES,
                   "WG8_WGS": WG8_WGS, "WG8_STAGES_N64": WG8_STAGES_N64,
                   "WG8_STAGES_N128": WG8_STAGES_N128, "WG8_STAGES_N256": WG8_STAGES_N256,
+                  "WG8_STAGES_R256": WG8_STAGES_R256,
                   "PREFILL_F8KV_STAGING": PREFILL_F8KV_STAGING}
 
 
@@ -84,6 +86,16 @@ def w8a8_wgmma_smem(nt: int) -> int:
     ring = stages * (rows + nt) * 128
     assert nt * (rows + 4) * 4 <= ring
     return 1024 + ring + stages * nt * 4
+
+
+def w8a8_tma_smem(nt: int, rows: int) -> int:
+    """Dynamic shared memory (bytes) of a kernels/gemm_w8a8_tma.cu block of `rows` weight rows (128: 2 x 1
+    warpgroups x tiles, 256: 4 x 1 or 2 x 2 at nt 64) for nt activation rows: as w8a8_wgmma_smem, then the ring's
+    weight scales (one a 128-row block a step)."""
+    stages = {(64, 128): WG8_STAGES_N64, (128, 128): WG8_STAGES_N128, (64, 256): WG8_STAGES_R256}[(nt, rows)]
+    ring = stages * (rows + nt) * 128
+    assert nt * (rows + 4) * 4 <= ring
+    return 1024 + ring + stages * nt * 4 + stages * (rows // 128) * 4
 
 
 def nvrtc_defines() -> list[tuple[str, str]]:

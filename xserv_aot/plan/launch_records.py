@@ -11,11 +11,12 @@ ARG_KINDS = ("ptr", "kv", "tmap", *sorted(set(SCALAR_TYPES.values())))
 APPENDED_PARAMS = {"gemm_library": ("stream",), "nccl": ("comm", "stream")}   # passed by the launcher, per library
 
 
-def launch(fn: str, grid, block, smem: int = 0, args: list | None = None) -> LaunchRecord:
-    """A kernel launch: grid and block padded to three dimensions."""
+def launch(fn: str, grid, block, smem: int = 0, args: list | None = None, pdl: bool = False) -> LaunchRecord:
+    """A kernel launch: grid and block padded to three dimensions; pdl: under programmatic dependent launch (the
+    kernel waits for its predecessor's output itself: kernels/common.cuh pdl_wait)."""
     g = tuple(int(x) for x in grid) + (1,) * (3 - len(grid))
     b = tuple(int(x) for x in block) + (1,) * (3 - len(block))
-    return LaunchRecord(fn, tuple(args or ()), g, b, int(smem))
+    return LaunchRecord(fn, tuple(args or ()), g, b, int(smem), pdl=bool(pdl))
 
 
 def kernel(rec: LaunchRecord, **facts) -> KernelChoice:

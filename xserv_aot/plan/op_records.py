@@ -25,20 +25,23 @@ class LaunchRecord:
     block: tuple[int, int, int] | None = None
     smem: int = 0
     library: str | None = None
+    pdl: bool = False                    # launched under programmatic dependent launch (kernel records only)
 
     def to_dict(self) -> dict:
         args = [list(a) for a in self.args]
         if self.library:
             return {"fn": self.fn, "library": self.library, "args": args}
-        return {"fn": self.fn, "grid": list(self.grid), "block": list(self.block), "smem": self.smem, "args": args}
+        d = {"fn": self.fn, "grid": list(self.grid), "block": list(self.block), "smem": self.smem, "args": args}
+        return {**d, "pdl": True} if self.pdl else d
 
     @classmethod
     def from_dict(cls, d: dict, where: str) -> "LaunchRecord":
         keys = {"fn", "library", "args"} if d.get("library") else {"fn", "grid", "block", "smem", "args"}
-        if not isinstance(d, dict) or set(d) != keys:
+        if not isinstance(d, dict) or set(d) - {"pdl"} != keys or d.get("pdl", True) is not True or (
+                "pdl" in d and d.get("library")):
             raise OpRecordError(f"{where}: bad launch record (fields {sorted(d) if isinstance(d, dict) else d})")
         geometry = {} if d.get("library") else {"grid": tuple(d["grid"]), "block": tuple(d["block"]),
-                                                "smem": int(d["smem"])}
+                                                "smem": int(d["smem"]), "pdl": "pdl" in d}
         args = tuple(tuple(a) for a in d["args"])
         for a in args:
             if a and a[0] == "tmap":

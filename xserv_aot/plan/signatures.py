@@ -22,20 +22,25 @@ _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s
 
 
 def _expand_macros(text: str) -> str:
-    """Expand the function-like macros whose bodies define `extern "C"` kernels (parameter substitution, ##)."""
+    """Expand the function-like macros whose bodies define `extern "C"` kernels, directly or through such macros
+    (parameter substitution, ##), outermost first."""
     macros = {}
     for m in _DEFINE.finditer(text):
-        body = m.group(3).replace("\\\n", " ")
-        if 'extern "C"' in body:
-            macros[m.group(1)] = ([p.strip() for p in m.group(2).split(",")], body)
+        macros[m.group(1)] = ([p.strip() for p in m.group(2).split(",")], m.group(3).replace("\\\n", " "))
+    kernel_macros = {n for n, (_, body) in macros.items() if 'extern "C"' in body}
+    while grown := {n for n, (_, body) in macros.items() if n not in kernel_macros and
+                    any(re.search(rf"\b{k}\(", body) for k in kernel_macros)}:
+        kernel_macros |= grown
     text = _DEFINE.sub("", text)
-    for name, (params, body) in macros.items():
-        def expand(call, params=params, body=body):
-            args = [a.strip() for a in call.group(1).split(",")]
-            sub = dict(zip(params, args))
-            out = re.sub(r"\b\w+\b", lambda t: sub.get(t.group(0), t.group(0)), body)
-            return re.sub(r"\s*##\s*", "", out)
-        text = re.sub(rf"^{name}\(([^)]*)\)", expand, text, flags=re.M)
+
+    def expand(call):
+        params, body = macros[call.group(1)]
+        sub = dict(zip(params, (a.strip() for a in call.group(2).split(","))))
+        out = re.sub(r"\b\w+\b", lambda t: sub.get(t.group(0), t.group(0)), body)
+        return re.sub(r"\s*##\s*", "", out)
+    call = re.compile(rf"\b({'|'.join(sorted(kernel_macros))})\(([^)]*)\)") if kernel_macros else None
+    while call and call.search(text):
+        text = call.sub(expand, text)
     return text
 
 

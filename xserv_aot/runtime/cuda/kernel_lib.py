@@ -67,18 +67,19 @@ class KernelLib:
                 self.dev.sync()
         return arr
 
-    def launch(self, fn: str, grid, block, args: list[tuple[str, object]], smem: int = 0, sync: bool = True):
+    def launch(self, fn: str, grid, block, args: list[tuple[str, object]], smem: int = 0, sync: bool = True,
+               pdl: bool = False):
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
         args = [(t, v.ptr if isinstance(v, DeviceArray) else v) for t, v in args]
-        Launch(fn, self.func(fn, smem), g, b, smem, args)(self.dev.stream)
+        Launch(fn, self.func(fn, smem), g, b, smem, args, pdl)(self.dev.stream)
         if sync:
             self.dev.sync()
 
     def launch_record(self, rec, buffers: dict[str, DeviceArray | None], sync: bool = True):
         """Run a plan LaunchRecord (plan.kernel_build) with its ("ptr", name) and ("tmap", spec) arguments bound to
         buffers."""
-        self.launch(rec.fn, rec.grid, rec.block, self.bind(rec, buffers), smem=rec.smem, sync=sync)
+        self.launch(rec.fn, rec.grid, rec.block, self.bind(rec, buffers), smem=rec.smem, sync=sync, pdl=rec.pdl)
 
     def bind(self, rec, buffers: dict[str, DeviceArray | None]) -> list[tuple[str, object]]:
         """rec's arguments with buffer names replaced by device pointers and tensor maps encoded over them."""

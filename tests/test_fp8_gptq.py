@@ -135,7 +135,7 @@ def qwen3_with_tokenizer(tmp_path, seed, **kw):
     return hf
 
 
-def check_gptq_plan(plan: Plan, nearest: Plan, num_tokens: int):
+def check_gptq_plan(plan: Plan, nearest: Plan, num_tokens: int, unquantized: Plan):
     q = plan.quantization
     assert q["rounding"] == {"method": "gptq", "damp": gptq.DAMP, "block": gptq.BLOCK, "act_order": True,
                              "sequential": True, "calibration": {"texts": len(calibration_text.TEXTS),
@@ -153,9 +153,12 @@ def check_gptq_plan(plan: Plan, nearest: Plan, num_tokens: int):
     for name in plan.weights:                                      # everything else is the same
         if name not in plan.fp8_schemes and not name.endswith(".scale"):
             np.testing.assert_array_equal(plan_tensor(plan, name), plan_tensor(nearest, name), err_msg=name)
-    _, a = Session(NumpyRunner(plan), num_seqs=1).prefill(0, [1, 5, 9, 13, 17])
-    _, b = Session(NumpyRunner(nearest), num_seqs=1).prefill(0, [1, 5, 9, 13, 17])
-    assert np.isfinite(a).all() and np.linalg.norm(a - b) < 0.2 * np.linalg.norm(b)
+    # GPTQ moves the logits from nearest rounding's by at most a few times nearest's own FP8 error against the
+    # unquantized plan (tiny random models, 13 seeds: 0.9 - 1.9x; a fixed 20% of the logits failed 1 seed in 25,
+    # where nearest's error alone was 16%)
+    a, b, f = (Session(NumpyRunner(p), num_seqs=1).prefill(0, [1, 5, 9, 13, 17])[1]
+               for p in (plan, nearest, unquantized))
+    assert np.isfinite(a).all() and np.linalg.norm(a - b) < 3 * np.linalg.norm(b - f)
 
 
 @pytest.mark.parametrize("tie,lm_head", [(False, False), (False, True), (True, True)])
@@ -166,7 +169,8 @@ def test_gptq_compile_from_hf_dir(tmp_path, seed, tie, lm_head):
     nearest = compile_plan(hf, tmp_path / "nearest", BuildConfig(**build))
     from xserv_aot.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(hf)
-    check_gptq_plan(plan, nearest, sum(len(tok.encode(t)) for t in calibration_text.TEXTS))
+    unquantized = compile_plan(hf, tmp_path / "unquantized", BuildConfig(**{**build, "quantization": "none"}))
+    check_gptq_plan(plan, nearest, sum(len(tok.encode(t)) for t in calibration_text.TEXTS), unquantized)
     assert ("lm_head" in plan.fp8_schemes) == lm_head
     assert json.loads((plan.dir / "manifest.json").read_text())["build"]["fp8_rounding"] == "gptq"
 
@@ -183,7 +187,8 @@ def test_gptq_compile_from_gguf(tmp_path, seed):
     plan = compile_plan(gguf, tmp_path / "gptq", BuildConfig(**BUILD, fp8_rounding="gptq"))
     nearest = compile_plan(gguf, tmp_path / "nearest", BuildConfig(**BUILD))
     num = sum(len(t.encode()) for t in calibration_text.TEXTS) - sum(t.count("ab") for t in calibration_text.TEXTS)
-    check_gptq_plan(plan, nearest, num)
+    check_gptq_plan(plan, nearest, num, compile_plan(gguf, tmp_path / "unquantized",
+                                                    BuildConfig(**{**BUILD, "quantization": "none"})))
 
 
 def mse_reference(w, scheme):

@@ -15,7 +15,9 @@
 // Block shapes (WGS consumer warpgroups of TPW m64 tiles: ROWS = 64 WGS TPW weight rows): 2 x 1 at NT 64 / 128,
 // and at NT 64 the 256-row 2 x 2 (`t2`: both tiles' wgmmas under one wait).
 template <int NT, int ROWS>
-__device__ constexpr int w8a8_tma_stages() { return ROWS == 128 ? (NT == 64 ? WG8_STAGES_N64 : WG8_STAGES_N128) : WG8_STAGES_R256; }
+__device__ constexpr int w8a8_tma_stages() {
+    return ROWS == 128 ? (NT == 64 ? WG8_STAGES_N64 : WG8_STAGES_N128) : WG8_STAGES_R256;
+}
 
 template <int NT, bool OUT_F32, bool BLK, int C, int WGS, int TPW>
 __device__ __forceinline__ void w8a8_tma_impl(const TmaDesc& tw, const TmaDesc& tx, const float* __restrict__ XS,

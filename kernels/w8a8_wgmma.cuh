@@ -1,8 +1,8 @@
 // The parts of the W8A8 wgmma GEMMs that do not depend on how a step's tiles reach shared memory
 // (gemm_w8a8_wgmma.cu: cp.async by every thread; gemm_w8a8_tma.cu: TMA from a producer warp): the e4m3 wgmma, one
 // 128-k step's MMAs and promotion, and the end (partial sums over the ring, the cluster reduction in rank order,
-// scales, bias, stores). A slot holds the ROWS weight lines of 128 B (64 x the m64 tiles of its block), then the NT X lines, both in the
-// 128B-swizzle layout (row r at 128 r, 16-byte chunk c at (c ^ (r & 7)) * 16), 1024-byte aligned.
+// scales, bias, stores). A slot holds the ROWS weight lines of 128 B (64 x the m64 tiles of its block), then the NT X
+// lines, both in the 128B-swizzle layout (row r at 128 r, 16-byte chunk c at (c ^ (r & 7)) * 16), 1024-byte aligned.
 #pragma once
 #include "fp8.cuh"
 #include "cluster.cuh"

@@ -21,8 +21,8 @@ from scripts.bench_fp8 import BATCHED_SHAPES, FP8_SHAPES, Fp8Gemm, launches, wei
 from xserv_aot import fp8
 from xserv_aot.plan.cutlass_build import fp8_config, library_config_names
 from xserv_aot.plan.fp8_build import (W8A8_TMA_CLUSTERS, W8A8_TMA_CLUSTERS_R256, W8A8_TMA_SHAPES,
-                                      W8A8_WGMMA_CLUSTERS, tma_shape, W8A8_WGMMA_MBAR, W8A8_WGMMA_TILES,
-                                      W8A8_WGMMA_WIDE, plan_quantize, plan_w8a8_tma, plan_w8a8_wgmma)
+                                      W8A8_WGMMA_CLUSTERS, W8A8_WGMMA_MBAR, W8A8_WGMMA_TILES, W8A8_WGMMA_WIDE,
+                                      plan_quantize, plan_w8a8_tma, plan_w8a8_wgmma, tma_shape)
 from xserv_aot.plan.linear_plan import plan_linear
 from xserv_aot.plan.op_records import Linear, QuantizeFp8
 

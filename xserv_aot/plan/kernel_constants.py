@@ -82,20 +82,24 @@ def w8a8_wgmma_smem(nt: int) -> int:
     """Dynamic shared memory (bytes) of a kernels/gemm_w8a8_wgmma.cu block for nt activation rows: 1024 of alignment
     slack, its ring of steps (the weight lines and nt e4m3 lines, 128 B each), then the ring's X scales (nt floats
     a step); the partial sums [nt, rows + 4] floats reuse the ring."""
-    rows, stages = w8a8_wgmma_rows(), {64: WG8_STAGES_N64, 128: WG8_STAGES_N128, 256: WG8_STAGES_N256}[nt]
-    ring = stages * (rows + nt) * 128
-    assert nt * (rows + 4) * 4 <= ring
-    return 1024 + ring + stages * nt * 4
+    stages = {64: WG8_STAGES_N64, 128: WG8_STAGES_N128, 256: WG8_STAGES_N256}[nt]
+    return _w8a8_ring_smem(stages, w8a8_wgmma_rows(), nt)
 
 
 def w8a8_tma_smem(nt: int, rows: int) -> int:
     """Dynamic shared memory (bytes) of a kernels/gemm_w8a8_tma.cu block of `rows` weight rows (128: 2 x 1
-    warpgroups x tiles, 256: 4 x 1 or 2 x 2 at nt 64) for nt activation rows: as w8a8_wgmma_smem, then the ring's
-    weight scales (one a 128-row block a step)."""
+    warpgroups x tiles, 256: 2 x 2 at nt 64) for nt activation rows: as w8a8_wgmma_smem, then the ring's weight
+    scales (one a 128-row block a step)."""
     stages = {(64, 128): WG8_STAGES_N64, (128, 128): WG8_STAGES_N128, (64, 256): WG8_STAGES_R256}[(nt, rows)]
+    return _w8a8_ring_smem(stages, rows, nt) + stages * (rows // 128) * 4
+
+
+def _w8a8_ring_smem(stages: int, rows: int, nt: int) -> int:
+    """1024 bytes of alignment slack, a ring of `stages` steps (rows weight lines and nt e4m3 lines, 128 B each),
+    then its X scales (nt floats a step); the partial sums [nt, rows + 4] floats must fit the ring."""
     ring = stages * (rows + nt) * 128
     assert nt * (rows + 4) * 4 <= ring
-    return 1024 + ring + stages * nt * 4 + stages * (rows // 128) * 4
+    return 1024 + ring + stages * nt * 4
 
 
 def nvrtc_defines() -> list[tuple[str, str]]:

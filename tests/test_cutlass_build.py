@@ -196,8 +196,10 @@ def test_fp8_config_follows_the_warpgroup_count(quant):
 
 
 def _sleeper(tmp_path: Path, i: int) -> list[str]:
-    """A stand-in compiler unit that records its pid, then runs for ten minutes."""
-    return ["sh", "-c", f"echo $$ > {tmp_path}/pid{i}; exec sleep 600", f"unit{i}.o"]
+    """A stand-in compiler unit that records its pid (written aside, then renamed: a unit killed mid-write leaves no
+    empty pid file), then runs for ten minutes."""
+    return ["sh", "-c", f"echo $$ > {tmp_path}/tmp{i} && mv {tmp_path}/tmp{i} {tmp_path}/pid{i}; exec sleep 600",
+            f"unit{i}.o"]
 
 
 def _alive(tmp_path: Path) -> list[int]:

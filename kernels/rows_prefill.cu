@@ -2,6 +2,8 @@
 // rope_cache.cu's qk_norm_rope_cache, bit for bit, with more bytes in flight a thread, fewer and larger blocks and
 // one bf16 rounding an element where those round twice (the second rounding of a bf16 value changes nothing).
 // EF: the streams read once (the GEMM outputs, the residual) load with an L2 evict-first hint.
+// QO (the `_q` / `_qonly` kernels): also the next op's quantize_fp8, as elementwise.cu's `_q` kernels fuse it (the
+// same e4m3 bytes and scales); QO_ONLY: the bf16 output is not stored (the plan reads only the e4m3 rows after it).
 #include "qk_rope.cuh"
 #include "kv_fp8.cuh"
 
@@ -45,14 +47,67 @@ __device__ __forceinline__ void cp_async_once(void* smem, const void* gmem) {
                  :: "r"((u32)__cvta_generic_to_shared(smem)), "l"(gmem), "l"(policy) : "memory");
 }
 
+enum { QO_NONE = 0, QO_STORE = 1, QO_ONLY = 2 };
+
+// quantize_fp8 of one row held by a block as K bf16 chunks a lane, chunk j of a lane at element
+// ((warp + j * nw) * 32 + lane) * 8 (< H): group 128 (a half-warp's 16 chunks) or the whole row (group == H):
+// xs[g] = s = fp8_act_scale(amax of the group), xq = e4m3(x / s). xq, xs: the row's.
+template <int K>
+__device__ __forceinline__ void quantize_row_chunks(const vec16 (&v)[K], int H, int group, e4m3* __restrict__ xq,
+                                                    float* __restrict__ xs, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (group == H) {
+        float a = 0.f;
+#pragma unroll
+        for (int j = 0; j < K; j++) {
+            const int c = ((warp + j * nw) * 32 + lane) * 8;
+            if (c < H) {
+                float f[8]; unpack8(v[j], f);
+#pragma unroll
+                for (int i = 0; i < 8; i++) a = fmaxf(a, fabsf(f[i]));
+            }
+        }
+        const float sx = fp8_act_scale(block_max(a, scratch));
+        if (threadIdx.x == 0) xs[0] = sx;
+#pragma unroll
+        for (int j = 0; j < K; j++) {
+            const int c = ((warp + j * nw) * 32 + lane) * 8;
+            if (c < H) {
+                float f[8]; unpack8(v[j], f);
+                *reinterpret_cast<uint2*>(xq + c) = e4m3x8_div(f, sx);
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < K; j++) {
+        const int c = ((warp + j * nw) * 32 + lane) * 8;
+        if (((warp + j * nw) * 32) * 8 >= H) continue;           // warp-uniform: the whole warp past the row
+        float f[8], a = 0.f;
+        if (c < H) {
+            unpack8(v[j], f);
+#pragma unroll
+            for (int i = 0; i < 8; i++) a = fmaxf(a, fabsf(f[i]));
+        }
+#pragma unroll
+        for (int o = 8; o; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+        const float sx = fp8_act_scale(a);
+        if (c < H) {
+            *reinterpret_cast<uint2*>(xq + c) = e4m3x8_div(f, sx);
+            if ((c & 127) == 0) xs[c >> 7] = sx;
+        }
+    }
+}
+
 // Row norms with K 16-byte chunks a lane. The one-chunk-a-thread kernel (elementwise.cu, norm_threads) has
 // W = ceil(H / 256) warps, chunk 32 w + lane each; here warp v of NW = blockDim / 32 plays its warps v, v + NW, ...
 // (W <= 32, W <= K * NW): each chunk's sum of squares, each warp sum and the sum over warp sums are added in the
 // same order as block_sum, so inv and the output are the same bits. x (and d) loads all issued before any use.
-template <int K, bool ADD, bool EF, bool HW = true>
+template <int K, bool ADD, bool EF, bool HW = true, int QO = QO_NONE>
 __device__ __forceinline__ void norm_rows_impl(bf16* __restrict__ residual, const bf16* __restrict__ delta,
                                                const bf16* __restrict__ w, bf16* __restrict__ out, int H,
-                                               float eps) {
+                                               float eps, e4m3* __restrict__ xq = nullptr,
+                                               float* __restrict__ xs = nullptr, int group = 0) {
     pdl_entry();
     __shared__ float scratch[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -103,6 +158,21 @@ __device__ __forceinline__ void norm_rows_impl(bf16* __restrict__ residual, cons
     }
     __syncthreads();
     const float inv = rsqrtf(warp_sum(lane < W ? scratch[lane] : 0.f) / (float)H + eps);
+    if constexpr (QO != QO_NONE) {
+#pragma unroll
+        for (int j = 0; j < K; j++) {                          // xv[j] becomes the output chunk
+            const int c = ((warp + j * nw) * 32 + lane) * 8;
+            if (c < H) {
+                float f[8], g[8]; unpack8(xv[j], f); unpack8(wv[j], g);
+#pragma unroll
+                for (int i = 0; i < 8; i++) f[i] = f[i] * inv * g[i];
+                xv[j] = pack8_as<HW>(f);
+                if (QO == QO_STORE) st16(out + row + c, xv[j]);
+            }
+        }
+        quantize_row_chunks<K>(xv, H, group, xq + row, xs + (size_t)blockIdx.x * ((H + group - 1) / group), scratch);
+        return;
+    }
 #pragma unroll
     for (int j = 0; j < K; j++) {
         const int c = ((warp + j * nw) * 32 + lane) * 8;
@@ -134,10 +204,30 @@ extern "C" __global__ void add_rmsnorm_rows_k4_sw(bf16* residual, const bf16* de
     norm_rows_impl<4, true, false, false>(residual, delta, w, out, H, eps);
 }
 
+// The same with quantize_fp8 of out fused (elementwise.cu's add_rmsnorm_q / rmsnorm_q: group 128 or H): xq [rows, H]
+// e4m3, xs [rows, groups]; `_qonly`: out is not written.
+#define NORM_ROWS_Q(K, QO, SFX)                                                                              \
+    extern "C" __global__ void add_rmsnorm_rows_k##K##SFX(bf16* residual, const bf16* delta, const bf16* w,  \
+                                                         bf16* out, e4m3* xq, float* xs, int H, float eps,   \
+                                                         int group) {                                        \
+        norm_rows_impl<K, true, false, true, QO>(residual, delta, w, out, H, eps, xq, xs, group); }          \
+    extern "C" __global__ void rmsnorm_rows_k##K##SFX(const bf16* inp, const bf16* w, bf16* out, e4m3* xq,   \
+                                                     float* xs, int H, float eps, int group) {               \
+        norm_rows_impl<K, false, false, true, QO>(const_cast<bf16*>(inp), nullptr, w, out, H, eps, xq, xs,   \
+                                                  group); }
+
+NORM_ROWS_Q(2, QO_STORE, _q)
+NORM_ROWS_Q(4, QO_STORE, _q)
+NORM_ROWS_Q(2, QO_ONLY, _qonly)
+NORM_ROWS_Q(4, QO_ONLY, _qonly)
+
 // out[r, j] = silu(inp[r, j]) * inp[r, I + j]: one block a row, U chunks of g and of u loaded a thread before the
 // first use (the same float math as silu_mul_impl).
-template <int U, bool EF, bool HW = true>
-__device__ __forceinline__ void silu_rows_impl(const bf16* __restrict__ inp, bf16* __restrict__ out, int I) {
+// QO: also quantize_fp8 of out in groups of 128 (silu_mul_q's: I % 128 == 0, blockDim % 32 == 0, so a group is the
+// 16 chunks of a half-warp, all in the row or all past it).
+template <int U, bool EF, bool HW = true, int QO = QO_NONE>
+__device__ __forceinline__ void silu_rows_impl(const bf16* __restrict__ inp, bf16* __restrict__ out, int I,
+                                               e4m3* __restrict__ xq = nullptr, float* __restrict__ xs = nullptr) {
     pdl_entry();
     const int chunks = I / 8;
     const bf16* g_row = inp + (size_t)blockIdx.x * 2 * I;
@@ -157,7 +247,22 @@ __device__ __forceinline__ void silu_rows_impl(const bf16* __restrict__ inp, bf1
                 unpack8(gv[k], g); unpack8(uv[k], u);
 #pragma unroll
                 for (int i = 0; i < 8; i++) g[i] = silu(g[i]) * u[i];
-                st16(o_row + 8 * c, pack8_as<HW>(g));
+                if constexpr (QO == QO_NONE) {
+                    st16(o_row + 8 * c, pack8_as<HW>(g));
+                } else {
+                    const vec16 o = pack8_as<HW>(g);
+                    if (QO == QO_STORE) st16(o_row + 8 * c, o);
+                    unpack8(o, g);
+                    float a = 0.f;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) a = fmaxf(a, fabsf(g[i]));
+                    const unsigned half = 0xffffu << (threadIdx.x & 16);
+#pragma unroll
+                    for (int s = 8; s; s >>= 1) a = fmaxf(a, __shfl_xor_sync(half, a, s));
+                    const float sx = fp8_act_scale(a);
+                    *reinterpret_cast<uint2*>(xq + (size_t)blockIdx.x * I + 8 * c) = e4m3x8_div(g, sx);
+                    if ((c & 15) == 0) xs[(size_t)blockIdx.x * (I >> 7) + (c >> 4)] = sx;
+                }
             }
         }
     }
@@ -176,6 +281,42 @@ SILU_ROWS(6, true, _ef)
 extern "C" __global__ void silu_mul_rows_u3_sw(const bf16* inp, bf16* out, int I) {
     silu_rows_impl<3, false, false>(inp, out, I);
 }
+
+// The same with quantize_fp8 of out fused (silu_mul_q): xq [rows, I] e4m3, xs [rows, I / 128]; `_qonly`: out is not
+// written.
+#define SILU_ROWS_Q(U, QO, SFX)                                                                              \
+    extern "C" __global__ void silu_mul_rows_u##U##SFX(const bf16* inp, bf16* out, e4m3* xq, float* xs,     \
+                                                      int I) {                                               \
+        silu_rows_impl<U, false, true, QO>(inp, out, I, xq, xs); }
+
+SILU_ROWS_Q(3, QO_STORE, _q)
+SILU_ROWS_Q(3, QO_ONLY, _qonly)
+
+// quantize_fp8 (gemv_fp8.cu's) of rows of K bf16 (K % 8 == 0), one block a row, KC 16-byte chunks a lane loaded
+// before any use: out [rows, K] e4m3, scale [rows, groups] per group of 128 or of the row (group == K).
+template <int KC>
+__device__ __forceinline__ void quantize_rows_impl(const bf16* __restrict__ X, e4m3* __restrict__ out,
+                                                   float* __restrict__ scale, int K, int group) {
+    pdl_entry();
+    __shared__ float scratch[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const size_t row = (size_t)blockIdx.x * K;
+    vec16 v[KC];
+#pragma unroll
+    for (int j = 0; j < KC; j++) {
+        const int c = ((warp + j * nw) * 32 + lane) * 8;
+        if (c < K) v[j] = ld16(X + row + c);
+    }
+    quantize_row_chunks<KC>(v, K, group, out + row, scale + (size_t)blockIdx.x * ((K + group - 1) / group), scratch);
+}
+
+#define QUANTIZE_ROWS(KC)                                                                                    \
+    extern "C" __global__ void quantize_fp8_rows_k##KC(const bf16* X, e4m3* out, float* scale, int K,        \
+                                                      int group) {                                           \
+        quantize_rows_impl<KC>(X, out, scale, K, group); }
+
+QUANTIZE_ROWS(2)
+QUANTIZE_ROWS(4)
 
 // QK-norm + RoPE + KV write, one block a row: the row's (nh + 2 nkv) heads and its cos / sin rows come in through
 // shared memory with 16-byte loads (dynamic smem: (nh + 2 nkv) * HD bf16 + HD floats), one warp a q / k head computes exactly as qk_rope_impl

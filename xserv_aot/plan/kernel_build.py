@@ -47,7 +47,8 @@ def add_arena_buffer(manifest: dict, name: str, shape: list[int], dtype: str) ->
         arena["buffers"][name] = info.to_dict()
 
 
-QUANTIZING_PRODUCERS = ("rmsnorm_q", "add_rmsnorm_q", "silu_mul_q")   # they write the next quantize_fp8's output
+# they write the next quantize_fp8's output
+QUANTIZING_PRODUCERS = ("rmsnorm_q", "add_rmsnorm_q", "silu_mul_q") + row_kernels.QUANTIZING
 
 
 def norm_threads(hidden: int, rows: int = 1, few_from: int | None = None) -> int:
@@ -86,8 +87,9 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             quant = nxt if producer_fuses_quantize(op, nxt, after, fuse_quantize) else None
             summed = (isinstance(op, AddRmsNorm) and idx > 0 and out[-1].fused_residual == op.residual
                       and getattr(ops[idx - 1], "out", None) == op.delta)
-            if quant is None and row_kernels.uses_rows(row_choice, kind, rows) and row_kernels.norm_rows_fits(hidden):
-                c = row_kernels.norm_rows_launch(op, hidden, residual_summed=summed)
+            if row_kernels.uses_rows(row_choice, kind, rows, quant is not None) and row_kernels.norm_rows_fits(hidden):
+                c = row_kernels.norm_rows_launch(op, hidden, residual_summed=summed, quant=quant,
+                                                 store_out=quant is None or read_later(ops, idx + 2, op.out))
             else:
                 c = norm_launch(op, hidden, residual_summed=summed, quant=quant)
         elif isinstance(op, GatherRows):
@@ -95,14 +97,14 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
                               [ptr(op.inp), ptr(op.indices), ptr(op.out), i32(hidden), i32(arena[op.inp]["shape"][0])]))
         elif isinstance(op, SiluMul):
             prev, prev_choice = (ops[idx - 1], out[-1]) if idx else (None, None)
+            quant = nxt if producer_fuses_quantize(op, nxt, after, fuse_quantize) else None
             if prev_choice and prev_choice.fused_silu_out == op.out and getattr(prev, "out", None) == op.inp:
                 c = KernelChoice("fused_into_previous")
-            elif producer_fuses_quantize(op, nxt, after, fuse_quantize):
-                c = silu_mul_launch(op, quant=nxt)
-            elif row_kernels.uses_rows(row_choice, kind, rows):
-                c = row_kernels.silu_rows_launch(op)
+            elif row_kernels.uses_rows(row_choice, kind, rows, quant is not None):
+                c = row_kernels.silu_rows_launch(op, quant=quant,
+                                                 store_out=quant is None or read_later(ops, idx + 2, op.out))
             else:
-                c = silu_mul_launch(op)
+                c = silu_mul_launch(op, quant=quant)
         elif isinstance(op, Linear) and idx and out[-1].kernel == "fused_into_next" and isinstance(ops[idx - 1],
                                                                                                  QuantizeFp8):
             from xserv_aot.plan.fp8_build import plan_w8a8_skinny
@@ -116,8 +118,12 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             from xserv_aot.plan.fp8_build import plan_quantize, quantize_fuses_into
             if out[-1].kernel in QUANTIZING_PRODUCERS:
                 c = KernelChoice("fused_into_previous")
+            elif quantize_fuses_into(op, nxt):
+                c = KernelChoice("fused_into_next")
+            elif row_kernels.uses_rows(row_choice, kind, rows, True) and row_kernels.quantize_rows_fits(op):
+                c = row_kernels.quantize_rows_launch(op)
             else:
-                c = KernelChoice("fused_into_next") if quantize_fuses_into(op, nxt) else plan_quantize(op)
+                c = plan_quantize(op)
         elif isinstance(op, QkNormRopeCache) and isinstance(nxt, Attention) and fuses_rope(kind, op, nxt):
             c = KernelChoice("fused_into_next")
         elif isinstance(op, QkNormRopeCache) and row_kernels.uses_rows(row_choice, kind, rows):

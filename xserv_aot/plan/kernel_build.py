@@ -89,7 +89,7 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
                       and getattr(ops[idx - 1], "out", None) == op.delta)
             if row_kernels.uses_rows(row_choice, kind, rows, quant is not None) and row_kernels.norm_rows_fits(hidden):
                 c = row_kernels.norm_rows_launch(op, hidden, residual_summed=summed, quant=quant,
-                                                 store_out=quant is None or read_later(ops, idx + 2, op.out))
+                                                 store_out=stores_out(ops, idx, quant))
             else:
                 c = norm_launch(op, hidden, residual_summed=summed, quant=quant)
         elif isinstance(op, GatherRows):
@@ -101,8 +101,7 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             if prev_choice and prev_choice.fused_silu_out == op.out and getattr(prev, "out", None) == op.inp:
                 c = KernelChoice("fused_into_previous")
             elif row_kernels.uses_rows(row_choice, kind, rows, quant is not None):
-                c = row_kernels.silu_rows_launch(op, quant=quant,
-                                                 store_out=quant is None or read_later(ops, idx + 2, op.out))
+                c = row_kernels.silu_rows_launch(op, quant=quant, store_out=stores_out(ops, idx, quant))
             else:
                 c = silu_mul_launch(op, quant=quant)
         elif isinstance(op, Linear) and idx and out[-1].kernel == "fused_into_next" and isinstance(ops[idx - 1],
@@ -155,7 +154,7 @@ def norm_launch(op: RmsNorm | AddRmsNorm, hidden: int, residual_summed: bool = F
     (fused_residual), so add_rmsnorm is an rmsnorm of that buffer. quant: the next op, a quantize_fp8 the norm
     also writes (the `_q` kernels, one 16-byte chunk a thread)."""
     geometry = ([op.rows], [norm_threads(hidden) if quant else norm_threads(hidden, op.rows, few_from)], 0)
-    fn, tail, group = ("_q", [ptr(quant.out), ptr(quant.scale)], [i32(quant.group)]) if quant else ("", [], [])
+    fn, tail, group = ("_q", row_kernels.quant_ptrs(quant), [i32(quant.group)]) if quant else ("", [], [])
     if isinstance(op, RmsNorm) or residual_summed:
         inp = op.inp if isinstance(op, RmsNorm) else op.residual
         return kernel(launch(f"rmsnorm{fn}", *geometry, [ptr(inp), ptr(op.weight), ptr(op.out)] + tail
@@ -169,9 +168,8 @@ def silu_mul_launch(op: SiluMul, max_blocks: int | None = -1, quant: QuantizeFp8
     next op, a quantize_fp8 silu_mul_q also writes."""
     cap = SILU_MAX_BLOCKS if max_blocks == -1 else max_blocks
     chunks = -(-(op.rows * op.inter // 8) // 256)
-    q = [ptr(quant.out), ptr(quant.scale)] if quant else []
     return kernel(launch("silu_mul_q" if quant else "silu_mul", [min(chunks, cap) if cap else chunks], [256], 0,
-                         [ptr(op.inp), ptr(op.out)] + q + [i32(op.rows), i32(op.inter)]))
+                         [ptr(op.inp), ptr(op.out)] + row_kernels.quant_ptrs(quant) + [i32(op.rows), i32(op.inter)]))
 
 
 def qk_rope_launch(op: QkNormRopeCache, hd: int, nh: int, nkv: int, num_slots: int, fn: str | None = None,
@@ -198,6 +196,12 @@ def megakernels(manifest: dict, records: dict, choices: dict) -> dict:
         return {bk["name"]: "FP8 KV cache (the megakernel reads a bf16 cache)" for bk in manifest["buckets"]
                 if bk["kind"] == "decode" and bk["num_seqs"] <= MK_MAX_SEQS}
     return add_megakernels(manifest, records, choices, kv_slots(manifest["kv_cache"]), add_arena_buffer)
+
+
+def stores_out(ops: list[Op], idx: int, quant: QuantizeFp8 | None) -> bool:
+    """Whether producer ops[idx] stores its bf16 output: it quantizes nothing, or an op after the quantize_fp8 it
+    folds (ops[idx + 1]) reads that output."""
+    return quant is None or read_later(ops, idx + 2, ops[idx].out)
 
 
 def read_later(ops: list[Op], start: int, buf: str) -> bool:

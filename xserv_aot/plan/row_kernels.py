@@ -18,7 +18,7 @@ ROW_KERNEL_CHOICES = ("auto", "v1", "rows")
 AUTO = "rows"
 ROWS_FROM = 512             # rows of a prefill bucket from which the rows kernels run (faster from 512, measured)
 QUANT_ROWS_FROM = 512       # rows of any bucket from which the quantizing ones run (the `_q` kernels they replace
-                            # hold one 512-thread row an SM)
+                            # hold one 512-thread row an SM; decode buckets of 16 - 256 rows measured no faster)
 NORM_K, NORM_EF = 2, False  # 16-byte chunks a lane (H 4096: 8 warps a row); L2 evict-first loads of x and d
 SILU_U, SILU_THREADS, SILU_EF = 3, 512, False   # chunks of g (and of u) in flight a thread; block; evict-first
 ROPE_WARPS, ROPE_EF = 8, False                  # warps a row (one q / k head a warp at a time); evict-first
@@ -58,7 +58,7 @@ def norm_rows_launch(op: RmsNorm | AddRmsNorm, hidden: int, residual_summed: boo
     k, ef = k or NORM_K, NORM_EF if ef is None else ef
     sfx = f"_k{k}" + ("_ef" if ef else "") + quant_suffix(quant, store_out)
     geometry = ([op.rows], [32 * norm_warps(hidden, k)], 0)
-    tail, group = ([ptr(quant.out), ptr(quant.scale)], [i32(quant.group)]) if quant else ([], [])
+    tail, group = quant_ptrs(quant), [i32(quant.group)] if quant else []
     if isinstance(op, RmsNorm) or residual_summed:
         inp = op.inp if isinstance(op, RmsNorm) else op.residual
         return kernel(launch(f"rmsnorm_rows{sfx}", *geometry, [ptr(inp), ptr(op.weight), ptr(op.out)] + tail
@@ -66,6 +66,11 @@ def norm_rows_launch(op: RmsNorm | AddRmsNorm, hidden: int, residual_summed: boo
     return kernel(launch(f"add_rmsnorm_rows{sfx}", *geometry, [ptr(op.residual), ptr(op.delta), ptr(op.weight),
                                                                 ptr(op.out)] + tail + [i32(hidden), f32(op.eps)]
                          + group))
+
+
+def quant_ptrs(quant: QuantizeFp8 | None) -> list:
+    """The e4m3 rows and scales a quantizing producer also writes (its arguments after `out`)."""
+    return [ptr(quant.out), ptr(quant.scale)] if quant else []
 
 
 def quant_suffix(quant: QuantizeFp8 | None, store_out: bool) -> str:
@@ -81,9 +86,8 @@ def silu_rows_launch(op: SiluMul, u: int | None = None, threads: int | None = No
     """One block a row, u chunks of g and u in flight a thread. quant / store_out: as norm_rows_launch (u in
     SILU_Q_US; groups of 128, as silu_mul_q)."""
     u, threads, ef = u or SILU_U, threads or SILU_THREADS, SILU_EF if ef is None else ef
-    q = [ptr(quant.out), ptr(quant.scale)] if quant else []
     return kernel(launch(f"silu_mul_rows_u{u}" + ("_ef" if ef else "") + quant_suffix(quant, store_out), [op.rows],
-                         [threads], 0, [ptr(op.inp), ptr(op.out)] + q + [i32(op.inter)]))
+                         [threads], 0, [ptr(op.inp), ptr(op.out)] + quant_ptrs(quant) + [i32(op.inter)]))
 
 
 def quantize_rows_fits(op: QuantizeFp8, kc: int | None = None) -> bool:

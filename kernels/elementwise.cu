@@ -68,9 +68,7 @@ __device__ __forceinline__ void norm_store(float (&f)[NORM_NC][8], const vec16 (
 #pragma unroll
             for (int i = 0; i < 8; i++) a = fmaxf(a, fabsf(f[j][i]));
         }
-#pragma unroll
-        for (int o = 8; o; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-        const float sx = fp8_act_scale(a);
+        const float sx = group128_scale(a, 0xffffffffu);
         if (c < H) {
             *reinterpret_cast<uint2*>(xq + c) = e4m3x8_div(f[j], sx);
             if ((c & 127) == 0) xs[c >> 7] = sx;
@@ -174,10 +172,7 @@ __device__ __forceinline__ void silu_mul_impl(const bf16* __restrict__ inp, bf16
             float a = 0.f;
 #pragma unroll
             for (int i = 0; i < 8; i++) { g[i] = round_bf(g[i]); a = fmaxf(a, fabsf(g[i])); }
-            const unsigned half = 0xffffu << (threadIdx.x & 16);
-#pragma unroll
-            for (int o = 8; o; o >>= 1) a = fmaxf(a, __shfl_xor_sync(half, a, o));
-            const float sx = fp8_act_scale(a);
+            const float sx = group128_scale(a, 0xffffu << (threadIdx.x & 16));
             *reinterpret_cast<uint2*>(xq + (size_t)r * I + c) = e4m3x8_div(g, sx);
             if ((c & 127) == 0) xs[(size_t)r * (I >> 7) + (c >> 7)] = sx;
         }

@@ -77,6 +77,13 @@ __device__ __forceinline__ u32 f32x2_e4m3x2(float lo, float hi) {
 
 // The per-token activation scale of quantize_fp8 (fp8.scale_of): s = max(amax, 1e-12) / 448, IEEE division.
 __device__ __forceinline__ float fp8_act_scale(float amax) { return fmaxf(amax, FP8_MIN_AMAX) / FP8_MAX; }
+// The scale of a group of 128 held by 16 lanes of a half-warp (8 values each; a: a lane's amax, 0 past the row):
+// fp8_act_scale of the half-warp's amax. mask: the lanes that take part in the shuffles.
+__device__ __forceinline__ float group128_scale(float a, unsigned mask) {
+#pragma unroll
+    for (int o = 8; o; o >>= 1) a = fmaxf(a, __shfl_xor_sync(mask, a, o));
+    return fp8_act_scale(a);
+}
 // Eight floats -> eight e4m3 (k order, low byte first) of f / s: IEEE division, RNE, saturating.
 __device__ __forceinline__ uint2 e4m3x8_div(const float* f, float s) {
     uint2 q;

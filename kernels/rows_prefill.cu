@@ -89,9 +89,7 @@ __device__ __forceinline__ void quantize_row_chunks(const vec16 (&v)[K], int H, 
 #pragma unroll
             for (int i = 0; i < 8; i++) a = fmaxf(a, fabsf(f[i]));
         }
-#pragma unroll
-        for (int o = 8; o; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-        const float sx = fp8_act_scale(a);
+        const float sx = group128_scale(a, 0xffffffffu);
         if (c < H) {
             *reinterpret_cast<uint2*>(xq + c) = e4m3x8_div(f, sx);
             if ((c & 127) == 0) xs[c >> 7] = sx;
@@ -256,10 +254,7 @@ __device__ __forceinline__ void silu_rows_impl(const bf16* __restrict__ inp, bf1
                     float a = 0.f;
 #pragma unroll
                     for (int i = 0; i < 8; i++) a = fmaxf(a, fabsf(g[i]));
-                    const unsigned half = 0xffffu << (threadIdx.x & 16);
-#pragma unroll
-                    for (int s = 8; s; s >>= 1) a = fmaxf(a, __shfl_xor_sync(half, a, s));
-                    const float sx = fp8_act_scale(a);
+                    const float sx = group128_scale(a, 0xffffu << (threadIdx.x & 16));
                     *reinterpret_cast<uint2*>(xq + (size_t)blockIdx.x * I + 8 * c) = e4m3x8_div(g, sx);
                     if ((c & 15) == 0) xs[(size_t)blockIdx.x * (I >> 7) + (c >> 4)] = sx;
                 }

@@ -32,7 +32,7 @@ def test_cli_switches_are_recorded_in_the_plan_and_reach_the_launcher(tmp_path):
     assert not any(op.cuda.kernel == "cutlass" for op in ops)
     assert any(op.op == "linear" and op.rows >= 128 for op in ops)      # a CUTLASS-sized linear, routed elsewhere
     buf = Buffers(plan, 1 << 40, 2 << 40, 3 << 40)
-    launches = [ln for op in ops for ln in op_launches(op, buf, lambda fn: fn, {}, plan.build.pdl)]
+    launches = [ln for op in ops for ln in op_launches(op, buf, lambda fn: fn, {})]
     assert launches and all(isinstance(ln, Launch) and ln.pdl for ln in launches)
 
 

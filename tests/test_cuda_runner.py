@@ -168,3 +168,29 @@ def test_smem_carveout_changes_no_result(plan, runner, seed, tmp_path):
     finally:
         r.close()
     np.testing.assert_array_equal(got, want)
+
+
+def test_pdl_changes_no_result(runner, seed, seed_for, tmp_path):
+    """build.pdl (every kernel record under programmatic dependent launch: each kernel waits for its predecessor,
+    then lets its successor launch): the same logits as the plain plan bit for bit, graph replay and eager."""
+    from tests.tiny_models import make_tiny_model
+    from xserv_aot.config import BuildConfig
+    from xserv_aot.plan.builder import compile_plan
+    from xserv_aot.runtime.cuda.runner import CudaRunner
+    model_dir = make_tiny_model(tmp_path / "hf", "qwen3", seed=seed_for("test_cuda_runner.plan"), **SHAPE)
+    other = compile_plan(model_dir, tmp_path / "plan", BuildConfig(**BUILD, pdl=True))
+    recs = [r for bk in other.buckets for op in bk.ops if op.cuda for r in op.cuda.launch if not r.library]
+    assert recs and all(r.pdl for r in recs)
+    rng = np.random.default_rng(seed)
+    prompt, forced = rng.integers(3, SHAPE["vocab_size"], 40).tolist(), rng.integers(3, SHAPE["vocab_size"], 4).tolist()
+    runner.reset_kv()
+    want = forced_logits(runner, prompt, forced)
+    r = CudaRunner(other, log=print)
+    try:
+        got = forced_logits(r, prompt, forced)
+        r.reset_kv()
+        eager = forced_logits(EagerRunner(r), prompt, forced)
+    finally:
+        r.close()
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(eager, want)

@@ -70,6 +70,18 @@ def test_decode_1_and_2_run_one_persistent_launch(tmp_path):
     assert "megakernel_skipped" not in plan.kernels
 
 
+def test_pdl_marks_every_kernel_but_the_megakernel(tmp_path):
+    """build.pdl: every kernel record is launched under PDL except the megakernel's, which never waits for a
+    predecessor (kernels/decode_megakernel.cu has no griddepcontrol.wait)."""
+    plan = compile_tiny(tmp_path, pdl=True)
+    recs = [r for b in plan.buckets for op in b.ops if op.cuda for r in op.cuda.launch]
+    mk = [r for r in recs if r.fn.startswith(MK_PREFIX)]
+    assert len(mk) == 2 and not any(r.pdl for r in mk)
+    assert all(r.pdl for r in recs if not r.fn.startswith(MK_PREFIX))
+    assert not any(r.pdl for b in compile_tiny(tmp_path / "off").buckets for op in b.ops if op.cuda
+                   for r in op.cuda.launch)
+
+
 def test_max_context_adds_megakernel_copies_chosen_by_context(tmp_path):
     plan = compile_tiny(tmp_path, megakernel_max_context=300)
     names = [b.name for b in plan.buckets]

@@ -20,7 +20,7 @@ from xserv_aot.plan.linear_plan import (CUTLASS_MIN_ROWS, GEMM_ENTRY, GEMM_ENTRY
                                         GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS, SWAP_MIN_ROWS, plan_linear,
                                         plan_skinny)
 from xserv_aot.plan.manifest import place
-from xserv_aot.plan.megakernel_plan import MK_MAX_SEQS, add_megakernels
+from xserv_aot.plan.megakernel_plan import MK_MAX_SEQS, MK_PREFIX, add_megakernels
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
 from xserv_aot.plan import nccl_records
@@ -198,6 +198,14 @@ def megakernels(manifest: dict, records: dict, choices: dict) -> dict:
     return add_megakernels(manifest, records, choices, kv_slots(manifest["kv_cache"]), add_arena_buffer)
 
 
+def under_pdl(choice: KernelChoice) -> KernelChoice:
+    """build.pdl: every kernel record launched under programmatic dependent launch (kernels/common.cuh pdl_entry:
+    each kernel waits for its predecessor before its first dependent access, then lets its successor launch), except
+    the megakernel's, which never waits for a predecessor. Library calls launch their own kernels."""
+    recs = tuple(r if r.library or r.fn.startswith(MK_PREFIX) else replace(r, pdl=True) for r in choice.launch)
+    return replace(choice, launch=recs)
+
+
 def stores_out(ops: list[Op], idx: int, quant: QuantizeFp8 | None) -> bool:
     """Whether producer ops[idx] stores its bf16 output: it quantizes nothing, or an op after the quantize_fp8 it
     folds (ops[idx + 1]) reads that output."""
@@ -280,6 +288,8 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
     choices = {bk["name"]: plan_bucket(bk["name"], bk["kind"], records[bk["name"]], manifest, cutlass, attn)
                for bk in manifest["buckets"]}
     mk_skipped = megakernels(manifest, records, choices)
+    if b.get("pdl"):
+        choices = {name: [under_pdl(c) for c in cs] for name, cs in choices.items()}
     signatures = {fn: p for src in KERNEL_SOURCES for fn, p in kernel_signatures(src).items()}
     for c in cubins.values():
         for fn, sizes in cubin_param_sizes((out_dir / c["file"]).read_bytes()).items():

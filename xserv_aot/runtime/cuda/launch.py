@@ -53,10 +53,9 @@ class Buffers:
         return kind, value
 
 
-def op_launches(op: Op, buf: Buffers, funcs: Callable[[str], object], libraries: dict | None = None,
-                pdl: bool = False) -> list:
-    """Prepared launches (Launch / HostCall) for one op, in order; empty for ops fused into a neighbour.
-    pdl: the plan's build.pdl (programmatic dependent launch of every kernel; else of the records marked pdl)."""
+def op_launches(op: Op, buf: Buffers, funcs: Callable[[str], object], libraries: dict | None = None) -> list:
+    """Prepared launches (Launch / HostCall) for one op, in order; empty for ops fused into a neighbour. A kernel
+    runs under programmatic dependent launch where its record says pdl (the planner marks them: build.pdl)."""
     if op.cuda is None:
         raise LaunchError(f"op {op.op} has no CUDA launch in the plan; recompile the plan for a GPU target")
     out = []
@@ -67,5 +66,5 @@ def op_launches(op: Op, buf: Buffers, funcs: Callable[[str], object], libraries:
                 raise LaunchError(f"launch {rec.fn} needs the plan's {rec.library}, which was not loaded")
             out.append(HostCall(rec.fn, libraries[rec.library].entry(rec.fn, args)))
         else:
-            out.append(Launch(rec.fn, funcs(rec.fn), rec.grid, rec.block, rec.smem, args, pdl or rec.pdl))
+            out.append(Launch(rec.fn, funcs(rec.fn), rec.grid, rec.block, rec.smem, args, rec.pdl))
     return out

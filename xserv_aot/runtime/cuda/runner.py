@@ -58,7 +58,7 @@ class CudaRunner:
         self.log(f"cuda: {dev.name}: weights {plan.manifest['weights']['size'] / 2**30:.2f} GiB, arena "
                  f"{plan.arena_size / 2**20:.1f} MiB, kv {self.kv_bytes / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f}s")
         self._setup_staging()
-        self.launches = {bk.name: [op_launches(op, self.buf, self.func, self.libraries, plan.build.pdl) for op in bk.ops]
+        self.launches = {bk.name: [op_launches(op, self.buf, self.func, self.libraries) for op in bk.ops]
                          for bk in plan.buckets}
         self.buckets = {bk.name: bk for bk in plan.buckets}
         self.graphs: dict[str, object] = {}

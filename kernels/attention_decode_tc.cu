@@ -202,16 +202,12 @@ __device__ __forceinline__ void attn_decode_tc_impl(
 
     const int i = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int G = nh / nkv;
-    if constexpr (FUSED) {
-        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    } else {
-        zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
-    }
+    if constexpr (!FUSED) zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
     SplitRange sr;
     if (!split_range(qsl, seq_lens, i, blockIdx.z, gridDim.z, TC_TILE, sr,
                      FUSED ? fused_min_tiles(fr, seq_lens[i]) : SPLIT_MIN_TILES)) {
         if constexpr (FUSED) {
-            asm volatile("griddepcontrol.wait;" ::: "memory");
+            pdl_entry();
             zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
         }
         return;
@@ -249,7 +245,7 @@ __device__ __forceinline__ void attn_decode_tc_impl(
         cp_async_commit();
     }
     if constexpr (FUSED) {
-        asm volatile("griddepcontrol.wait;" ::: "memory");      // from here on: the previous kernels' outputs
+        pdl_entry();                                           // from here on: the previous kernels' outputs
         zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
         fused_qkv_rope<HD, STAGES, KVT>(fr, qs, kv_new, stages, sr.row, nh, nkv, kvh, num_slots, newkey, sr.k0,
                                         cs, sn, slot, k_scale, v_scale);

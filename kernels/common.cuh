@@ -8,14 +8,16 @@ typedef unsigned long long u64;
 
 struct __align__(16) vec16 { u32 x, y, z, w; };
 
-// Programmatic dependent launch (sm_90): let the next kernel in the stream be scheduled now, then wait until the
-// previous kernel has finished and its writes are visible. Every kernel calls this first, before any memory access,
-// so overlapping launches can never observe stale data; kernels launched without the PDL attribute just run.
+// Programmatic dependent launch (sm_90): wait until the previous kernel has finished and its writes are visible,
+// then let the next kernel be scheduled. Every kernel calls this first, before any memory access, so overlapping
+// launches never observe stale data; kernels launched without the PDL attribute just run. Triggering only after the
+// wait keeps the overlap one kernel deep: a kernel's blocks reach the SMs while its predecessor runs, never those
+// of the kernels after it (trigger-then-wait let a chain of waiting grids fill the SMs).
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_entry() {
-    pdl_trigger();
     pdl_wait();
+    pdl_trigger();
 }
 
 __device__ __forceinline__ float bf2f(bf16 h) { return __uint_as_float(((u32)h) << 16); }

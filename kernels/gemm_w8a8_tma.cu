@@ -23,7 +23,6 @@ template <int NT, bool OUT_F32, bool BLK, int C, int WGS, int TPW>
 __device__ __forceinline__ void w8a8_tma_impl(const TmaDesc& tw, const TmaDesc& tx, const float* __restrict__ XS,
                                               const float* __restrict__ WS, const bf16* __restrict__ bias,
                                               void* __restrict__ out, int M, int N, int K) {
-    pdl_trigger();                   // launched early (the record's pdl): only weight loads precede a pdl_wait
     constexpr int ROWS = 64 * WGS * TPW, CONSUMERS = 128 * WGS, W_BYTES = ROWS * 128, TILE = W_BYTES + NT * 128;
     constexpr int STAGES = w8a8_tma_stages<NT, ROWS>(), SWN = ROWS / 128;   // SWN: 128-row weight-scale blocks
     const int steps = (K + 127) >> 7;
@@ -89,7 +88,7 @@ __device__ __forceinline__ void w8a8_tma_impl(const TmaDesc& tw, const TmaDesc& 
         }
         const int early = min(n_my, STAGES);
         for (int j = 0; j < early; j++) weights(j);
-        pdl_wait();
+        pdl_entry();                               // launched early (the record's pdl): only weight loads before
         for (int j = 0; j < early; j++) activations(j);
         for (int j = early; j < n_my; j++) {
             mbar_wait(empty + 8 * (j % STAGES), (j / STAGES - 1) & 1);
@@ -98,7 +97,7 @@ __device__ __forceinline__ void w8a8_tma_impl(const TmaDesc& tw, const TmaDesc& 
         }
         asm volatile("cp.async.wait_all;" ::: "memory");
     } else {
-        pdl_wait();
+        pdl_entry();
         const float* xs_base = reinterpret_cast<const float*>(smem_raw + (xs_ring - raw));
         const float* sw_base = reinterpret_cast<const float*>(smem_raw + (sw_ring - raw));
         for (int j = 0; j < n_my; j++) {

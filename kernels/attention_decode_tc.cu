@@ -202,7 +202,10 @@ __device__ __forceinline__ void attn_decode_tc_impl(
 
     const int i = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int G = nh / nkv;
-    if constexpr (!FUSED) zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
+    if constexpr (!FUSED) {
+        pdl_entry();                 // batched: q and the new tokens' K / V come from the kernels before this one
+        zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
+    }
     SplitRange sr;
     if (!split_range(qsl, seq_lens, i, blockIdx.z, gridDim.z, TC_TILE, sr,
                      FUSED ? fused_min_tiles(fr, seq_lens[i]) : SPLIT_MIN_TILES)) {

@@ -55,7 +55,7 @@ class Kernels:
         self.funcs = {}
         cu = _cu()
         for src in sources:
-            cubin, _, _ = nvrtc_build.compile_source(src, "sm_90a")
+            cubin = nvrtc_build.compile_source(src, "sm_90a").cubin
             mod = check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
             self.funcs[src] = mod
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -33,15 +34,43 @@ def test_every_kernel_compiles_for_sm90a(tmp_path):
 
 def test_cache_key_changes_with_source(tmp_path, monkeypatch):
     monkeypatch.setenv("XSERV_AOT_CACHE", str(tmp_path / "cache"))
-    _, key1, _ = kb.compile_source("elementwise.cu", "sm_90a")
-    _, key2, _ = kb.compile_source("elementwise.cu", "sm_90a")
+    key1 = kb.compile_source("elementwise.cu", "sm_90a").key
+    key2 = kb.compile_source("elementwise.cu", "sm_90a").key
     assert key1 == key2
     assert len(list((tmp_path / "cache" / "nvrtc").glob("elementwise-*.cubin"))) == 1
     from xserv_aot.plan import nvrtc_build
     original = nvrtc_build.expand_source
     monkeypatch.setattr(nvrtc_build, "expand_source", lambda p: "// changed\n" + original(p))
-    _, key3, _ = nvrtc_build.compile_source("elementwise.cu", "sm_90a")
+    key3 = nvrtc_build.compile_source("elementwise.cu", "sm_90a").key
     assert key3 != key1
+
+
+def test_cache_entry_counts_only_with_its_log_and_waits(tmp_path, monkeypatch):
+    monkeypatch.setenv("XSERV_AOT_CACHE", str(tmp_path / "cache"))
+    first = kb.compile_source("elementwise.cu", "sm_90a")
+    assert "rmsnorm" in first.waits and "Used" in first.log
+    cubin = next((tmp_path / "cache" / "nvrtc").glob("elementwise-*.cubin"))
+    cubin.with_suffix(".log").unlink()
+    cubin.write_bytes(b"stale")                       # a cubin whose log went missing is compiled again
+    again = kb.compile_source("elementwise.cu", "sm_90a")
+    assert (again.cubin, again.key, again.waits) == (first.cubin, first.key, first.waits)
+    assert cubin.read_bytes() == first.cubin and "Used" in cubin.with_suffix(".log").read_text()
+
+
+def test_pdl_waiters_reads_each_entry_body():
+    from xserv_aot.plan.nvrtc_build import pdl_waiters
+    ptx = (".version 9.0\n.visible .entry a(\n\t.param .u64 a_param_0\n)\n{\n\tgriddepcontrol.wait;\n\tret;\n}\n"
+           ".visible .entry b(\n)\n{\n\tgriddepcontrol.launch_dependents;\n\tret;\n}\n"
+           ".weak .entry c(\n)\n{\n\tbar.sync 0;\n\tgriddepcontrol.wait;\n}\n")
+    assert pdl_waiters(ptx) == ("a", "c")
+
+
+def test_a_pdl_record_of_a_function_that_never_waits_is_refused():
+    from xserv_aot.plan.op_records import LaunchRecord
+    rec = LaunchRecord(fn="decode_mk_m1", args=(), grid=(1, 1, 1), block=(32, 1, 1), smem=0, pdl=True)
+    kb.check_pdl([("decode_1", replace(rec, pdl=False))], set())
+    with pytest.raises(kb.KernelBuildError, match="launched under PDL but never waits for its predecessor: decode_mk_m1"):
+        kb.check_pdl([("decode_1", rec)], {"rmsnorm"})
 
 
 def test_shared_constants_reach_the_kernels_only_as_defines():
@@ -57,9 +86,9 @@ def test_shared_constants_reach_the_kernels_only_as_defines():
 def test_cache_key_changes_with_a_shared_constant(tmp_path, monkeypatch):
     from xserv_aot.plan import kernel_constants
     monkeypatch.setenv("XSERV_AOT_CACHE", str(tmp_path / "cache"))
-    _, key1, _ = kb.compile_source("elementwise.cu", "sm_90a")
+    key1 = kb.compile_source("elementwise.cu", "sm_90a").key
     monkeypatch.setitem(kernel_constants.KERNEL_DEFINES, "NORM_NC", 2)
-    _, key2, _ = kb.compile_source("elementwise.cu", "sm_90a")
+    key2 = kb.compile_source("elementwise.cu", "sm_90a").key
     assert key1 != key2
 
 

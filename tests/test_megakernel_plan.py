@@ -70,16 +70,21 @@ def test_decode_1_and_2_run_one_persistent_launch(tmp_path):
     assert "megakernel_skipped" not in plan.kernels
 
 
-def test_pdl_marks_every_kernel_but_the_megakernel(tmp_path):
-    """build.pdl: every kernel record is launched under PDL except the megakernel's, which never waits for a
-    predecessor (kernels/decode_megakernel.cu has no griddepcontrol.wait)."""
-    plan = compile_tiny(tmp_path, pdl=True)
-    recs = [r for b in plan.buckets for op in b.ops if op.cuda for r in op.cuda.launch]
+@pytest.mark.parametrize("build", [{}, {"quantization": "fp8"},
+                                   {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}], ids=["bf16", "fp8", "fp8kv"])
+def test_pdl_marks_every_kernel_that_waits(tmp_path, build):
+    """build.pdl: a record is launched under PDL when its function's PTX waits for the predecessor
+    (griddepcontrol.wait); every kernel does but the megakernel (kernels/decode_megakernel.cu), so every other
+    record is marked. A kernel that lost its wait (the batched decode attention did) shows up here unmarked."""
+    plan = compile_tiny(tmp_path, pdl=True, **build)
+    recs = [r for b in plan.buckets for op in b.ops if op.cuda for r in op.cuda.launch if not r.library]
+    waits = {fn for c in plan.kernels["cubins"].values() for fn in c["pdl_waits"]}
     mk = [r for r in recs if r.fn.startswith(MK_PREFIX)]
-    assert len(mk) == 2 and not any(r.pdl for r in mk)
-    assert all(r.pdl for r in recs if not r.fn.startswith(MK_PREFIX))
-    assert not any(r.pdl for b in compile_tiny(tmp_path / "off").buckets for op in b.ops if op.cuda
-                   for r in op.cuda.launch)
+    assert not any(r.pdl for r in mk) and not any(fn.startswith(MK_PREFIX) for fn in waits)
+    assert [r.fn for r in recs if not r.pdl and not r.fn.startswith(MK_PREFIX)] == []
+    assert any(r.fn.startswith("attn_decode_tc") and not r.fn.startswith("attn_decode_fused") for r in recs)
+    assert not any(r.pdl for b in compile_tiny(tmp_path / "off", **build).buckets for op in b.ops if op.cuda
+                   for r in op.cuda.launch if not r.fn.startswith("gemm_w8a8_tma"))
 
 
 def test_max_context_adds_megakernel_copies_chosen_by_context(tmp_path):

@@ -175,7 +175,7 @@ def test_ptxas_keeps_every_wgmma_variant_asynchronous_and_spill_free():
     between an issue and its wait (the old ping-pong variants); the overlap variants depend on it not doing so."""
     pytest.importorskip("cuda.core")
     from xserv_aot.plan.nvrtc_build import compile_source, ptxas_summary
-    _, _, log = compile_source("attention_prefill_wgmma.cu", "sm_90a")
+    log = compile_source("attention_prefill_wgmma.cu", "sm_90a").log
     serialized = [line for line in log.splitlines() if "C7514" in line or "C7515" in line or "serialized" in line]
     assert not serialized, serialized
     resources = ptxas_summary(log)

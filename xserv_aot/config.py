@@ -178,7 +178,7 @@ class BuildConfig:
     dtype: str = "bfloat16"               # weights, activations and KV cache: bfloat16 | float32
     target: str = "sm_90a"                # GPU arch for cubins, or "cpu" (no kernels built)
     gemm_library: bool = True             # CUDA: CUTLASS GEMMs for linears of >= 128 rows, when nvcc can build them
-    pdl: bool = False                     # CUDA: programmatic dependent launch of every kernel but the megakernel
+    pdl: bool = False                     # CUDA: programmatic dependent launch of every kernel that waits
     smem_carveout: int = -1               # CUDA: preferred shared-memory carveout (percent of the SM's L1 + shared
                                           # memory) of every NVRTC kernel; -1: the driver's choice (a performance
                                           # hint only: results do not depend on it)

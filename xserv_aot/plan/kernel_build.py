@@ -20,7 +20,7 @@ from xserv_aot.plan.linear_plan import (CUTLASS_MIN_ROWS, GEMM_ENTRY, GEMM_ENTRY
                                         GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS, SWAP_MIN_ROWS, plan_linear,
                                         plan_skinny)
 from xserv_aot.plan.manifest import place
-from xserv_aot.plan.megakernel_plan import MK_MAX_SEQS, MK_PREFIX, add_megakernels
+from xserv_aot.plan.megakernel_plan import MK_MAX_SEQS, add_megakernels
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
 from xserv_aot.plan import nccl_records
@@ -198,12 +198,19 @@ def megakernels(manifest: dict, records: dict, choices: dict) -> dict:
     return add_megakernels(manifest, records, choices, kv_slots(manifest["kv_cache"]), add_arena_buffer)
 
 
-def under_pdl(choice: KernelChoice) -> KernelChoice:
-    """build.pdl: every kernel record launched under programmatic dependent launch (kernels/common.cuh pdl_entry:
-    each kernel waits for its predecessor before its first dependent access, then lets its successor launch), except
-    the megakernel's, which never waits for a predecessor. Library calls launch their own kernels."""
-    recs = tuple(r if r.library or r.fn.startswith(MK_PREFIX) else replace(r, pdl=True) for r in choice.launch)
+def under_pdl(choice: KernelChoice, waits: set[str]) -> KernelChoice:
+    """build.pdl: every kernel record whose function waits for its predecessor (griddepcontrol.wait in its PTX,
+    kernels/common.cuh pdl_entry; nvrtc_build.pdl_waiters) is launched under programmatic dependent launch. The
+    megakernel never waits, so it never is. Library calls launch their own kernels."""
+    recs = tuple(replace(r, pdl=True) if not r.library and r.fn in waits else r for r in choice.launch)
     return replace(choice, launch=recs)
+
+
+def check_pdl(launches: list, waits: set[str]) -> None:
+    """A record launched under PDL may start while its predecessor still writes: its function must wait."""
+    early = sorted({rec.fn for _, rec in launches if rec.pdl and rec.fn not in waits})
+    if early:
+        raise KernelBuildError(f"launched under PDL but never waits for its predecessor: {', '.join(early)}")
 
 
 def stores_out(ops: list[Op], idx: int, quant: QuantizeFp8 | None) -> bool:
@@ -288,8 +295,9 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
     choices = {bk["name"]: plan_bucket(bk["name"], bk["kind"], records[bk["name"]], manifest, cutlass, attn)
                for bk in manifest["buckets"]}
     mk_skipped = megakernels(manifest, records, choices)
+    waits = {fn for c in cubins.values() for fn in c["pdl_waits"]}
     if b.get("pdl"):
-        choices = {name: [under_pdl(c) for c in cs] for name, cs in choices.items()}
+        choices = {name: [under_pdl(c, waits) for c in cs] for name, cs in choices.items()}
     signatures = {fn: p for src in KERNEL_SOURCES for fn, p in kernel_signatures(src).items()}
     for c in cubins.values():
         for fn, sizes in cubin_param_sizes((out_dir / c["file"]).read_bytes()).items():
@@ -316,6 +324,7 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
     collectives = nccl_records.add_collectives(manifest, m, signatures, add_arena_buffer)
     launches = [(name, rec) for name, cs in choices.items() for c in cs for rec in c.launch]
     check_launches(manifest, launches, signatures)
+    check_pdl(launches, waits)
     used = sorted({rec.fn for _, rec in launches})
     for bk in manifest["buckets"]:
         bk["ops"] = [replace(op, cuda=c).to_dict() for op, c in zip(records[bk["name"]], choices[bk["name"]])]

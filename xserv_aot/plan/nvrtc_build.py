@@ -7,6 +7,7 @@ import hashlib
 import os
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 from xserv_aot.config import cache_root
 from xserv_aot.errors import XservError
@@ -67,17 +68,33 @@ def compile_options(target: str) -> dict:
             "ptxas_options": ["-v"], "define_macro": nvrtc_defines()}
 
 
-def compile_source(name: str, target: str) -> tuple[bytes, str, str]:
-    """-> (cubin bytes, hash, ptxas log). Uses the on-disk cache when source, options and NVRTC agree."""
+class Compiled(NamedTuple):
+    cubin: bytes
+    key: str                  # hash of source, options and NVRTC version
+    log: str                  # ptxas -v report
+    waits: tuple[str, ...]    # entry functions with a griddepcontrol.wait (may launch under PDL)
+
+
+def pdl_waiters(ptx: str) -> tuple[str, ...]:
+    """Entry functions of a PTX module whose body executes griddepcontrol.wait somewhere (kernels/common.cuh
+    pdl_entry): the ones a plan may launch under programmatic dependent launch."""
+    entries = re.split(r"^\.(?:visible|weak) \.entry ", ptx, flags=re.M)[1:]
+    return tuple(sorted(e.split("(", 1)[0].strip() for e in entries if "griddepcontrol.wait" in e))
+
+
+def compile_source(name: str, target: str) -> Compiled:
+    """Uses the on-disk cache when source, options and NVRTC agree (a cubin counts only with its .log and .waits,
+    which are written before it)."""
+    from cuda.bindings import nvrtc
     from cuda.core import Program, ProgramOptions
 
     src = expand_source(KERNEL_DIR / name)
     opts = compile_options(target)
     key = hashlib.sha256(repr((src, sorted(opts.items()), nvrtc_version())).encode()).hexdigest()
     cached = cache_dir() / f"{Path(name).stem}-{key[:24]}.cubin"
-    if cached.is_file():
-        log_file = cached.with_suffix(".log")
-        return cached.read_bytes(), key, log_file.read_text() if log_file.is_file() else ""
+    log_file, waits_file = cached.with_suffix(".log"), cached.with_suffix(".waits")
+    if cached.is_file() and log_file.is_file() and waits_file.is_file():
+        return Compiled(cached.read_bytes(), key, log_file.read_text(), tuple(waits_file.read_text().split()))
 
     class Log:
         def __init__(self):
@@ -90,34 +107,39 @@ def compile_source(name: str, target: str) -> tuple[bytes, str, str]:
         prog = Program(src, "c++", ProgramOptions(name=Path(name).stem, **opts))
         log = Log()
         code = bytes(prog.compile("cubin", logs=log).code)
+        err, size = nvrtc.nvrtcGetPTXSize(prog.handle)
+        ptx = b" " * size
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS or nvrtc.nvrtcGetPTX(prog.handle, ptx)[0] != err:
+            raise RuntimeError(f"nvrtcGetPTX error: {err}")
     except Exception as e:
         first = str(e).strip().splitlines()
         msg = next((l for l in first if "error" in l), first[0] if first else type(e).__name__)
         raise KernelBuildError(f"kernels/{name}: NVRTC failed: {msg}") from None
+    waits = pdl_waiters(ptx.decode(errors="replace"))
     cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(code)
-    os.replace(tmp, cached)
-    cached.with_suffix(".log").write_text(log.text)
-    return code, key, log.text
+    for path, data in ((log_file, log.text.encode()), (waits_file, "\n".join(waits).encode()), (cached, code)):
+        tmp = path.with_suffix(f"{path.suffix}.tmp{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    return Compiled(code, key, log.text, waits)
 
 
 def compile_all(out_dir: Path, target: str, progress=None, sources: tuple[str, ...] = KERNEL_SOURCES) -> dict:
     """Write out_dir/kernels/<stem>.cubin for every source (of `sources`: a subset, tests). Returns {source: {file,
-    hash (of the cubin), build_key, functions}}."""
+    hash (of the cubin), build_key, functions, resources, pdl_waits}}."""
     (out_dir / "kernels").mkdir(parents=True, exist_ok=True)
     import cuda.core  # noqa: F401  (import once here: concurrent first imports race)
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         results = dict(zip(sources, pool.map(lambda n: compile_source(n, target), sources)))
     cubins = {}
-    for name, (code, key, log) in results.items():
+    for name, (code, key, log, waits) in results.items():
         rel = f"kernels/{Path(name).stem}.cubin"
         (out_dir / rel).write_bytes(code)
         resources = ptxas_summary(log)
         if not resources:
             raise KernelBuildError(f"kernels/{name}: no entry functions in the ptxas report")
         cubins[name] = {"file": rel, "hash": "sha256:" + hashlib.sha256(code).hexdigest(), "build_key": key,
-                        "functions": sorted(resources), "resources": resources}
+                        "functions": sorted(resources), "resources": resources, "pdl_waits": list(waits)}
         if progress:
             progress("kernels", len(cubins), len(results))
     return cubins

@@ -52,7 +52,7 @@ __device__ __forceinline__ void attn_decode_batched_impl(
         int block_size, int max_blocks, int num_slots, float scale) {
     using S = BdShape<HD, TILE>;
     static_assert(S::TPK >= 1 && S::TPK <= 8 && S::KPT >= 1 && TILE % 32 == 0, "tile shape");
-    pdl_entry();
+    pdl_wait();                      // no trigger: a successor launched under PDL starts at its end, as before
     extern __shared__ __align__(16) unsigned char bd_smem[];
     bf16* stages = reinterpret_cast<bf16*>(bd_smem);                  // [STAGES][2][TILE][HD]
     __shared__ __align__(16) float qs[GM][HD];

@@ -203,7 +203,9 @@ __device__ __forceinline__ void attn_decode_tc_impl(
     const int i = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int G = nh / nkv;
     if constexpr (!FUSED) {
-        pdl_entry();                 // batched: q and the new tokens' K / V come from the kernels before this one
+        // batched: q and the new tokens' K / V come from the kernels before this one. Wait only, no trigger: a
+        // successor launched under PDL (the TMA W8A8 o_proj of default plans) still starts at this kernel's end.
+        pdl_wait();
         zero_uncovered_rows(out, qsl, T, nh, G, HD, kvh);
     }
     SplitRange sr;

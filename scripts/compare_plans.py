@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """A / B of plans of one model, one load each (device machine, --dummy-weights plans compiled from one config: the
 weights are the same): the same steps through every plan, a 512-token prefill then decode steps of 1 - 256
-sequences over the KV it wrote, each step's float32 logits compared with the first plan's bit for bit; then, with
---steps, bench_steps' timings (host-timed step and graph replay, median) of each plan. For plans that differ only
-in how kernels are launched (build.pdl, a library built with other flags) any difference is a race. Exit 1 on one.
+sequences over the KV it wrote (each three times: the repeats must agree within a plan), each step's float32 logits
+compared with the first plan's bit for bit; then, with --steps, bench_steps' timings (host-timed step and graph
+replay, median) of each plan. For plans that differ only in how kernels are launched (build.pdl, a library built
+with other flags) any difference is a race. Exit 1 on one.
 
   python3 scripts/compare_plans.py PLAN_A PLAN_B [...] [--decode 1,2,8,64,256] [--context 700]
                                    [--steps 1x128,64x1024,256x256 --reps 30]
@@ -66,6 +67,11 @@ def main() -> int:
     for pdir in args.plans:
         got, times = run_plan(pdir, decode, args.context, timed, args.reps)
         table += [(Path(pdir).name, *t) for t in times]
+        for name, g in got.items():              # a repeat of a step within one plan: a race there, whatever B is
+            first = got[name.rsplit("#", 1)[0] + "#0"] if "#" in name else g
+            if not np.array_equal(g.view(np.uint32), first.view(np.uint32)):
+                bad += 1
+                print(f"{Path(pdir).name:16} {name:22} DIFFERENT from its own #0 (a race within the plan)", flush=True)
         if ref is None:
             ref = got
             continue

@@ -280,7 +280,7 @@ def test_fp8_kv_plan_cuda_matches_numpy(tmp_path, seed, prefill_rows):
     every KV kernel its _f8kv variant: CUDA logits over a prompt (prefill 64 + 36, or 512 + 88 on the rows
     kernels) and 12 decode steps within 3e-2 of the NumPy backend; graph replay == eager bit for bit."""
     from tests.test_cuda_e2e import gpu_or_skip
-    from tests.test_cuda_runner import SHAPE, EagerRunner, forced_logits, rel_err
+    from tests.test_cuda_runner import SHAPE, forced_logits, graph_and_eager_logits, rel_err
     from tests.tiny_models import make_tiny_model
     from xserv_aot.config import BuildConfig
     from xserv_aot.plan.builder import compile_plan
@@ -304,9 +304,7 @@ def test_fp8_kv_plan_cuda_matches_numpy(tmp_path, seed, prefill_rows):
     forced = rng.integers(3, SHAPE["vocab_size"], 12).tolist()
     runner = CudaRunner(plan, log=print)
     try:
-        got = forced_logits(runner, prompt, forced)
-        runner.reset_kv()
-        eager = forced_logits(EagerRunner(runner), prompt, forced)
+        got, eager = graph_and_eager_logits(runner, prompt, forced)
     finally:
         runner.close()
     np.testing.assert_array_equal(got, eager)

@@ -60,6 +60,14 @@ def forced_logits(runner, prompt, forced):
     return np.array(out)
 
 
+def graph_and_eager_logits(runner, prompt, forced):
+    """forced_logits through graph replay, then through run_eager, each from an empty KV cache."""
+    runner.reset_kv()
+    graph = forced_logits(runner, prompt, forced)
+    runner.reset_kv()
+    return graph, forced_logits(EagerRunner(runner), prompt, forced)
+
+
 def test_matches_numpy_backend(plan, runner, seed):
     from xserv_aot.runtime.numpy_backend import NumpyRunner
     rng = np.random.default_rng(seed)
@@ -78,10 +86,7 @@ def test_graph_replay_equals_eager_bitwise(runner, seed):
     rng = np.random.default_rng(seed)
     prompt = rng.integers(3, SHAPE["vocab_size"], 70).tolist()
     forced = rng.integers(3, SHAPE["vocab_size"], 8).tolist()
-    runner.reset_kv()
-    graph = forced_logits(runner, prompt, forced)
-    runner.reset_kv()
-    eager = forced_logits(EagerRunner(runner), prompt, forced)
+    graph, eager = graph_and_eager_logits(runner, prompt, forced)
     np.testing.assert_array_equal(graph, eager)
 
 
@@ -171,8 +176,8 @@ def test_smem_carveout_changes_no_result(plan, runner, seed, tmp_path):
 
 
 def test_pdl_changes_no_result(runner, seed, seed_for, tmp_path):
-    """build.pdl (every kernel record under programmatic dependent launch: each kernel waits for its predecessor,
-    then lets its successor launch): the same logits as the plain plan bit for bit, graph replay and eager."""
+    """build.pdl (every kernel record whose function waits for its predecessor, here all of them, under
+    programmatic dependent launch): the same logits as the plain plan bit for bit, graph replay and eager."""
     from tests.tiny_models import make_tiny_model
     from xserv_aot.config import BuildConfig
     from xserv_aot.plan.builder import compile_plan
@@ -187,9 +192,7 @@ def test_pdl_changes_no_result(runner, seed, seed_for, tmp_path):
     want = forced_logits(runner, prompt, forced)
     r = CudaRunner(other, log=print)
     try:
-        got = forced_logits(r, prompt, forced)
-        r.reset_kv()
-        eager = forced_logits(EagerRunner(r), prompt, forced)
+        got, eager = graph_and_eager_logits(r, prompt, forced)
     finally:
         r.close()
     np.testing.assert_array_equal(got, want)

@@ -109,7 +109,9 @@ def compile_source(name: str, target: str) -> Compiled:
         code = bytes(prog.compile("cubin", logs=log).code)
         err, size = nvrtc.nvrtcGetPTXSize(prog.handle)
         ptx = b" " * size
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS or nvrtc.nvrtcGetPTX(prog.handle, ptx)[0] != err:
+        if err == nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            (err,) = nvrtc.nvrtcGetPTX(prog.handle, ptx)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise RuntimeError(f"nvrtcGetPTX error: {err}")
     except Exception as e:
         first = str(e).strip().splitlines()

@@ -207,6 +207,9 @@ class BuildConfig:
                                           # (W8A16), larger ones quantize them per token (W8A8), ops.linear_ops
     fp8_quantize_in_producer: bool = False  # fp8, CUDA: rmsnorm / add_rmsnorm / silu_mul also write the next
                                           # quantize_fp8's output (plan/fp8_build.producer_fuses_quantize)
+    fp8_fold_norm: bool = False           # fp8, CUDA: an add_rmsnorm between two 1-2 row GEMVs launches nothing (the
+                                          # one before adds the residual, the one after norms its input:
+                                          # plan/fp8_build.folds_norm)
     fp8_w8a8_wgmma: bool = False          # fp8, CUDA: W8A8 linears of 33-256 rows on kernels/gemm_w8a8_wgmma.cu, not
                                           # CUTLASS (plan/fp8_build.plan_w8a8)
     fp8_w8a8_tma: bool = False            # fp8, CUDA: W8A8 linears of 33-64 rows (33-256 without the CUTLASS
@@ -309,7 +312,7 @@ class BuildConfig:
             raise ConfigError(f"smem_carveout {self.smem_carveout!r} must be an integer percent in 0..100, or -1 "
                               f"(the driver's choice)")
         for name in ("gemm_library", "pdl", "quantize_lm_head", "gemm_residual", "fp8_quantize_in_producer",
-                     "fp8_w8a8_wgmma", "fp8_w8a8_tma"):
+                     "fp8_fold_norm", "fp8_w8a8_wgmma", "fp8_w8a8_tma"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.decode_buckets = sorted(set(int(b) for b in self.decode_buckets))

@@ -9,10 +9,11 @@ from xserv_aot import fp8
 from xserv_aot.dtypes import FP8
 from xserv_aot.plan.kernel_constants import (skinny_smem, skinny_w8a8_rows, skinny_w8a8_smem, WG8_WGS,
                                              w8a8_tma_smem, w8a8_wgmma_rows, w8a8_wgmma_smem)
-from xserv_aot.plan.launch_records import i32, kernel, launch, library_call, ptr
+from xserv_aot.plan.launch_records import f32, i32, kernel, launch, library_call, ptr
 from xserv_aot.plan.linear_plan import GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS
 from xserv_aot.plan.nvrtc_build import KERNEL_DIR, KernelBuildError
-from xserv_aot.plan.op_records import AddRmsNorm, KernelChoice, Linear, QuantizeFp8, RmsNorm, SiluMul
+from xserv_aot.plan.op_records import (AddRmsNorm, KernelChoice, Linear, Op, QuantizeFp8, RmsNorm, SiluMul,
+                                       read_later)
 from xserv_aot.plan.signatures import host_signature
 from xserv_aot.plan.tensor_maps import matrix_map
 
@@ -20,6 +21,9 @@ FP8_ENTRY = "xserv_gemm_fp8"              # the CUTLASS library's W8A8 entry poi
 FP8_ENTRY_EX = "xserv_gemm_fp8_ex"        # ... with a workspace (the stream-K configs' scratch: the arena's gemm_ws)
 FP8_SOURCE = KERNEL_DIR / "cutlass" / "gemm_sm90_fp8.cu"
 FP8_SKINNY_FUSE_GATE = False              # as linear_plan.SKINNY_FUSE_GATE: gate_up and silu_mul stay two kernels
+GEMV_BLOCK_ROWS = 16                      # weight rows a W8A16 GEMV block (8 warps x 2; kernels/gemv_fp8.cu)
+NORM_PARTIALS = "norm_partials"           # arena buffer [GEMV_MAX_ROWS, ceil(hidden / GEMV_BLOCK_ROWS)] float32 of
+                                          # the folded add_rmsnorm (folds_norm)
 QUANTIZE_WARPS = 8                        # (row, group) pairs per quantize_fp8 block
 SCHEME_TAG = {fp8.CHANNEL: "ch", fp8.BLOCK128: "blk"}
 W8A8_SKINNY_MAX_ROWS = 32                 # W8A8 linears of at most this many rows: kernels/gemm_skinny_w8a8.cu; more
@@ -66,16 +70,45 @@ def fp8_args(op: Linear, fused_silu_out: str | None = None) -> list:
     return head + [ptr(op.bias), ptr(op.out), i32(op.rows), i32(op.n), i32(op.k)]
 
 
+def is_fp8_gemv(op: Op) -> bool:
+    return isinstance(op, Linear) and bool(op.quant) and not op.inp_scale and op.rows <= GEMV_MAX_ROWS
+
+
+def folds_norm(ops: list[Op], idx: int, enabled: bool) -> bool:
+    """Build setting fp8_fold_norm: ops[idx], an add_rmsnorm between two FP8 GEMVs, launches nothing. The GEMV
+    before it adds its output into the residual and writes the sums of squares (NORM_PARTIALS, one a block and
+    row); each block of the GEMV after it normalizes the residual into shared memory and reads it from there
+    (kernels/gemv_fp8.cu RES / NORM). Only where nothing later reads the norm's output or the delta it no longer
+    receives."""
+    if not enabled or not 0 < idx < len(ops) - 1 or not isinstance(ops[idx], AddRmsNorm):
+        return False
+    prev, norm, nxt = ops[idx - 1], ops[idx], ops[idx + 1]
+    return (is_fp8_gemv(prev) and is_fp8_gemv(nxt) and prev.out == norm.delta and nxt.inp == norm.out
+            and prev.rows == norm.rows == nxt.rows and prev.n == nxt.k and not prev.bias
+            and not read_later(ops, idx + 1, norm.delta) and not read_later(ops, idx + 2, norm.out))
+
+
+def fold_role(ops: list[Op], idx: int, enabled: bool) -> tuple[str, AddRmsNorm] | None:
+    """("res", norm) for the linear before a folded add_rmsnorm, ("norm", norm) for the one after it."""
+    if folds_norm(ops, idx + 1, enabled):
+        return "res", ops[idx + 1]
+    if folds_norm(ops, idx - 1, enabled):
+        return "norm", ops[idx - 1]
+    return None
+
+
 def plan_fp8_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: dict | None,
-                    wgmma: bool | str = False) -> KernelChoice:
+                    wgmma: bool | str = False, fold: tuple[str, AddRmsNorm] | None = None) -> KernelChoice:
     """fuse_into: the silu_mul output buffer when the next op is silu_mul of this op's output (GEMV only); wgmma:
-    build setting fp8_w8a8_wgmma (True) or fp8_w8a8_tma ("tma"), plan_w8a8."""
+    build setting fp8_w8a8_wgmma (True) or fp8_w8a8_tma ("tma"), plan_w8a8; fold: fold_role's."""
     rows, n, k, tag = op.rows, op.n, op.k, SCHEME_TAG[op.quant]
     suffix = "f32" if out_dtype == "float32" else "bf16"
     if k % 16 or n % 2:
         raise KernelBuildError(f"FP8 linear {op.weight}: n={n}, k={k} (FP8 kernels need k % 16 == 0, n even)")
     if op.inp_scale:
         return plan_w8a8(op, out_dtype, cutlass, wgmma)
+    if rows <= GEMV_MAX_ROWS and fold:
+        return plan_gemv_fold(op, fold, fuse_into)
     if rows <= GEMV_MAX_ROWS:
         mt = rows
         if fuse_into:
@@ -88,6 +121,24 @@ def plan_fp8_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: 
         return kernel(launch(f"skinny_fp8_{tag}{bn}_gate_m{mt}", [-(-(n // 2) // (bn // 2))], [256], skinny_smem(mt),
                              fp8_args(op, fuse_into)), fused_silu_out=fuse_into)
     return kernel(launch(f"skinny_fp8_{tag}{bn}_m{mt}_{suffix}", [-(-n // bn)], [256], skinny_smem(mt), fp8_args(op)))
+
+
+def plan_gemv_fold(op: Linear, fold: tuple[str, AddRmsNorm], fuse_into: str | None) -> KernelChoice:
+    """The GEMVs around a folded add_rmsnorm (folds_norm)."""
+    role, norm = fold
+    tag, mt, grid = SCHEME_TAG[op.quant], op.rows, -(-op.n // GEMV_BLOCK_ROWS)
+    if role == "res":
+        return kernel(launch(f"gemv_fp8_{tag}_res_m{mt}", [grid], [256], 0,
+                             [ptr(op.inp), ptr(op.weight), ptr(op.weight_scale), ptr(op.bias), ptr(norm.residual),
+                              ptr(NORM_PARTIALS), i32(op.rows), i32(op.n), i32(op.k)]), fused_residual=norm.residual)
+    head = [ptr(norm.residual), ptr(norm.weight), ptr(NORM_PARTIALS), i32(-(-op.k // GEMV_BLOCK_ROWS)), f32(norm.eps),
+            ptr(op.weight), ptr(op.weight_scale)]
+    smem = mt * op.k * 2                                      # the normed rows, bf16 [rows, K]
+    if fuse_into:
+        return kernel(launch(f"gemv_fp8_{tag}_norm_gate_m{mt}", [-(-(op.n // 2) // 8)], [256], smem,
+                             head + [ptr(fuse_into), i32(op.rows), i32(op.n // 2), i32(op.k)]), fused_silu_out=fuse_into)
+    return kernel(launch(f"gemv_fp8_{tag}_norm_m{mt}_bf16", [grid], [256], smem,
+                         head + [ptr(op.bias), ptr(op.out), i32(op.rows), i32(op.n), i32(op.k)]))
 
 
 def plan_w8a8(op: Linear, out_dtype: str, cutlass: dict | None, wgmma: bool | str = False) -> KernelChoice:

@@ -14,7 +14,8 @@ from typing import Callable
 from xserv_aot.plan.kernel_constants import G_MAX, NORM_NC, P_KEYS
 from xserv_aot import kv_cache
 from xserv_aot.plan.attention_plan import fuses_rope, kv_scale_args, plan_attention
-from xserv_aot.plan.fp8_build import producer_fuses_quantize
+from xserv_aot.plan.fp8_build import (GEMV_BLOCK_ROWS, NORM_PARTIALS, fold_role, folds_norm,
+                                      producer_fuses_quantize)
 from xserv_aot.plan.launch_records import check_launches, f32, i32, kernel, kv, launch, ptr
 from xserv_aot.plan.linear_plan import (CUTLASS_MIN_ROWS, GEMM_ENTRY, GEMM_ENTRY_EX, GEMM_SOURCE,  # noqa: F401
                                         GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS, SWAP_MIN_ROWS, plan_linear,
@@ -27,7 +28,7 @@ from xserv_aot.plan import nccl_records
 from xserv_aot.plan import row_kernels
 from xserv_aot.plan.op_records import (COLLECTIVES, AddRmsNorm, ApplyTokenBitmask, Attention, Embedding, GatherRows,
                                        KernelChoice, Linear, Op, QkNormRopeCache, QuantizeFp8, ResolveInputIds,
-                                       RmsNorm, Sample, SiluMul, op_from_dict)
+                                       RmsNorm, Sample, SiluMul, op_from_dict, read_later)
 from xserv_aot.plan.signatures import check_sizes, cubin_param_sizes, host_signature, kernel_signatures
 from xserv_aot.plan.tensor_parallel import rank_model
 
@@ -73,6 +74,9 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
     row_choice = manifest["build"].get("prefill_row_kernels", "auto")
     row_threads = [min(ELEMWISE_THREADS, hidden // 8)]
     fp8_kv = kv_cache.is_fp8(kvc)
+    fold = bool(manifest["build"].get("fp8_fold_norm")) and arena["x"]["dtype"] == "bfloat16"
+    if fold and any(folds_norm(ops, i, fold) for i in range(len(ops))):
+        add_arena_buffer(manifest, NORM_PARTIALS, [GEMV_MAX_ROWS, -(-hidden // GEMV_BLOCK_ROWS)], "float32")
     out: list[KernelChoice] = []
     for idx, op in enumerate(ops):
         rows, nxt = op.rows, ops[idx + 1] if idx + 1 < len(ops) else None
@@ -83,6 +87,8 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
         elif isinstance(op, Embedding):
             c = kernel(launch("embedding", [rows], row_threads, 0,
                               [ptr(op.ids), ptr(op.table), ptr(op.out), i32(hidden), i32(vocab)]))
+        elif folds_norm(ops, idx, fold):
+            c = KernelChoice("fused_into_neighbours")
         elif isinstance(op, (RmsNorm, AddRmsNorm)):
             quant = nxt if producer_fuses_quantize(op, nxt, after, fuse_quantize) else None
             summed = (isinstance(op, AddRmsNorm) and idx > 0 and out[-1].fused_residual == op.residual
@@ -112,7 +118,8 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             fuse = nxt.out if isinstance(nxt, SiluMul) and nxt.inp == op.out else None
             res = (nxt.residual if isinstance(nxt, AddRmsNorm) and nxt.delta == op.out and nxt.rows == rows
                    and not read_later(ops, idx + 2, op.out) else None)
-            c = plan_linear(op, arena[op.out]["dtype"], fuse, cutlass, kind == "decode", res, fp8_wgmma)
+            c = plan_linear(op, arena[op.out]["dtype"], fuse, cutlass, kind == "decode", res, fp8_wgmma,
+                            fold_role(ops, idx, fold))
         elif isinstance(op, QuantizeFp8):
             from xserv_aot.plan.fp8_build import plan_quantize, quantize_fuses_into
             if out[-1].kernel in QUANTIZING_PRODUCERS:
@@ -218,17 +225,6 @@ def stores_out(ops: list[Op], idx: int, quant: QuantizeFp8 | None) -> bool:
     """Whether producer ops[idx] stores its bf16 output: it quantizes nothing, or an op after the quantize_fp8 it
     folds (ops[idx + 1]) reads that output."""
     return quant is None or read_later(ops, idx + 2, ops[idx].out)
-
-
-def read_later(ops: list[Op], start: int, buf: str) -> bool:
-    """Whether an op from ops[start] on reads buf before one writes it (an op writes its `out` field)."""
-    for op in ops[start:]:
-        fields = {f: v for f, v in vars(op).items() if f != "cuda"}
-        if buf in [v for f, v in fields.items() if f != "out"]:
-            return True
-        if fields.get("out") == buf:
-            return False
-    return False
 
 
 def kv_slots(kv: dict) -> int:

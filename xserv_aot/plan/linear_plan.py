@@ -100,14 +100,15 @@ def plan_tile(op: Linear, out_dtype: str, cutlass: dict, decode_tile: bool, resi
 
 
 def plan_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: dict | None,
-                decode: bool = False, residual: str | None = None, fp8_wgmma: bool | str = False) -> KernelChoice:
+                decode: bool = False, residual: str | None = None, fp8_wgmma: bool | str = False,
+                fold=None) -> KernelChoice:
     """fuse_into: the silu_mul output buffer when the next op is silu_mul of this op's output; residual: the
     residual buffer when the next op is add_rmsnorm of this op's output (plan_tile may fold the add in);
-    fp8_wgmma: build setting fp8_w8a8_wgmma (True) or fp8_w8a8_tma ("tma")."""
+    fp8_wgmma: build setting fp8_w8a8_wgmma (True) or fp8_w8a8_tma ("tma"); fold: fp8_build.fold_role's."""
     rows, n, k = op.rows, op.n, op.k
     if op.quant:
         from xserv_aot.plan.fp8_build import plan_fp8_linear
-        return plan_fp8_linear(op, out_dtype, fuse_into, cutlass, fp8_wgmma)
+        return plan_fp8_linear(op, out_dtype, fuse_into, cutlass, fp8_wgmma, fold)
     if k % 8 or n % 2:
         raise KernelBuildError(f"linear {op.weight}: n={n}, k={k} (CUDA kernels need k % 8 == 0, n even)")
     suffix = "f32" if out_dtype == "float32" else "bf16"

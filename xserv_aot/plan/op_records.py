@@ -299,6 +299,17 @@ def op_from_dict(d: dict, where: str = "op") -> Op:
 NOT_BUFFERS = ("kv_cache", "quant")
 
 
+def read_later(ops: list[Op], start: int, buf: str) -> bool:
+    """Whether an op from ops[start] on reads buf before one writes it (an op writes its `out` field)."""
+    for op in ops[start:]:
+        fields = {f: v for f, v in vars(op).items() if f != "cuda"}
+        if buf in [v for f, v in fields.items() if f != "out"]:
+            return True
+        if fields.get("out") == buf:
+            return False
+    return False
+
+
 def buffer_names(op: Op) -> list[str]:
     """Arena buffers and weights an op names (its str fields but the KV cache and a linear's quant scheme)."""
     hints = typing.get_type_hints(type(op))

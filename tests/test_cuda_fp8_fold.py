@@ -30,7 +30,9 @@ def norm(rows=1):
 def test_folds_only_between_two_fp8_gemvs_whose_buffers_nobody_else_reads():
     ops = [lin("attn", "o"), norm(), lin("h", "qkv")]
     assert fp8_build.folds_norm(ops, 1, True) and not fp8_build.folds_norm(ops, 1, False)
-    assert fp8_build.fold_role(ops, 0, True) == ("res", ops[1]) and fp8_build.fold_role(ops, 2, True) == ("norm", ops[1])
+    folded = fp8_build.folded_norms(ops, True)
+    assert folded == {1} and not fp8_build.folded_norms(ops, False)
+    assert fp8_build.fold_role(ops, 0, folded) == ("res", ops[1]) and fp8_build.fold_role(ops, 2, folded) == ("norm", ops[1])
     assert not fp8_build.folds_norm(ops + [GatherRows(inp="h", indices="i", out="hl", rows=1)], 1, True)
     assert not fp8_build.folds_norm(ops + [GatherRows(inp="o", indices="i", out="hl", rows=1)], 1, True)
     assert not fp8_build.folds_norm([lin("attn", "o"), norm(), lin("h", "qkv", quant=None)], 1, True)
@@ -170,8 +172,7 @@ def test_folded_pair_equals_linear_add_rmsnorm_linear(lib, rng, scheme, M):
 def test_folded_plan_matches_the_unfolded_plan_and_numpy(tmp_path, scheme, seed):
     """A tiny FP8 plan with and without fp8_fold_norm (same dummy weights): graph == eager bit for bit, the prefill
     (no fold) bit-equal, decode logits within 1e-3 of the unfolded plan and AFTER_W8A8_TOL of NumPy."""
-    from tests.test_cuda_runner import forced_logits, graph_and_eager_logits
-    from xserv_aot.runtime.cuda.runner import CudaRunner
+    from tests.test_cuda_runner import forced_logits, plan_logits
     from xserv_aot.runtime.numpy_backend import NumpyRunner
     from xserv_aot.runtime.select import gpu_available
     if not gpu_available():
@@ -181,17 +182,9 @@ def test_folded_plan_matches_the_unfolded_plan_and_numpy(tmp_path, scheme, seed)
     plain = compile_fp8_tiny(tmp_path / "p", fp8_scheme=scheme)
     rng = np.random.default_rng(seed)
     prompt, forced = rng.integers(3, 1024, 40).tolist(), rng.integers(3, 1024, 8).tolist()
-    runner = CudaRunner(folded)
-    try:
-        graph, eager = graph_and_eager_logits(runner, prompt, forced)
-    finally:
-        runner.close()
+    graph, eager = plan_logits(folded, prompt, forced, eager=True)
     np.testing.assert_array_equal(graph.view(np.uint32), eager.view(np.uint32))
-    runner = CudaRunner(plain)
-    try:
-        base = forced_logits(runner, prompt, forced)
-    finally:
-        runner.close()
+    base = plan_logits(plain, prompt, forced)
     np.testing.assert_array_equal(graph[0].view(np.uint32), base[0].view(np.uint32))
     assert max(rel_err(g, b) for g, b in zip(graph[1:], base[1:])) <= 1e-3
     want = forced_logits(NumpyRunner(folded), prompt, forced)

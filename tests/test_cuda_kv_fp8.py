@@ -280,11 +280,10 @@ def test_fp8_kv_plan_cuda_matches_numpy(tmp_path, seed, prefill_rows):
     every KV kernel its _f8kv variant: CUDA logits over a prompt (prefill 64 + 36, or 512 + 88 on the rows
     kernels) and 12 decode steps within 3e-2 of the NumPy backend; graph replay == eager bit for bit."""
     from tests.test_cuda_e2e import gpu_or_skip
-    from tests.test_cuda_runner import SHAPE, forced_logits, graph_and_eager_logits, rel_err
+    from tests.test_cuda_runner import SHAPE, forced_logits, plan_logits, rel_err
     from tests.tiny_models import make_tiny_model
     from xserv_aot.config import BuildConfig
     from xserv_aot.plan.builder import compile_plan
-    from xserv_aot.runtime.cuda.runner import CudaRunner
     from xserv_aot.runtime.numpy_backend import NumpyRunner
     gpu_or_skip()
     rng = np.random.default_rng(seed)
@@ -302,11 +301,7 @@ def test_fp8_kv_plan_cuda_matches_numpy(tmp_path, seed, prefill_rows):
     assert kv_fns and all("_f8kv" in f for f in kv_fns), kv_fns
     prompt = rng.integers(3, SHAPE["vocab_size"], 600 if prefill_rows else 100).tolist()
     forced = rng.integers(3, SHAPE["vocab_size"], 12).tolist()
-    runner = CudaRunner(plan, log=print)
-    try:
-        got, eager = graph_and_eager_logits(runner, prompt, forced)
-    finally:
-        runner.close()
+    got, eager = plan_logits(plan, prompt, forced, eager=True)
     np.testing.assert_array_equal(got, eager)
     want = forced_logits(NumpyRunner(plan), prompt, forced)
     errs = [rel_err(g, w) for g, w in zip(got, want)]

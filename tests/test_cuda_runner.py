@@ -68,6 +68,16 @@ def graph_and_eager_logits(runner, prompt, forced):
     return graph, forced_logits(EagerRunner(runner), prompt, forced)
 
 
+def plan_logits(plan, prompt, forced, eager: bool = False):
+    """forced_logits on a CudaRunner of its own for plan, closed after; eager: graph_and_eager_logits'."""
+    from xserv_aot.runtime.cuda.runner import CudaRunner
+    r = CudaRunner(plan, log=print)
+    try:
+        return graph_and_eager_logits(r, prompt, forced) if eager else forced_logits(r, prompt, forced)
+    finally:
+        r.close()
+
+
 def test_matches_numpy_backend(plan, runner, seed):
     from xserv_aot.runtime.numpy_backend import NumpyRunner
     rng = np.random.default_rng(seed)
@@ -181,7 +191,6 @@ def test_pdl_changes_no_result(runner, seed, seed_for, tmp_path):
     from tests.tiny_models import make_tiny_model
     from xserv_aot.config import BuildConfig
     from xserv_aot.plan.builder import compile_plan
-    from xserv_aot.runtime.cuda.runner import CudaRunner
     model_dir = make_tiny_model(tmp_path / "hf", "qwen3", seed=seed_for("test_cuda_runner.plan"), **SHAPE)
     other = compile_plan(model_dir, tmp_path / "plan", BuildConfig(**BUILD, pdl=True))
     recs = [r for bk in other.buckets for op in bk.ops if op.cuda for r in op.cuda.launch if not r.library]
@@ -190,10 +199,6 @@ def test_pdl_changes_no_result(runner, seed, seed_for, tmp_path):
     prompt, forced = rng.integers(3, SHAPE["vocab_size"], 40).tolist(), rng.integers(3, SHAPE["vocab_size"], 4).tolist()
     runner.reset_kv()
     want = forced_logits(runner, prompt, forced)
-    r = CudaRunner(other, log=print)
-    try:
-        got, eager = graph_and_eager_logits(r, prompt, forced)
-    finally:
-        r.close()
+    got, eager = plan_logits(other, prompt, forced, eager=True)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(eager, want)

@@ -22,7 +22,7 @@ FP8_ENTRY_EX = "xserv_gemm_fp8_ex"        # ... with a workspace (the stream-K c
 FP8_SOURCE = KERNEL_DIR / "cutlass" / "gemm_sm90_fp8.cu"
 FP8_SKINNY_FUSE_GATE = False              # as linear_plan.SKINNY_FUSE_GATE: gate_up and silu_mul stay two kernels
 GEMV_BLOCK_ROWS = 16                      # weight rows a W8A16 GEMV block (8 warps x 2; kernels/gemv_fp8.cu)
-NORM_PARTIALS = "norm_partials"           # arena buffer [GEMV_MAX_ROWS, ceil(hidden / GEMV_BLOCK_ROWS)] float32 of
+NORM_PARTIALS = "norm_partials"           # arena buffer [GEMV_MAX_ROWS, gemv_blocks(hidden)] float32 of
                                           # the folded add_rmsnorm (folds_norm)
 QUANTIZE_WARPS = 8                        # (row, group) pairs per quantize_fp8 block
 SCHEME_TAG = {fp8.CHANNEL: "ch", fp8.BLOCK128: "blk"}
@@ -88,13 +88,23 @@ def folds_norm(ops: list[Op], idx: int, enabled: bool) -> bool:
             and not read_later(ops, idx + 1, norm.delta) and not read_later(ops, idx + 2, norm.out))
 
 
-def fold_role(ops: list[Op], idx: int, enabled: bool) -> tuple[str, AddRmsNorm] | None:
+def folded_norms(ops: list[Op], enabled: bool) -> set[int]:
+    """Indices of the add_rmsnorms of ops that fold (folds_norm)."""
+    return {i for i in range(len(ops)) if folds_norm(ops, i, enabled)}
+
+
+def fold_role(ops: list[Op], idx: int, folded: set[int]) -> tuple[str, AddRmsNorm] | None:
     """("res", norm) for the linear before a folded add_rmsnorm, ("norm", norm) for the one after it."""
-    if folds_norm(ops, idx + 1, enabled):
+    if idx + 1 in folded:
         return "res", ops[idx + 1]
-    if folds_norm(ops, idx - 1, enabled):
+    if idx - 1 in folded:
         return "norm", ops[idx - 1]
     return None
+
+
+def gemv_blocks(n: int) -> int:
+    """Blocks of a W8A16 GEMV over n weight rows; a folded norm has one partial a res block (the norm kernel's P)."""
+    return -(-n // GEMV_BLOCK_ROWS)
 
 
 def plan_fp8_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: dict | None,
@@ -114,7 +124,7 @@ def plan_fp8_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: 
         if fuse_into:
             return kernel(launch(f"gemv_fp8_{tag}_gate_m{mt}", [-(-(n // 2) // 8)], [256], 0, fp8_args(op, fuse_into)),
                           fused_silu_out=fuse_into)
-        return kernel(launch(f"gemv_fp8_{tag}_m{mt}_{suffix}", [-(-n // 16)], [256], 0, fp8_args(op)))
+        return kernel(launch(f"gemv_fp8_{tag}_m{mt}_{suffix}", [gemv_blocks(n)], [256], 0, fp8_args(op)))
     mt = next(m for m in (8, 16, 32, 64) if m >= rows)
     bn = 64 if -(-n // 64) >= SKINNY_WIDE_MIN_BLOCKS else 32
     if fuse_into and FP8_SKINNY_FUSE_GATE:
@@ -126,12 +136,12 @@ def plan_fp8_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: 
 def plan_gemv_fold(op: Linear, fold: tuple[str, AddRmsNorm], fuse_into: str | None) -> KernelChoice:
     """The GEMVs around a folded add_rmsnorm (folds_norm)."""
     role, norm = fold
-    tag, mt, grid = SCHEME_TAG[op.quant], op.rows, -(-op.n // GEMV_BLOCK_ROWS)
+    tag, mt, grid = SCHEME_TAG[op.quant], op.rows, gemv_blocks(op.n)
     if role == "res":
         return kernel(launch(f"gemv_fp8_{tag}_res_m{mt}", [grid], [256], 0,
                              [ptr(op.inp), ptr(op.weight), ptr(op.weight_scale), ptr(op.bias), ptr(norm.residual),
                               ptr(NORM_PARTIALS), i32(op.rows), i32(op.n), i32(op.k)]), fused_residual=norm.residual)
-    head = [ptr(norm.residual), ptr(norm.weight), ptr(NORM_PARTIALS), i32(-(-op.k // GEMV_BLOCK_ROWS)), f32(norm.eps),
+    head = [ptr(norm.residual), ptr(norm.weight), ptr(NORM_PARTIALS), i32(gemv_blocks(op.k)), f32(norm.eps),
             ptr(op.weight), ptr(op.weight_scale)]
     smem = mt * op.k * 2                                      # the normed rows, bf16 [rows, K]
     if fuse_into:

@@ -14,7 +14,7 @@ from typing import Callable
 from xserv_aot.plan.kernel_constants import G_MAX, NORM_NC, P_KEYS
 from xserv_aot import kv_cache
 from xserv_aot.plan.attention_plan import fuses_rope, kv_scale_args, plan_attention
-from xserv_aot.plan.fp8_build import (GEMV_BLOCK_ROWS, NORM_PARTIALS, fold_role, folds_norm,
+from xserv_aot.plan.fp8_build import (NORM_PARTIALS, fold_role, folded_norms, gemv_blocks,
                                       producer_fuses_quantize)
 from xserv_aot.plan.launch_records import check_launches, f32, i32, kernel, kv, launch, ptr
 from xserv_aot.plan.linear_plan import (CUTLASS_MIN_ROWS, GEMM_ENTRY, GEMM_ENTRY_EX, GEMM_SOURCE,  # noqa: F401
@@ -74,9 +74,9 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
     row_choice = manifest["build"].get("prefill_row_kernels", "auto")
     row_threads = [min(ELEMWISE_THREADS, hidden // 8)]
     fp8_kv = kv_cache.is_fp8(kvc)
-    fold = bool(manifest["build"].get("fp8_fold_norm")) and arena["x"]["dtype"] == "bfloat16"
-    if fold and any(folds_norm(ops, i, fold) for i in range(len(ops))):
-        add_arena_buffer(manifest, NORM_PARTIALS, [GEMV_MAX_ROWS, -(-hidden // GEMV_BLOCK_ROWS)], "float32")
+    folded = folded_norms(ops, bool(manifest["build"].get("fp8_fold_norm")) and arena["x"]["dtype"] == "bfloat16")
+    if folded:
+        add_arena_buffer(manifest, NORM_PARTIALS, [GEMV_MAX_ROWS, gemv_blocks(hidden)], "float32")
     out: list[KernelChoice] = []
     for idx, op in enumerate(ops):
         rows, nxt = op.rows, ops[idx + 1] if idx + 1 < len(ops) else None
@@ -87,7 +87,7 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
         elif isinstance(op, Embedding):
             c = kernel(launch("embedding", [rows], row_threads, 0,
                               [ptr(op.ids), ptr(op.table), ptr(op.out), i32(hidden), i32(vocab)]))
-        elif folds_norm(ops, idx, fold):
+        elif idx in folded:
             c = KernelChoice("fused_into_neighbours")
         elif isinstance(op, (RmsNorm, AddRmsNorm)):
             quant = nxt if producer_fuses_quantize(op, nxt, after, fuse_quantize) else None
@@ -119,7 +119,7 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             res = (nxt.residual if isinstance(nxt, AddRmsNorm) and nxt.delta == op.out and nxt.rows == rows
                    and not read_later(ops, idx + 2, op.out) else None)
             c = plan_linear(op, arena[op.out]["dtype"], fuse, cutlass, kind == "decode", res, fp8_wgmma,
-                            fold_role(ops, idx, fold))
+                            fold_role(ops, idx, folded))
         elif isinstance(op, QuantizeFp8):
             from xserv_aot.plan.fp8_build import plan_quantize, quantize_fuses_into
             if out[-1].kernel in QUANTIZING_PRODUCERS:

@@ -9,6 +9,7 @@
 // [b N / NB, (b + 1) N / NB) of every matrix (gate_up: pairs j, gate row j and up row I + j).
 // Data written inside the launch by other blocks (x, qkv, attn, act, partials) is read with ld.global.cg (L2).
 // Rounding: every GEMV output to bf16, x + o to bf16, silu(g) * u of bf16 g, u: the unfused kernels' rules.
+#include "bulk_copy.cuh"
 #include "fp8.cuh"
 #include "qk_rope.cuh"
 
@@ -32,27 +33,6 @@ static_assert(MK_CONSUMERS * (MK_REGS_CONSUMER - 168) <= 4 * (168 - MK_REGS_PROD
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;" :: "n"(MK_CTHREADS) : "memory"); }
-__device__ __forceinline__ void mbar_init(u64* b, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(b)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u64* b) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_addr(b)) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(u64* b, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u64* b, u32 parity) {
-    u32 ok = 0;
-    while (!ok) {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     " selp.u32 %0, 1, 0, p;\n}" : "=r"(ok) : "r"(smem_addr(b)), "r"(parity) : "memory");
-    }
-}
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* bar, u64 policy) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-                 " [%0], [%1], %2, [%3], %4;"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy) : "memory");
-}
 __device__ __forceinline__ vec16 ld_l2(const void* p) {
     vec16 v;
     asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));

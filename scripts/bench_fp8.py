@@ -18,6 +18,7 @@ from xserv_aot import fp8
 from xserv_aot.plan.cutlass_build import fp8_config, library_fp8_config_names, library_fp8_workspace_size
 from xserv_aot.plan.kernel_build import GEMV_MAX_ROWS
 from xserv_aot.plan.fp8_build import SCHEME_TAG, plan_fp8_linear, plan_quantize
+from xserv_aot.plan.gemv_tc_plan import GEMV_TC_MAX_ROWS
 from xserv_aot.plan.op_records import Linear, QuantizeFp8
 from xserv_aot.runtime.cuda.driver import Launch
 
@@ -68,18 +69,20 @@ class Fp8Gemm:
 def launches(kern, rec, arg_sets):
     src = ("gemm_skinny_w8a8.cu" if rec.fn.startswith("skinny_w8a8") else "gemm_w8a8_wgmma.cu"
            if rec.fn.startswith("w8a8_wgmma") else "gemm_w8a8_tma.cu" if rec.fn.startswith("w8a8_tma")
-           else "gemm_skinny_fp8.cu" if rec.fn.startswith("skinny") else "gemv_fp8.cu")
+           else "gemm_skinny_fp8.cu" if rec.fn.startswith("skinny") else "gemv_tc.cu"
+           if rec.fn.startswith("gemv_fp8_tc") else "gemv_fp8.cu")
     fn = kern.fn(src, rec.fn, rec.smem)
     return [Launch(rec.fn, fn, rec.grid, rec.block, rec.smem, a, pdl=rec.pdl) for a in arg_sets]
 
 
 def bench_fp8(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
     torch.zeros(1, device="cuda")                  # the primary context, current before the modules load
-    kern = Kernels("gemv_fp8.cu", "gemm_skinny_fp8.cu")
+    kern = Kernels("gemv_fp8.cu", "gemm_skinny_fp8.cu", "gemv_tc.cu")
     rows_list = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
-    print(f"{'scheme':12} {'shape':8} {'rows':>4} {'kernel':34} {'ms':>8} {'GB/s':>7} {'%4.6T':>6} {'err':>8}")
-    step, step_skinny = {}, {}
+    print(f"{'scheme':12} {'shape':8} {'rows':>4} {'kernel':28} {'grid':>5} {'ms':>8} {'GB/s':>7} {'%4.6T':>6} "
+          f"{'err':>8}")
+    step, step_skinny, step_tc = {}, {}, {}
     for scheme in (fp8.CHANNEL, fp8.BLOCK128):
         for name, (N, K) in FP8_SHAPES.items():
             f32 = name == "lm_head"
@@ -101,6 +104,15 @@ def bench_fp8(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
                     if M == 1:
                         recs.append((type(grec)(f"gemv_fp8_{SCHEME_TAG[scheme]}_bt_gate_m1", grec.args, grec.grid,
                                                 grec.block, 0), silu, gref))
+                if M <= GEMV_TC_MAX_ROWS:                # build setting gemv "tc" (kernels/gemv_tc.cu)
+                    recs.append((plan_fp8_linear(op, "float32" if f32 else "bfloat16", None, None,
+                                                 gemv="tc").launch[0], y, ref))
+                    if name == "gate_up":
+                        tc = plan_fp8_linear(op, "bfloat16", "silu", None, gemv="tc").launch[0]
+                        gref = (torch.nn.functional.silu(ref[:, :N // 2].bfloat16().float())
+                                * ref[:, N // 2:].bfloat16().float())
+                        recs.append((tc, silu, gref))                        # persistent: the resident blocks
+                        recs.append((replace(tc, grid=(N // 16, 1, 1)), silu, gref))   # a block a tile
                 if M <= GEMV_MAX_ROWS:                   # the tensor-core skinny kernel at GEMV rows (m8 tile)
                     recs.append((plan_fp8_linear(replace(op, rows=8), "float32" if f32 else "bfloat16", None,
                                                  None).launch[0], y, ref))
@@ -111,11 +123,13 @@ def bench_fp8(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
                         recs.append((type(base)(f"gemv_fp8_{SCHEME_TAG[scheme]}_{v}", base.args,
                                                 (-(-N // (8 * r)), 1, 1), base.block, 0), y, ref))
                 for rec, out, want in recs:
-                    gate = "_gate_" in rec.fn
+                    gate = "_gate_" in rec.fn or rec.fn.endswith("_gate")
                     arg_sets = [[("ptr", x.data_ptr()), ("ptr", w.data_ptr()), ("ptr", s.data_ptr())] +
                                 ([("ptr", out.data_ptr()), ("i32", M), ("i32", N // 2), ("i32", K)] if gate else
                                  [("ptr", 0), ("ptr", out.data_ptr()), ("i32", M), ("i32", N), ("i32", K)])
                                 for w, s in ws]
+                    if rec.fn.startswith("gemv_fp8_tc"):
+                        arg_sets = [a + [rec.args[-1]] for a in arg_sets]          # its stages
                     ls = launches(kern, rec, arg_sets)
                     out.fill_(float("nan"))
                     ls[0](stream())
@@ -124,9 +138,12 @@ def bench_fp8(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
                     ms = time_graph(lambda j: ls[j](stream()), copies)
                     nbytes = N * K + ws[0][1].numel() * 4 + M * K * 2 + out.numel() * out.element_size()
                     gbs = nbytes / ms / 1e6
-                    print(f"{scheme:12} {name:8} {M:4} {rec.fn:34} {ms:8.4f} {gbs:7.0f} {gbs / HBM_GBS:6.0%} "
+                    print(f"{scheme:12} {name:8} {M:4} {rec.fn:28} {rec.grid[0]:5} {ms:8.4f} {gbs:7.0f} {gbs / HBM_GBS:6.0%} "
                           f"{err:8.1e}", flush=True)
-                    if rec.fn.startswith("skinny") and M <= GEMV_MAX_ROWS:
+                    if rec.fn.startswith("gemv_fp8_tc"):
+                        if gate or name != "gate_up":
+                            step_tc[(scheme, name, M)] = ms
+                    elif rec.fn.startswith("skinny") and M <= GEMV_MAX_ROWS:
                         step_skinny[(scheme, name, M)] = ms
                     elif "_r" not in rec.fn.split("_m")[0] and "_bt" not in rec.fn and (gate or name != "gate_up" or M > 2):
                         step[(scheme, name, M)] = ms
@@ -137,6 +154,9 @@ def bench_fp8(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
             if all((scheme, n, M) in step for n in ("qkv", "o_proj", "gate_up", "down")):
                 t = 36 * sum(step[(scheme, n, M)] for n in ("qkv", "o_proj", "gate_up", "down"))
                 print(f"Qwen3-8B FP8 linears ({scheme}, rows {M}, 36 layers, lm_head not counted): {t:.3f} ms/step")
+            if all((scheme, n, M) in step_tc for n in ("qkv", "o_proj", "gate_up", "down")):
+                t = 36 * sum(step_tc[(scheme, n, M)] for n in ("qkv", "o_proj", "gate_up", "down"))
+                print(f"  the same with gemv tc at rows {M} (gate_up + silu fused): {t:.3f} ms/step")
             if all((scheme, n, M) in step_skinny for n in ("qkv", "o_proj", "gate_up", "down")):
                 t = 36 * sum(step_skinny[(scheme, n, M)] for n in ("qkv", "o_proj", "gate_up", "down"))
                 print(f"  the same with the skinny kernel at rows {M} (gate_up unfused, silu_mul not counted): "

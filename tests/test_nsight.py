@@ -374,7 +374,8 @@ def q8_plan(tmp_path_factory):
     from xserv_aot.config import BuildConfig
     from xserv_aot.plan.builder import compile_plan
     root = Path(__file__).parents[1] / "plans"
-    build = BuildConfig.from_dict(json.loads((root / "h200.build.json").read_text()))
+    build = BuildConfig.from_dict({**json.loads((root / "h200.build.json").read_text()),
+                                   "gemv": "cuda_cores"})                  # the GEMVs of 8be0667 (before gemv_tc.cu)
     return compile_plan(root / "qwen3-8b.config.json", tmp_path_factory.mktemp("q8") / "plan", build,
                         dummy_weights=True)
 

@@ -188,6 +188,10 @@ class BuildConfig:
                                           # the megakernel for steps whose contexts are all <= this; 0: every step
     gemm_configs: dict[str, str] = field(default_factory=dict)  # CUDA: CUTLASS config per prefill linear shape
     #   ("NxK" or "MxNxK" -> cutlass_build.TABLE_CONFIGS name); a shape not listed: the tile model
+    gemv: str = "cuda_cores"              # CUDA: linears of 1-2 rows on the CUDA-core GEMVs (kernels/gemv.cu, gemv_fp8.cu;
+                                          # 3+ rows: the skinny kernels), or "tc": bf16 and W8A16 linears of 1-8 rows on
+                                          # the tensor cores, weights streamed by the copy engine (kernels/gemv_tc.cu,
+                                          # plan/gemv_tc_plan.py)
     gemm_residual: bool = False           # CUDA: o_proj / down add the residual in their GEMM epilogue
     tensor_parallel: int = 1              # ranks (GPUs) the weights, heads and KV pool are split over (1, 2, 4, 8)
     quantization: str = "none"            # none | fp8: linear weights stored as e4m3 with scales (plan/quantize.py)
@@ -311,6 +315,9 @@ class BuildConfig:
                 or isinstance(self.smem_carveout, bool):
             raise ConfigError(f"smem_carveout {self.smem_carveout!r} must be an integer percent in 0..100, or -1 "
                               f"(the driver's choice)")
+        from xserv_aot.plan.gemv_tc_plan import GEMV_CHOICES
+        if self.gemv not in GEMV_CHOICES:
+            raise ConfigError(f"gemv {self.gemv!r} is not one of {', '.join(GEMV_CHOICES)}")
         for name in ("gemm_library", "pdl", "quantize_lm_head", "gemm_residual", "fp8_quantize_in_producer",
                      "fp8_fold_norm", "fp8_w8a8_wgmma", "fp8_w8a8_tma"):
             if not isinstance(getattr(self, name), bool):

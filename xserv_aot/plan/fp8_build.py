@@ -1,4 +1,5 @@
-"""CUDA kernels of the FP8 linears (docs/plan-format.md "FP8"): W8A16 GEMV (rows 1..2, kernels/gemv_fp8.cu) and
+"""CUDA kernels of the FP8 linears (docs/plan-format.md "FP8"): W8A16 GEMV (rows 1..2, kernels/gemv_fp8.cu; with the
+build setting gemv "tc" rows 1..8 on plan/gemv_tc_plan.py) and
 skinny tensor-core GEMM (rows 3..64, kernels/gemm_skinny_fp8.cu), quantize_fp8, and W8A8 (which rows are W8A8 is
 BuildConfig.fp8_w8a16_max_rows, plan/ops.linear_ops): the W8A8 skinny kernel (rows <= 64,
 kernels/gemm_skinny_w8a8.cu) or CUTLASS FP8 GEMMs with scale epilogues (more rows,
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 from xserv_aot import fp8
 from xserv_aot.dtypes import FP8
+from xserv_aot.plan.gemv_tc_plan import gemv_tc_fits, plan_gemv_tc
 from xserv_aot.plan.kernel_constants import (skinny_smem, skinny_w8a8_rows, skinny_w8a8_smem, WG8_WGS,
                                              w8a8_tma_smem, w8a8_wgmma_rows, w8a8_wgmma_smem)
 from xserv_aot.plan.launch_records import f32, i32, kernel, launch, library_call, ptr
@@ -108,9 +110,11 @@ def gemv_blocks(n: int) -> int:
 
 
 def plan_fp8_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: dict | None,
-                    wgmma: bool | str = False, fold: tuple[str, AddRmsNorm] | None = None) -> KernelChoice:
+                    wgmma: bool | str = False, fold: tuple[str, AddRmsNorm] | None = None,
+                    gemv: str = "cuda_cores") -> KernelChoice:
     """fuse_into: the silu_mul output buffer when the next op is silu_mul of this op's output (GEMV only); wgmma:
-    build setting fp8_w8a8_wgmma (True) or fp8_w8a8_tma ("tma"), plan_w8a8; fold: fold_role's."""
+    build setting fp8_w8a8_wgmma (True) or fp8_w8a8_tma ("tma"), plan_w8a8; fold: fold_role's; gemv: build
+    setting gemv (gemv_tc_plan.GEMV_CHOICES)."""
     rows, n, k, tag = op.rows, op.n, op.k, SCHEME_TAG[op.quant]
     suffix = "f32" if out_dtype == "float32" else "bf16"
     if k % 16 or n % 2:
@@ -119,6 +123,8 @@ def plan_fp8_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: 
         return plan_w8a8(op, out_dtype, cutlass, wgmma)
     if rows <= GEMV_MAX_ROWS and fold:
         return plan_gemv_fold(op, fold, fuse_into)
+    if gemv == "tc" and gemv_tc_fits(op, fuse_into is not None):
+        return plan_gemv_tc(op, out_dtype, fuse_into)
     if rows <= GEMV_MAX_ROWS:
         mt = rows
         if fuse_into:

@@ -71,6 +71,7 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
     arena = manifest["arena"]["buffers"]
     fuse_quantize = bool(manifest["build"].get("fp8_quantize_in_producer"))
     fp8_wgmma = "tma" if manifest["build"].get("fp8_w8a8_tma") else bool(manifest["build"].get("fp8_w8a8_wgmma"))
+    gemv = manifest["build"].get("gemv", "cuda_cores")
     row_choice = manifest["build"].get("prefill_row_kernels", "auto")
     row_threads = [min(ELEMWISE_THREADS, hidden // 8)]
     fp8_kv = kv_cache.is_fp8(kvc)
@@ -119,7 +120,7 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
             res = (nxt.residual if isinstance(nxt, AddRmsNorm) and nxt.delta == op.out and nxt.rows == rows
                    and not read_later(ops, idx + 2, op.out) else None)
             c = plan_linear(op, arena[op.out]["dtype"], fuse, cutlass, kind == "decode", res, fp8_wgmma,
-                            fold_role(ops, idx, folded))
+                            fold_role(ops, idx, folded), gemv)
         elif isinstance(op, QuantizeFp8):
             from xserv_aot.plan.fp8_build import plan_quantize, quantize_fuses_into
             if out[-1].kernel in QUANTIZING_PRODUCERS:

@@ -12,7 +12,10 @@ GEMM_STAGES_64 = 4      # ... and of the 64x64 tiles
 SK_WARPS = 8            # warps of a kernels/gemm_skinny.cu block
 SK_RT = 2               # 16-row weight tiles per skinny warp
 SK_STAGES = 3           # ring of 64-k steps per skinny warp (SK_RT * 16 rows * 128 B each)
-MK_SMEM_MAX = 232448    # dynamic shared memory of the decode megakernel (kernels/decode_megakernel.cu): sm_90's 227 KB
+SM90_SMEM_SM = 233472   # shared memory of an sm_90 SM (228 KB), 1 KB of it reserved for each resident block
+SM90_SMEM_BLOCK = 232448  # ... the most one block may take (227 KB)
+SM90_SMS = 132          # SMs of an H100 SXM / H200
+MK_SMEM_MAX = SM90_SMEM_BLOCK  # dynamic shared memory of the decode megakernel (kernels/decode_megakernel.cu)
 MK_STAGE_BYTES = 33792  # ... bytes a weight-ring slot (whole rows of one matrix; 32 KB + room for the padded
                         #     rows of the FP8 tensor-core variant); the ring takes what is left
 MK_H_SEQ_BYTES = 24576  # ... GEMV input a sequence ([K] bf16; also holds the attention scratch)
@@ -23,6 +26,11 @@ MK_ROW_PAD = 16         # ... bytes after each slot row of its FP8 tensor-core v
 MK_SCALE_FLOATS = 512   # ... FP8 scales a block reads in a layer (two layers staged in shared memory)
 MK_TRACE = 26           # ... trace stamps a block and layer (14 phase edges, 4 ring-wait sums, 4 barrier
                         #     arrivals, the producer's L2 prefetch count, 3 attention edges; mk_trace buffer)
+GT_CHUNK = 1024         # bytes a row and stage of the tensor-core GEMV (kernels/gemv_tc.cu), 128 a consumer warp
+GT_ROW_PAD = 32         # ... bytes after each of its 16 stage rows (conflict-free 16-B fragment loads)
+GT_CONSUMERS = 8        # ... consumer warps (one more streams the weights)
+GT_MAX_STAGES = 8       # ... stages a block at most
+GT_BLOCKS_SM = 3        # ... blocks an SM at most (__launch_bounds__: <= 75 registers a thread)
 SW8_STAGES = 4          # ring of 128-k steps per W8A8 skinny block (256 weight lines + the X tile each)
 WG8_WGS = 2             # consumer warpgroups (m64 weight tiles) of a kernels/gemm_w8a8_wgmma.cu block
 WG8_STAGES_N64 = 8      # ... its ring of 128-k steps (64 WG8_WGS weight lines + the NT-row X tile each) at NT 64
@@ -37,7 +45,9 @@ KERNEL_DEFINES = {"P_KEYS": P_KEYS, "G_MAX": G_MAX, "NORM_NC": NORM_NC, "GEMM_BK
                   "SK_RT": SK_RT, "SK_STAGES": SK_STAGES, "MK_STAGE_BYTES": MK_STAGE_BYTES, "MK_ROW_PAD": MK_ROW_PAD,
                   "MK_SCALE_FLOATS": MK_SCALE_FLOATS,
                   "MK_H_SEQ_BYTES": MK_H_SEQ_BYTES, "MK_PART_FLOATS": MK_PART_FLOATS,
-                  "MK_CONSUMERS": MK_CONSUMERS, "MK_TILE": MK_TILE,
+                  "MK_CONSUMERS": MK_CONSUMERS, "GT_CHUNK": GT_CHUNK,
+                  "GT_ROW_PAD": GT_ROW_PAD, "GT_CONSUMERS": GT_CONSUMERS, "MK_TILE": MK_TILE,
+                  "GT_BLOCKS_SM": GT_BLOCKS_SM,
                   "MK_TRACE": MK_TRACE, "SW8_STAGES": SW8_STAGES,
                   "WG8_WGS": WG8_WGS, "WG8_STAGES_N64": WG8_STAGES_N64,
                   "WG8_STAGES_N128": WG8_STAGES_N128, "WG8_STAGES_N256": WG8_STAGES_N256,

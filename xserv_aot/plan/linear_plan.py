@@ -1,10 +1,12 @@
-"""Kernel routing of the bf16 linears (FP8 ones go on to plan/fp8_build.py): the GEMV for rows 1..2, for decode
+"""Kernel routing of the bf16 linears (FP8 ones go on to plan/fp8_build.py): the GEMV for rows 1..2 (build setting
+gemv "tc": rows 1..8 on plan/gemv_tc_plan.py), for decode
 rows the skinny tensor-core GEMM (kernels/gemm_skinny.cu) or a CUTLASS swap-AB / tile GEMM (decode_gemm_route),
 CUTLASS GEMMs for 128+ rows, else the NVRTC tiled / split-K GEMMs. Called by plan.kernel_build for every Linear op;
 the H200 sweeps behind the constants are in docs/cuda-notes.md.
 """
 from __future__ import annotations
 
+from xserv_aot.plan.gemv_tc_plan import gemv_tc_fits, plan_gemv_tc
 from xserv_aot.plan.kernel_constants import gemm_smem, skinny_smem
 from xserv_aot.plan.launch_records import i32, kernel, launch, library_call, ptr
 from xserv_aot.plan.nvrtc_build import KERNEL_DIR, KernelBuildError
@@ -101,16 +103,19 @@ def plan_tile(op: Linear, out_dtype: str, cutlass: dict, decode_tile: bool, resi
 
 def plan_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: dict | None,
                 decode: bool = False, residual: str | None = None, fp8_wgmma: bool | str = False,
-                fold=None) -> KernelChoice:
+                fold=None, gemv: str = "cuda_cores") -> KernelChoice:
     """fuse_into: the silu_mul output buffer when the next op is silu_mul of this op's output; residual: the
     residual buffer when the next op is add_rmsnorm of this op's output (plan_tile may fold the add in);
-    fp8_wgmma: build setting fp8_w8a8_wgmma (True) or fp8_w8a8_tma ("tma"); fold: fp8_build.fold_role's."""
+    fp8_wgmma: build setting fp8_w8a8_wgmma (True) or fp8_w8a8_tma ("tma"); fold: fp8_build.fold_role's; gemv: build
+    setting gemv (plan/gemv_tc_plan.py)."""
     rows, n, k = op.rows, op.n, op.k
     if op.quant:
         from xserv_aot.plan.fp8_build import plan_fp8_linear
-        return plan_fp8_linear(op, out_dtype, fuse_into, cutlass, fp8_wgmma, fold)
+        return plan_fp8_linear(op, out_dtype, fuse_into, cutlass, fp8_wgmma, fold, gemv)
     if k % 8 or n % 2:
         raise KernelBuildError(f"linear {op.weight}: n={n}, k={k} (CUDA kernels need k % 8 == 0, n even)")
+    if gemv == "tc" and gemv_tc_fits(op, fuse_into is not None):
+        return plan_gemv_tc(op, out_dtype, fuse_into)
     suffix = "f32" if out_dtype == "float32" else "bf16"
     if rows <= GEMV_MAX_ROWS:
         mt = next(m for m in (1, 2, 4, 8) if m >= rows)

@@ -25,7 +25,7 @@ KERNEL_DIR = _kernel_dir()
 KERNEL_SOURCES = ("elementwise.cu", "gemv.cu", "gemm_mma.cu", "gemm_skinny.cu", "rope_cache.cu", "attention_decode.cu",
                   "attention_decode_batched.cu", "attention_decode_tc.cu", "attention_prefill.cu",
                   "attention_prefill_pipe.cu", "attention_prefill_wgmma.cu", "sample.cu", "collectives.cu", "gemv_fp8.cu",
-                  "gemm_skinny_fp8.cu", "decode_megakernel.cu",
+                  "gemm_skinny_fp8.cu", "gemv_tc.cu", "decode_megakernel.cu",
                   "gemm_skinny_w8a8.cu", "gemm_w8a8_wgmma.cu", "gemm_w8a8_tma.cu", "rows_prefill.cu")
 SUPPORTED_TARGETS = ("sm_90a", "sm_90")
 

@@ -7,9 +7,8 @@
 // tiles blockIdx.x, + gridDim.x, ... (the planner's grid: at most the blocks resident at once). Warp 8 (the
 // producer) streams them, tile after tile without draining, through S stages of TC_CHUNK bytes a row with
 // cp.async.bulk (one copy a row, L2 evict-first, rows TC_PITCH apart so the eight rows of a fragment load hit eight
-// bank groups), the first S issued
-// before griddepcontrol.wait; warps 0..7 (consumers) take 128 bytes of every row of a chunk. The 16 rows are the m16
-// side of mma.sync m16n8k16 (f32 sums), the M input rows the n8 side (columns >= M are zero). Lane (g, t) loads
+// bank groups), the first S issued before griddepcontrol.wait; warps 0..7 (consumers) take 128 bytes of every row of
+// a chunk. The 16 rows are the m16 side of mma.sync m16n8k16 (f32 sums), the M input rows the n8 side (columns >= M are zero). Lane (g, t) loads
 // bytes 16 t + 64 h (h = 0, 1) of its warp's slice of rows g and g + 8; the logical k of mma i (A's 2 t, 2 t + 1,
 // 2 t + 8, 2 t + 9; B the same k of x) are four consecutive weights of those loads:
 //   e4m3: load h is 64 k of its own, mma i its bytes 4 i .. 4 i + 3 (f16 operands: e4m3 -> f16 exact, x in shared
@@ -52,7 +51,7 @@ __device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ X, const v
     float* red = reinterpret_cast<float*>(stages + (size_t)S * TC_STAGE);   // [warp][A row][M]
     const int n_rows = GATE ? 2 * N : N;
     const int tiles = GATE ? (N + 7) >> 3 : (N + 15) >> 4;
-    // a tile's first weight row (j0: its outputs) of A rows 0-7 (first_lo) and 8-15 (first_hi)
+    // a tile's first weight row of A rows 0-7 (j0, also its first output) and of A rows 8-15 (tile_hi)
     auto tile_j0 = [&](int tile) { return tile * (GATE ? 8 : 16); };
     auto tile_hi = [&](int j0) { return GATE ? N + j0 : j0 + 8; };
     if (threadIdx.x == 0) {
@@ -79,7 +78,7 @@ __device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ X, const v
                 if (lane == 0) mbar_expect_tx(full + s, 16 * bytes);
                 __syncwarp();
                 if (lane < 16) bulk_load(stages + (size_t)s * TC_STAGE + r * TC_PITCH,
-                                            src + (size_t)c * TC_CHUNK, bytes, full + s, policy);
+                                         src + (size_t)c * TC_CHUNK, bytes, full + s, policy);
             }
         }
         return;

@@ -57,7 +57,8 @@ def gemv_tc_fits(op: Linear, gate: bool) -> bool:
 
 def plan_gemv_tc(op: Linear, out_dtype: str, fuse_into: str | None) -> KernelChoice:
     """(X, W, [scale,] bias, out, M, N, K, S) or, fused with the silu_mul after it, (X, W, [scale,] silu_out, M, I,
-    K, S); grid ceil(N / 16) (gate: ceil(I / 8)) of (GT_CONSUMERS + 1) warps."""
+    K, S); tiles ceil(N / 16) (gate: ceil(I / 8)), a grid of at most the blocks resident at once (each strides over
+    the tiles) of (GT_CONSUMERS + 1) warps."""
     name = f"gemv_fp8_tc{SCALE_TAG[op.quant]}" if op.quant else "gemv_tc"
     blk = op.quant == fp8.BLOCK128
     tiles = -(-(op.n // 2) // 8) if fuse_into else -(-op.n // 16)

@@ -76,7 +76,7 @@ def test_tc_routes_the_rows_up_to_8_and_refuses_bad_values(tmp_path, quantizatio
                 gate = bk.ops[i + 1].op == "silu_mul"
                 f32 = plan.arena[op.out].dtype == "float32"                  # the lm_head
                 assert rec.fn == f"{name}_{'gate' if gate else 'f32' if f32 else 'bf16'}", (rec.fn, op.weight)
-                assert rec.block == (288, 1, 1)
+                assert rec.block == (288, 1, 1) and rec.pdl          # pdl off in the build: the ring fills early
                 assert rec.smem == gt.gemv_tc_smem(op.rows, op.k, rec.args[-1][1], bool(op.quant))
                 seen.add(bk.num_tokens)
             if op.op == "silu_mul" and bk.num_tokens <= gt.GEMV_TC_MAX_ROWS:

@@ -84,7 +84,7 @@ def test_pdl_marks_every_kernel_that_waits(tmp_path, build):
     assert [r.fn for r in recs if not r.pdl and not r.fn.startswith(MK_PREFIX)] == []
     assert any(r.fn.startswith("attn_decode_tc") and not r.fn.startswith("attn_decode_fused") for r in recs)
     assert not any(r.pdl for b in compile_tiny(tmp_path / "off", **build).buckets for op in b.ops if op.cuda
-                   for r in op.cuda.launch if not r.fn.startswith("gemm_w8a8_tma"))
+                   for r in op.cuda.launch if not r.fn.startswith(("gemm_w8a8_tma", "gemv_tc", "gemv_fp8_tc")))
 
 
 def test_max_context_adds_megakernel_copies_chosen_by_context(tmp_path):

@@ -58,7 +58,9 @@ def gemv_tc_fits(op: Linear, gate: bool) -> bool:
 def plan_gemv_tc(op: Linear, out_dtype: str, fuse_into: str | None) -> KernelChoice:
     """(X, W, [scale,] bias, out, M, N, K, S) or, fused with the silu_mul after it, (X, W, [scale,] silu_out, M, I,
     K, S); tiles ceil(N / 16) (gate: ceil(I / 8)), a grid of at most the blocks resident at once (each strides over
-    the tiles) of (GT_CONSUMERS + 1) warps."""
+    the tiles) of (GT_CONSUMERS + 1) warps. Always launched under programmatic dependent launch, whatever build.pdl:
+    the producer fills the ring before griddepcontrol.wait, so the weights stream while the kernel before it runs
+    (that kernel triggers at its start, common.cuh pdl_entry)."""
     name = f"gemv_fp8_tc{SCALE_TAG[op.quant]}" if op.quant else "gemv_tc"
     blk = op.quant == fp8.BLOCK128
     tiles = -(-(op.n // 2) // 8) if fuse_into else -(-op.n // 16)
@@ -68,7 +70,7 @@ def plan_gemv_tc(op: Linear, out_dtype: str, fuse_into: str | None) -> KernelCho
     geo = ([min(tiles, SM90_SMS * gemv_tc_resident(smem))], [32 * (GT_CONSUMERS + 1)], smem)
     if fuse_into:
         return kernel(launch(f"{name}_gate", *geo, head + [ptr(fuse_into), i32(op.rows), i32(op.n // 2), i32(op.k),
-                                                           i32(stages)]), fused_silu_out=fuse_into)
+                                                           i32(stages)], pdl=True), fused_silu_out=fuse_into)
     suffix = "f32" if out_dtype == "float32" else "bf16"
     return kernel(launch(f"{name}_{suffix}", *geo, head + [ptr(op.bias), ptr(op.out), i32(op.rows), i32(op.n),
-                                                           i32(op.k), i32(stages)]))
+                                                           i32(op.k), i32(stages)], pdl=True))

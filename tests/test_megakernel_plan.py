@@ -87,6 +87,21 @@ def test_pdl_marks_every_kernel_that_waits(tmp_path, build):
                    for r in op.cuda.launch if not r.fn.startswith(("gemm_w8a8_tma", "gemv_tc", "gemv_fp8_tc")))
 
 
+def test_pdl_max_seqs_marks_the_small_decode_buckets_only(tmp_path):
+    """build.pdl_max_seqs 2: decode_1 / decode_2 launch every waiting kernel under PDL, like build.pdl; decode_4 and
+    the prefill buckets only the records that are always early (none in this bf16 build: gemv cuda_cores)."""
+    plan = compile_tiny(tmp_path, pdl_max_seqs=2, megakernel_sms=0)
+    waits = {fn for c in plan.kernels["cubins"].values() for fn in c["pdl_waits"]}
+    for b in plan.buckets:
+        recs = [r for op in b.ops if op.cuda for r in op.cuda.launch if not r.library]
+        small = b.name in ("decode_1", "decode_2")
+        assert recs and all(r.pdl == (small and r.fn in waits) for r in recs), b.name
+    with pytest.raises(ConfigError, match="pdl_max_seqs"):
+        BuildConfig(pdl_max_seqs=-1).validate()
+    with pytest.raises(ConfigError, match="pdl_max_seqs"):
+        BuildConfig(pdl_max_seqs=True).validate()
+
+
 def test_max_context_adds_megakernel_copies_chosen_by_context(tmp_path):
     plan = compile_tiny(tmp_path, megakernel_max_context=300)
     names = [b.name for b in plan.buckets]

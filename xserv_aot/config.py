@@ -179,6 +179,8 @@ class BuildConfig:
     target: str = "sm_90a"                # GPU arch for cubins, or "cpu" (no kernels built)
     gemm_library: bool = True             # CUDA: CUTLASS GEMMs for linears of >= 128 rows, when nvcc can build them
     pdl: bool = False                     # CUDA: programmatic dependent launch of every kernel that waits
+    pdl_max_seqs: int = 0                 # CUDA: the same in decode buckets of at most this many sequences only
+                                          # (the tc GEMVs launch under PDL in every bucket: plan/gemv_tc_plan.py)
     smem_carveout: int = -1               # CUDA: preferred shared-memory carveout (percent of the SM's L1 + shared
                                           # memory) of every NVRTC kernel; -1: the driver's choice (a performance
                                           # hint only: results do not depend on it)
@@ -315,6 +317,8 @@ class BuildConfig:
                 or isinstance(self.smem_carveout, bool):
             raise ConfigError(f"smem_carveout {self.smem_carveout!r} must be an integer percent in 0..100, or -1 "
                               f"(the driver's choice)")
+        if not isinstance(self.pdl_max_seqs, int) or isinstance(self.pdl_max_seqs, bool) or self.pdl_max_seqs < 0:
+            raise ConfigError(f"pdl_max_seqs must be a sequence count >= 0, got {self.pdl_max_seqs!r}")
         from xserv_aot.plan.gemv_tc_plan import GEMV_CHOICES
         if self.gemv not in GEMV_CHOICES:
             raise ConfigError(f"gemv {self.gemv!r} is not one of {', '.join(GEMV_CHOICES)}")

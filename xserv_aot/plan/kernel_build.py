@@ -207,12 +207,19 @@ def megakernels(manifest: dict, records: dict, choices: dict) -> dict:
 
 
 def under_pdl(choice: KernelChoice, waits: set[str]) -> KernelChoice:
-    """build.pdl: every kernel record whose function waits for its predecessor (griddepcontrol.wait in its PTX,
+    """A PDL bucket (pdl_bucket): every kernel record whose function waits for its predecessor (griddepcontrol.wait in its PTX,
     kernels/common.cuh pdl_entry; nvrtc_build.pdl_waiters) is launched under programmatic dependent launch. The
     megakernel never waits, so it never is; library entry points are in no cubin, so never either (they launch
     their own kernels)."""
     recs = tuple(replace(r, pdl=True) if r.fn in waits else r for r in choice.launch)
     return replace(choice, launch=recs)
+
+
+def pdl_bucket(build: dict, bucket: dict) -> bool:
+    """Whether a bucket launches its waiting kernels under PDL: build.pdl, every bucket; build.pdl_max_seqs N, decode
+    buckets of at most N sequences (where PDL measured faster: docs/cuda-notes.md, session 24)."""
+    return bool(build.get("pdl")) or (bucket["kind"] == "decode"
+                                      and bucket["num_seqs"] <= int(build.get("pdl_max_seqs", 0)))
 
 
 def check_pdl(launches: list, waits: set[str]) -> None:
@@ -294,8 +301,9 @@ def build_kernels(manifest: dict, out_dir: Path, target: str, progress: Callable
                for bk in manifest["buckets"]}
     mk_skipped = megakernels(manifest, records, choices)
     waits = {fn for c in cubins.values() for fn in c["pdl_waits"]}
-    if b.get("pdl"):
-        choices = {name: [under_pdl(c, waits) for c in cs] for name, cs in choices.items()}
+    for bk in manifest["buckets"]:
+        if pdl_bucket(b, bk):
+            choices[bk["name"]] = [under_pdl(c, waits) for c in choices[bk["name"]]]
     signatures = {fn: p for src in KERNEL_SOURCES for fn, p in kernel_signatures(src).items()}
     for c in cubins.values():
         for fn, sizes in cubin_param_sizes((out_dir / c["file"]).read_bytes()).items():

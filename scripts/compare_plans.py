@@ -79,7 +79,8 @@ def main() -> int:
             g = got[name]
             same = g.shape == want.shape and np.array_equal(g.view(np.uint32), want.view(np.uint32))
             bad += not same
-            diff = "" if same else f", max |diff| {np.nanmax(np.abs(g - want)):.3g}"
+            diff = "" if same else (f", max |diff| {np.nanmax(np.abs(g - want)):.3g}, relative "
+                                    f"{np.linalg.norm(g.astype(np.float64) - want) / np.linalg.norm(want):.3g}")
             print(f"{Path(pdir).name:16} {name:22} {'equal' if same else 'DIFFERENT'}{diff}", flush=True)
     if table:
         print(f"\n{'plan':16} {'steps':>10} {'step ms':>8} {'graph ms':>8}")

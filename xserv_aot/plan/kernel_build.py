@@ -207,10 +207,10 @@ def megakernels(manifest: dict, records: dict, choices: dict) -> dict:
 
 
 def under_pdl(choice: KernelChoice, waits: set[str]) -> KernelChoice:
-    """A PDL bucket (pdl_bucket): every kernel record whose function waits for its predecessor (griddepcontrol.wait in its PTX,
-    kernels/common.cuh pdl_entry; nvrtc_build.pdl_waiters) is launched under programmatic dependent launch. The
-    megakernel never waits, so it never is; library entry points are in no cubin, so never either (they launch
-    their own kernels)."""
+    """A PDL bucket (pdl_bucket): every kernel record whose function waits for its predecessor (griddepcontrol.wait
+    in its PTX, kernels/common.cuh pdl_entry; nvrtc_build.pdl_waiters) is launched under programmatic dependent
+    launch. The megakernel never waits, so it never is; library entry points are in no cubin, so never either (they
+    launch their own kernels)."""
     recs = tuple(replace(r, pdl=True) if r.fn in waits else r for r in choice.launch)
     return replace(choice, launch=recs)
 

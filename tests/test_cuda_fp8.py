@@ -413,19 +413,24 @@ def assert_replay_equals_eager(lib, bufs, keys, enqueue) -> None:
         np.testing.assert_array_equal(bufs[k].numpy(), v, err_msg=k)
 
 
+def skip_without_gemm_build() -> None:
+    """Skip where this machine cannot build the CUTLASS GEMM library (no nvcc or no nvidia-cutlass headers)."""
+    from xserv_aot.plan import cutlass_build as cb
+    try:
+        cb.find_nvcc(), cb.find_cutlass_includes()
+    except cb.GemmBuildError as e:
+        pytest.skip(f"needs the CUTLASS GEMM library: {e} (or pass --gemm-lib)")
+
+
 def use_prebuilt_library(monkeypatch, pytestconfig) -> None:
     """With --gemm-lib, plans compiled here take that library (the device machine has no nvcc / CUTLASS headers);
-    without it the test builds one, or skips where it cannot (no nvcc or no nvidia-cutlass headers), as the
-    CUTLASS kernel tests do."""
+    without it the test builds one, or skips where it cannot, as the CUTLASS kernel tests do."""
     import hashlib
     import shutil
     from xserv_aot.plan import cutlass_build as cb
     given = pytestconfig.getoption("--gemm-lib")
     if not given:
-        try:
-            cb.find_nvcc(), cb.find_cutlass_includes()
-        except cb.GemmBuildError as e:
-            pytest.skip(f"needs the CUTLASS GEMM library: {e} (or pass --gemm-lib)")
+        skip_without_gemm_build()
         return
 
     def prebuilt(out_dir, target="sm_90a", progress=None, **_):
@@ -623,11 +628,7 @@ def test_fp8_plan_with_w8a8_buckets_needs_the_gemm_library(tmp_path):
 
 
 def test_fp8_plan_with_the_gemm_library_routes_w8a8(tmp_path):
-    from xserv_aot.plan import cutlass_build as cb
-    try:
-        cb.find_nvcc(), cb.find_cutlass_includes()
-    except cb.GemmBuildError as e:
-        pytest.skip(str(e))
+    skip_without_gemm_build()
     plan = compile_fp8_tiny(tmp_path, prefill_buckets=[16, 128], gemm_library=True)
     big = next(bk for bk in plan.buckets if bk.num_tokens == 128)
     ops = [op for op in big.ops if op.op in ("quantize_fp8", "linear")]

@@ -29,10 +29,10 @@ def gpu_or_skip():
 
 def make_model(out: Path, shape: dict, seed: int, max_shard_size: str = "5GB"):
     """Random Qwen3 with fan-in scaled weights (activations stay O(1) at any width), saved as bf16 safetensors;
-    returns the model (bf16, on the GPU)."""
+    returns the saved model loaded back by from_pretrained (bf16, on the GPU)."""
     import torch
     import transformers
-    cfg = transformers.Qwen3Config(**shape, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1e6,
+    cfg = transformers.Qwen3Config(**{"max_position_embeddings": 4096, **shape}, rms_norm_eps=1e-6, rope_theta=1e6,
                                    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
     with torch.device("cuda"):
@@ -46,6 +46,12 @@ def make_model(out: Path, shape: dict, seed: int, max_shard_size: str = "5GB"):
             else:
                 p.copy_(torch.randn_like(p, dtype=torch.float32) * p.shape[1] ** -0.5)
     model.save_pretrained(out, max_shard_size=max_shard_size)
+    del model
+    # The reference is the checkpoint as from_pretrained loads it: its RoPE frequencies stay float32. The model built
+    # here holds them in bf16 after .to(bfloat16) (a buffer), which turns the angles at position p by up to
+    # p * 2^-9 * inv_freq radians: 2x HF bf16's logits error at a 4096-token prompt (session 26).
+    model = transformers.Qwen3ForCausalLM.from_pretrained(out, dtype=torch.bfloat16).to("cuda").eval()
+    assert model.dtype == torch.bfloat16 and model.model.rotary_emb.inv_freq.dtype == torch.float32
     return model
 
 

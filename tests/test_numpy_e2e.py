@@ -84,3 +84,18 @@ def test_bf16_plan_close_to_hf(tmp_path, seed):
     ref = hf_logits(load_hf_model(model_dir), prompt)[-1]
     assert rel_err(logits[0], ref) <= 5e-2       # bf16 rounding alone reaches 3% on some random tiny models; a wrong
                                                   # op (e.g. a RoPE sign) gives ~0.7
+
+
+def test_long_positions_match_hf(tmp_path, seed):
+    """RoPE at positions up to 3000 with head_dim 128 and theta 1e6 (Qwen3-8B's): a 3000-token prompt in six chunks,
+    then decode steps, against HF float32 (a RoPE with its frequencies rounded to bf16 reads ~0.1 here, 6e-6 right)."""
+    rng = np.random.default_rng(seed)
+    model_dir = make_tiny_model(tmp_path / "hf", "qwen3", seed=int(rng.integers(1 << 30)), num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=1, head_dim=128, rope_theta=1e6,
+                                max_position_embeddings=4096)
+    build = {**BUILD, "prefill_buckets": [512], "max_seq_len": 4096, "block_size": 16}
+    plan = compile_plan(model_dir, tmp_path / "plan", BuildConfig(**build))
+    prompt = rng.integers(3, 256, size=3000).tolist()
+    tokens, logits = Session(NumpyRunner(plan)).greedy(prompt, 4)
+    ref = hf_logits(load_hf_model(model_dir), prompt + tokens[:-1])[len(prompt) - 1:]
+    assert rel_err(logits, ref) <= 1e-3

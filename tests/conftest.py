@@ -25,6 +25,15 @@ def pytest_addoption(parser):
     g.addoption("--seed", type=int, default=None, help="base seed of the random tests (default: a fresh one)")
 
 
+def load_script(name: str):
+    """scripts/NAME.py as a module (the scripts are not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def ensure_assets() -> Path:
     if not SMOLLM2_GGUF.is_file() or not (ASSETS / "qwen3-tokenizer" / "tokenizer.json").is_file():
         env = dict(os.environ, PYTHON=sys.executable, XSERV_ASSETS=str(ASSETS))

@@ -2,12 +2,11 @@
 the weights and kernels by hard link, and still loads (and runs) as a plan."""
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import numpy as np
 
-from tests.conftest import ROOT
+from tests.conftest import load_script
 from tests.tiny_models import make_tiny_model
 from xserv_aot.config import BuildConfig
 from xserv_aot.plan.builder import compile_plan
@@ -16,19 +15,12 @@ from xserv_aot.runtime.numpy_backend import NumpyRunner
 from xserv_aot.runtime.session import Session
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("drop_ops", ROOT / "scripts" / "drop_ops.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_drop_ops_removes_the_named_ops_only(tmp_path, seed):
     model = make_tiny_model(tmp_path / "hf", "qwen3", seed=seed)
     build = dict(max_num_seqs=2, decode_buckets=[1, 2], prefill_buckets=[8], max_seq_len=64, block_size=4,
                  dtype="float32", target="cpu")
     src = compile_plan(model, tmp_path / "plan", BuildConfig(**build)).dir
-    changed = load_script().drop_ops(src, tmp_path / "nn", {"add_rmsnorm", "rmsnorm"}, {"decode_1"})
+    changed = load_script("drop_ops").drop_ops(src, tmp_path / "nn", {"add_rmsnorm", "rmsnorm"}, {"decode_1"})
     before, after = (json.loads((d / "manifest.json").read_text())["buckets"] for d in (src, tmp_path / "nn"))
     for a, b in zip(before, after):
         kept = [op for op in a["ops"] if not (a["name"] == "decode_1" and op["op"] in ("add_rmsnorm", "rmsnorm"))]

@@ -2,20 +2,11 @@
 the FP8 plan stays next to the bf16 plan (a wrong scale index or rounding step gives errors of order 1)."""
 from __future__ import annotations
 
-import importlib.util
-
-from tests.conftest import ROOT
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("fp8_accuracy", ROOT / "scripts" / "fp8_accuracy.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.conftest import load_script
 
 
 def test_smollm2_fp8_next_to_bf16(smollm2_gguf, tmp_path):
-    script = load_script()
+    script = load_script("fp8_accuracy")
     bf16, fp8 = script.compile_pair(smollm2_gguf, tmp_path)
     res = script.measure(bf16, fp8, ["The capital of France is"], 8)
     assert res["steps"] == 8

@@ -8,13 +8,21 @@
 // producer) streams them, tile after tile without draining, through S stages of TC_CHUNK bytes a row with
 // cp.async.bulk (one copy a row, L2 evict-first, rows TC_PITCH apart so the eight rows of a fragment load hit eight
 // bank groups), the first S issued before griddepcontrol.wait; warps 0..7 (consumers) take 128 bytes of every row of
-// a chunk. The 16 rows are the m16 side of mma.sync m16n8k16 (f32 sums), the M input rows the n8 side (columns >= M are zero). Lane (g, t) loads
+// a chunk. The 16 rows are the m16 side of mma.sync m16n8k16 (f32 sums), the M input rows the n8 side (columns >= M
+// are zero). Lane (g, t) loads
 // bytes 16 t + 64 h (h = 0, 1) of its warp's slice of rows g and g + 8; the logical k of mma i (A's 2 t, 2 t + 1,
 // 2 t + 8, 2 t + 9; B the same k of x) are four consecutive weights of those loads:
 //   e4m3: load h is 64 k of its own, mma i its bytes 4 i .. 4 i + 3 (f16 operands: e4m3 -> f16 exact, x in shared
 //         memory as f16 x 2^-4, exact for magnitudes in [2^-13, 2^20), undone in fp32);
 //   bf16: the two loads are one 64 k (k 8 t + 32 h ..), mma i words 2 (i % 2), +1 of load i / 2 (bf16 operands).
 // The eight warps' partials are summed in warp order (deterministic). K % 64 == 0, M <= 8.
+//
+// The add_rmsnorm between two of these GEMVs, folded (build setting fold_norm, plan/fp8_build.folds_norm; its
+// roundings):
+// RES (o_proj, down): out is the residual [M, N]; out[m, n] = bf16(out[m, n] + bf16(sum + bias)) in place.
+// NORM (qkv, gate_up): X is that residual, staged raw; the consumers sum its squares by row (each thread its
+//   chunks, warp_sum, the eight warps in order: every block the same inv[m] = rsqrt(ss / K + eps)), then each
+//   thread rewrites its own chunks as h = bf16(x * inv[m] * nw[k]), the GEMV's input.
 #include "bulk_copy.cuh"
 #include "fp8.cuh"
 
@@ -33,11 +41,15 @@ __device__ __forceinline__ void tc_consumers_sync() { asm volatile("bar.sync 1, 
 // plan/gemv_tc_plan.gemv_tc_smem mirrors it.
 __device__ __forceinline__ int tc_x_offset(int S, int kb_n) { return (16 * S + 8 * kb_n + 15) & ~15; }
 
+enum TcFold { TC_PLAIN = 0, TC_RES = 1, TC_NORM = 2 };
+
 // WB: bytes a weight (1 e4m3, 2 bf16); Q: 0 no scales (bf16), 1 channel, 2 block128.
-template <int WB, int Q, bool OUT_F32, bool GATE>
+template <int WB, int Q, bool OUT_F32, bool GATE, int FOLD = TC_PLAIN>
 __device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ X, const void* __restrict__ Wv,
                                                  const float* __restrict__ scale, const bf16* __restrict__ bias,
-                                                 void* __restrict__ out, int M, int N, int K, int S) {
+                                                 void* __restrict__ out, int M, int N, int K, int S,
+                                                 const bf16* __restrict__ nw = nullptr, float eps = 0.f) {
+    static_assert(FOLD != TC_RES || (!GATE && !OUT_F32), "the residual is bf16, written by a plain linear");
     extern __shared__ __align__(16) unsigned char tc_dyn[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     constexpr bool BLK = Q == 2;
@@ -96,9 +108,58 @@ __device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ X, const v
     };
     load_scales(tile_j0(blockIdx.x));
     pdl_entry();
-    for (int i = threadIdx.x * 8; i < M * K; i += 32 * TC_CONSUMERS * 8) {
-        const vec16 v = ld_cached(X + i);
-        *reinterpret_cast<vec16*>(xs + i) = WB == 1 ? bf16x8_f16x8_scaled(v) : v;
+    // x [M, K] into xs (e4m3: as f16 x 2^-4; NORM: raw, normalized below). The folded kernels keep two 16-byte loads
+    // in flight a thread; the plain ones one (measured: two made the plain 2-row steps 1-2% slower, H100)
+    constexpr int STEP = 32 * TC_CONSUMERS * 8;
+    constexpr bool RAW = WB == 2 || FOLD == TC_NORM;
+    if (FOLD == TC_PLAIN) {
+        for (int i = threadIdx.x * 8; i < M * K; i += STEP) {
+            const vec16 v = ld_cached(X + i);
+            *reinterpret_cast<vec16*>(xs + i) = WB == 1 ? bf16x8_f16x8_scaled(v) : v;
+        }
+    } else {
+        for (int i = threadIdx.x * 8; i < M * K; i += 2 * STEP) {
+            const bool two = i + STEP < M * K;
+            const vec16 v0 = ld_cached(X + i);
+            const vec16 v1 = two ? ld_cached(X + i + STEP) : v0;
+            if (FOLD == TC_NORM) {                             // the norm weight, for the pass below
+                if (i < K) asm volatile("prefetch.global.L1 [%0];" ::"l"(nw + i));
+                if (i + STEP < K) asm volatile("prefetch.global.L1 [%0];" ::"l"(nw + i + STEP));
+            }
+            *reinterpret_cast<vec16*>(xs + i) = RAW ? v0 : bf16x8_f16x8_scaled(v0);
+            if (two) *reinterpret_cast<vec16*>(xs + i + STEP) = RAW ? v1 : bf16x8_f16x8_scaled(v1);
+        }
+    }
+    if (FOLD == TC_NORM) {
+        tc_consumers_sync();
+        for (int m = 0; m < M; m++) {                          // each thread its chunks k = 8 tid + j STEP of a row
+            float s = 0.f;
+            for (int k = threadIdx.x * 8; k < K; k += STEP) {
+                float f[8];
+                unpack8(*reinterpret_cast<const vec16*>(xs + (size_t)m * K + k), f);
+#pragma unroll
+                for (int j = 0; j < 8; j++) s += f[j] * f[j];
+            }
+            s = warp_sum(s);
+            if (lane == 0) red[warp * GT_MAX_ROWS + m] = s;     // red is free until the first tile's sums
+        }
+        tc_consumers_sync();
+        for (int m = 0; m < M; m++) {
+            float ss = 0.f;
+#pragma unroll
+            for (int w = 0; w < TC_CONSUMERS; w++) ss += red[w * GT_MAX_ROWS + m];
+            const float inv = rsqrtf(ss / (float)K + eps);
+            for (int k = threadIdx.x * 8; k < K; k += STEP) {
+                bf16* xp = xs + (size_t)m * K + k;
+                float f[8], g[8];
+                unpack8(*reinterpret_cast<const vec16*>(xp), f);
+                unpack8(ld_cached(nw + k), g);
+#pragma unroll
+                for (int j = 0; j < 8; j++) f[j] = round_bf(f[j] * inv * g[j]);
+                const vec16 h = pack8(f);
+                *reinterpret_cast<vec16*>(xp) = WB == 1 ? bf16x8_f16x8_scaled(h) : h;
+            }
+        }
     }
     const int g = lane >> 2, t = lane & 3;
     int q = 0;                                                 // chunks consumed by this block
@@ -106,6 +167,9 @@ __device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ X, const v
         const int j0 = tile_j0(tile);
         if (tile != (int)blockIdx.x) load_scales(j0);     // every consumer is past the last tile's chunks
         tc_consumers_sync();
+        float res_old = 0.f;                                      // RES: thread (r, m)'s residual, read early
+        if (FOLD == TC_RES && (int)threadIdx.x < 16 * M && j0 + (threadIdx.x & 15) < N)
+            res_old = bf2f(((const bf16*)out)[(size_t)(threadIdx.x >> 4) * N + j0 + (threadIdx.x & 15)]);
         float acc[4] = {0.f, 0.f, 0.f, 0.f};                      // C: (row g | g + 8) x (column 2t, 2t + 1)
         for (int c = 0; c < NC; c++, q++) {
             const int s = q % S;
@@ -201,7 +265,8 @@ __device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ X, const v
                 float v = total(r, m);
                 if (Q == 1) v *= __ldg(scale + row);
                 v += bias ? bf2f(bias[row]) : 0.f;
-                if (OUT_F32) ((float*)out)[(size_t)m * N + row] = v;
+                if (FOLD == TC_RES) ((bf16*)out)[(size_t)m * N + row] = f2bf(res_old + round_bf(v));
+                else if (OUT_F32) ((float*)out)[(size_t)m * N + row] = v;
                 else ((bf16*)out)[(size_t)m * N + row] = f2bf(v);
             }
         }
@@ -211,29 +276,52 @@ __device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ X, const v
 // Grid: the planner's (at most ceil(N / 16) tiles, gate: ceil(I / 8)), 288 threads, dynamic shared memory
 // plan/gemv_tc_plan.gemv_tc_smem.
 // e4m3: gemv_fp8_tc_{ch|blk}_{bf16|f32|gate} (X, W, scale, bias, out, M, N, K, S); bf16: gemv_tc_{bf16|f32|gate}
-// without `scale`.
+// without `scale`. The folded norm: `_res` (X, W, [scale,] bias, residual, M, N, K, S) and `_norm_{bf16|gate}`
+// (residual, nw, eps, W, [scale,] ...) with the plain kernel's arguments after W.
 #define GEMV_FP8_TC_KERNELS(NAME, Q)                                                                         \
-    extern "C" __global__ void __launch_bounds__(288, GT_BLOCKS_SM) NAME##_bf16(const bf16* X, const e4m3* W,              \
+    extern "C" __global__ void __launch_bounds__(288, GT_BLOCKS_SM) NAME##_bf16(const bf16* X, const e4m3* W,  \
         const float* scale, const bf16* bias, bf16* out, int M, int N, int K, int S) {                       \
         gemv_tc_impl<1, Q, false, false>(X, W, scale, bias, out, M, N, K, S); }                              \
-    extern "C" __global__ void __launch_bounds__(288, GT_BLOCKS_SM) NAME##_f32(const bf16* X, const e4m3* W,               \
+    extern "C" __global__ void __launch_bounds__(288, GT_BLOCKS_SM) NAME##_f32(const bf16* X, const e4m3* W,   \
         const float* scale, const bf16* bias, float* out, int M, int N, int K, int S) {                      \
         gemv_tc_impl<1, Q, true, false>(X, W, scale, bias, out, M, N, K, S); }                               \
-    extern "C" __global__ void __launch_bounds__(288, GT_BLOCKS_SM) NAME##_gate(const bf16* X, const e4m3* W,              \
+    extern "C" __global__ void __launch_bounds__(288, GT_BLOCKS_SM) NAME##_gate(const bf16* X, const e4m3* W,  \
         const float* scale, bf16* out, int M, int I, int K, int S) {                                         \
-        gemv_tc_impl<1, Q, false, true>(X, W, scale, nullptr, out, M, I, K, S); }
+        gemv_tc_impl<1, Q, false, true>(X, W, scale, nullptr, out, M, I, K, S); }                            \
+    extern "C" __global__ void __launch_bounds__(288, GT_BLOCKS_SM) NAME##_res(const bf16* X, const e4m3* W,   \
+        const float* scale, const bf16* bias, bf16* residual, int M, int N, int K, int S) {                  \
+        gemv_tc_impl<1, Q, false, false, TC_RES>(X, W, scale, bias, residual, M, N, K, S); }                 \
+    extern "C" __global__ void __launch_bounds__(288, GT_BLOCKS_SM) NAME##_norm_bf16(const bf16* X,            \
+        const bf16* nw, float eps, const e4m3* W, const float* scale, const bf16* bias, bf16* out, int M,    \
+        int N, int K, int S) {                                                                               \
+        gemv_tc_impl<1, Q, false, false, TC_NORM>(X, W, scale, bias, out, M, N, K, S, nw, eps); }            \
+    extern "C" __global__ void __launch_bounds__(288, GT_BLOCKS_SM) NAME##_norm_gate(const bf16* X,            \
+        const bf16* nw, float eps, const e4m3* W, const float* scale, bf16* out, int M, int I, int K, int S) { \
+        gemv_tc_impl<1, Q, false, true, TC_NORM>(X, W, scale, nullptr, out, M, I, K, S, nw, eps); }
 GEMV_FP8_TC_KERNELS(gemv_fp8_tc_ch, 1)
 GEMV_FP8_TC_KERNELS(gemv_fp8_tc_blk, 2)
 
-extern "C" __global__ void __launch_bounds__(288, GT_BLOCKS_SM) gemv_tc_bf16(const bf16* X, const bf16* W, const bf16* bias,
-                                                               bf16* out, int M, int N, int K, int S) {
+extern "C" __global__ void __launch_bounds__(288, GT_BLOCKS_SM) gemv_tc_bf16(const bf16* X, const bf16* W,
+        const bf16* bias, bf16* out, int M, int N, int K, int S) {
     gemv_tc_impl<2, 0, false, false>(X, (const unsigned char*)W, nullptr, bias, out, M, N, K, S);
 }
-extern "C" __global__ void __launch_bounds__(288, GT_BLOCKS_SM) gemv_tc_f32(const bf16* X, const bf16* W, const bf16* bias,
-                                                              float* out, int M, int N, int K, int S) {
+extern "C" __global__ void __launch_bounds__(288, GT_BLOCKS_SM) gemv_tc_f32(const bf16* X, const bf16* W,
+        const bf16* bias, float* out, int M, int N, int K, int S) {
     gemv_tc_impl<2, 0, true, false>(X, (const unsigned char*)W, nullptr, bias, out, M, N, K, S);
 }
-extern "C" __global__ void __launch_bounds__(288, GT_BLOCKS_SM) gemv_tc_gate(const bf16* X, const bf16* W, bf16* out, int M, int I,
-                                                               int K, int S) {
+extern "C" __global__ void __launch_bounds__(288, GT_BLOCKS_SM) gemv_tc_gate(const bf16* X, const bf16* W,
+        bf16* out, int M, int I, int K, int S) {
     gemv_tc_impl<2, 0, false, true>(X, (const unsigned char*)W, nullptr, nullptr, out, M, I, K, S);
+}
+extern "C" __global__ void __launch_bounds__(288, GT_BLOCKS_SM) gemv_tc_res(const bf16* X, const bf16* W,
+        const bf16* bias, bf16* residual, int M, int N, int K, int S) {
+    gemv_tc_impl<2, 0, false, false, TC_RES>(X, (const unsigned char*)W, nullptr, bias, residual, M, N, K, S);
+}
+extern "C" __global__ void __launch_bounds__(288, GT_BLOCKS_SM) gemv_tc_norm_bf16(const bf16* X, const bf16* nw,
+        float eps, const bf16* W, const bf16* bias, bf16* out, int M, int N, int K, int S) {
+    gemv_tc_impl<2, 0, false, false, TC_NORM>(X, (const unsigned char*)W, nullptr, bias, out, M, N, K, S, nw, eps);
+}
+extern "C" __global__ void __launch_bounds__(288, GT_BLOCKS_SM) gemv_tc_norm_gate(const bf16* X, const bf16* nw,
+        float eps, const bf16* W, bf16* out, int M, int I, int K, int S) {
+    gemv_tc_impl<2, 0, false, true, TC_NORM>(X, (const unsigned char*)W, nullptr, nullptr, out, M, I, K, S, nw, eps);
 }

@@ -18,7 +18,7 @@ from xserv_aot import fp8
 from xserv_aot.plan.cutlass_build import fp8_config, library_fp8_config_names, library_fp8_workspace_size
 from xserv_aot.plan.kernel_build import GEMV_MAX_ROWS
 from xserv_aot.plan.fp8_build import SCHEME_TAG, plan_fp8_linear, plan_quantize
-from xserv_aot.plan.gemv_tc_plan import GEMV_TC_MAX_ROWS
+from xserv_aot.plan.kernel_constants import GT_MAX_ROWS
 from xserv_aot.plan.op_records import Linear, QuantizeFp8
 from xserv_aot.runtime.cuda.driver import Launch
 
@@ -104,7 +104,7 @@ def bench_fp8(args, Kernels, time_graph, stream, rel_err, l2_bytes) -> None:
                     if M == 1:
                         recs.append((type(grec)(f"gemv_fp8_{SCHEME_TAG[scheme]}_bt_gate_m1", grec.args, grec.grid,
                                                 grec.block, 0), silu, gref))
-                if M <= GEMV_TC_MAX_ROWS:                # build setting gemv "tc" (kernels/gemv_tc.cu)
+                if M <= GT_MAX_ROWS:                # build setting gemv "tc" (kernels/gemv_tc.cu)
                     recs.append((plan_fp8_linear(op, "float32" if f32 else "bfloat16", None, None,
                                                  gemv="tc").launch[0], y, ref))
                     if name == "gate_up":

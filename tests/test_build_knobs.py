@@ -60,6 +60,11 @@ def test_a_misspelt_build_setting_is_refused(tmp_path):
     assert_one_line_error(r, "unknown build setting 'pld'")
 
 
+def test_a_renamed_setting_of_an_older_manifest_loads_under_its_new_name():
+    b = BuildConfig.from_dict({"fp8_fold_norm": True})
+    assert b.fold_norm is True and "fp8_fold_norm" not in b.to_dict()
+
+
 @pytest.mark.parametrize("bad", [101, -2, 50.0, True, "100"])
 def test_smem_carveout_is_a_percent_or_the_drivers_choice(tmp_path, bad):
     with pytest.raises(ConfigError, match="smem_carveout .* must be an integer percent in 0..100, or -1"):

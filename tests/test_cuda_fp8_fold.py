@@ -1,4 +1,4 @@
-"""The add_rmsnorm folded into the FP8 GEMVs around it (build setting fp8_fold_norm, plan/fp8_build.folds_norm,
+"""The add_rmsnorm folded into the FP8 GEMVs around it (build setting fold_norm with gemv "cuda_cores", plan/fp8_build.folds_norm,
 kernels/gemv_fp8.cu RES / NORM): the plan's routing (CPU), each kernel against NumPy and float64 on fresh inputs with
 poisoned outputs, the pair against the unfused kernels, and whole plans (GPU)."""
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_folds_only_between_two_fp8_gemvs_whose_buffers_nobody_else_reads():
 def test_fold_routes_the_1_2_row_buckets_only(tmp_path, scheme):
     """Compile (no GPU): in decode_1 / decode_2 every add_rmsnorm but the final one launches nothing, the linear
     before it adds into x (res kernel), the one after reads x normed (norm kernels); other buckets unchanged."""
-    plan = compile_fp8_tiny(tmp_path, fp8_scheme=scheme, fp8_fold_norm=True)
+    plan = compile_fp8_tiny(tmp_path, fp8_scheme=scheme, fold_norm=True)
     assert list(plan.arena[fp8_build.NORM_PARTIALS].shape) == [2, 256 // fp8_build.GEMV_BLOCK_ROWS]
     tag = {"channel": "ch", "block128": "blk"}[scheme]
     for bk in plan.buckets:
@@ -170,7 +170,7 @@ def test_folded_pair_equals_linear_add_rmsnorm_linear(lib, rng, scheme, M):
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["channel", "block128"])
 def test_folded_plan_matches_the_unfolded_plan_and_numpy(tmp_path, scheme, seed):
-    """A tiny FP8 plan with and without fp8_fold_norm (same dummy weights): graph == eager bit for bit, the prefill
+    """A tiny FP8 plan with and without fold_norm (same dummy weights): graph == eager bit for bit, the prefill
     (no fold) bit-equal, decode logits within 1e-3 of the unfolded plan and AFTER_W8A8_TOL of NumPy."""
     from tests.test_cuda_runner import forced_logits, plan_logits
     from xserv_aot.runtime.numpy_backend import NumpyRunner
@@ -178,7 +178,7 @@ def test_folded_plan_matches_the_unfolded_plan_and_numpy(tmp_path, scheme, seed)
     if not gpu_available():
         pytest.skip("no CUDA GPU")
     (tmp_path / "f").mkdir(), (tmp_path / "p").mkdir()
-    folded = compile_fp8_tiny(tmp_path / "f", fp8_scheme=scheme, fp8_fold_norm=True)
+    folded = compile_fp8_tiny(tmp_path / "f", fp8_scheme=scheme, fold_norm=True)
     plain = compile_fp8_tiny(tmp_path / "p", fp8_scheme=scheme)
     rng = np.random.default_rng(seed)
     prompt, forced = rng.integers(3, 1024, 40).tolist(), rng.integers(3, 1024, 8).tolist()

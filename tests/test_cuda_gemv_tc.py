@@ -13,7 +13,7 @@ from tests.test_cuda_fp8 import AFTER_W8A8_TOL, SCHEMES, compile_fp8_tiny, make_
 from xserv_aot import fp8
 from xserv_aot.config import BuildConfig, ConfigError
 from xserv_aot.plan import gemv_tc_plan as gt
-from xserv_aot.plan.kernel_constants import GT_CHUNK, SM90_SMEM_SM
+from xserv_aot.plan.kernel_constants import GT_CHUNK, GT_MAX_ROWS, SM90_SMEM_SM
 from xserv_aot.plan.linear_plan import plan_linear
 from xserv_aot.plan.launch_records import i32, kernel
 from xserv_aot.plan.op_records import Linear
@@ -71,7 +71,7 @@ def test_tc_routes_the_rows_up_to_8_and_refuses_bad_values(tmp_path, quantizatio
     seen = set()
     for bk in plan.buckets:
         for i, op in enumerate(bk.ops):
-            if op.op == "linear" and op.rows <= gt.GEMV_TC_MAX_ROWS and (op.quant or quantization == "none"):
+            if op.op == "linear" and op.rows <= GT_MAX_ROWS and (op.quant or quantization == "none"):
                 (rec,) = op.cuda.launch
                 gate = bk.ops[i + 1].op == "silu_mul"
                 f32 = plan.arena[op.out].dtype == "float32"                  # the lm_head
@@ -79,7 +79,7 @@ def test_tc_routes_the_rows_up_to_8_and_refuses_bad_values(tmp_path, quantizatio
                 assert rec.block == (288, 1, 1) and rec.pdl          # pdl off in the build: the ring fills early
                 assert rec.smem == gt.gemv_tc_smem(op.rows, op.k, rec.args[-1][1], bool(op.quant))
                 seen.add(bk.num_tokens)
-            if op.op == "silu_mul" and bk.num_tokens <= gt.GEMV_TC_MAX_ROWS:
+            if op.op == "silu_mul" and bk.num_tokens <= GT_MAX_ROWS:
                 assert op.cuda.kernel == "fused_into_previous"
     assert {1, 2, 4} <= seen
     with pytest.raises(ConfigError, match="gemv"):

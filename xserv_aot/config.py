@@ -165,6 +165,9 @@ def read_hf_config(model_dir: Path) -> ModelConfig:
     return model_config_from_hf(cfg)
 
 
+RENAMED_SETTINGS = {"fp8_fold_norm": "fold_norm"}   # old build setting -> its name now (older manifests load)
+
+
 @dataclass
 class BuildConfig:
     """Every shape the plan fixes. Bucket = (num_tokens, num_seqs)."""
@@ -213,9 +216,9 @@ class BuildConfig:
                                           # (W8A16), larger ones quantize them per token (W8A8), ops.linear_ops
     fp8_quantize_in_producer: bool = False  # fp8, CUDA: rmsnorm / add_rmsnorm / silu_mul also write the next
                                           # quantize_fp8's output (plan/fp8_build.producer_fuses_quantize)
-    fp8_fold_norm: bool = False           # fp8, CUDA: an add_rmsnorm between two 1-2 row GEMVs launches nothing (the
-                                          # one before adds the residual, the one after norms its input:
-                                          # plan/fp8_build.folds_norm)
+    fold_norm: bool = False               # CUDA: an add_rmsnorm between two decode GEMVs launches nothing (the one
+                                          # before adds the residual, the one after norms its input; gemv "tc": bf16
+                                          # and FP8 of 1 row, else FP8 of 1-2 rows: plan/fp8_build.folds_norm)
     fp8_w8a8_wgmma: bool = False          # fp8, CUDA: W8A8 linears of 33-256 rows on kernels/gemm_w8a8_wgmma.cu, not
                                           # CUTLASS (plan/fp8_build.plan_w8a8)
     fp8_w8a8_tma: bool = False            # fp8, CUDA: W8A8 linears of 33-64 rows (33-256 without the CUTLASS
@@ -245,6 +248,7 @@ class BuildConfig:
         """A build config (a --build-config file, a manifest's build section); an unknown key is an error, so a
         misspelt setting is never silently dropped."""
         names = [f.name for f in dataclasses.fields(cls)]
+        d = {RENAMED_SETTINGS.get(k, k): v for k, v in d.items()}
         unknown = sorted(set(d) - set(names))
         if unknown:
             raise ConfigError(f"unknown build setting {unknown[0]!r} (known: {', '.join(names)})")
@@ -323,7 +327,7 @@ class BuildConfig:
         if self.gemv not in GEMV_CHOICES:
             raise ConfigError(f"gemv {self.gemv!r} is not one of {', '.join(GEMV_CHOICES)}")
         for name in ("gemm_library", "pdl", "quantize_lm_head", "gemm_residual", "fp8_quantize_in_producer",
-                     "fp8_fold_norm", "fp8_w8a8_wgmma", "fp8_w8a8_tma"):
+                     "fold_norm", "fp8_w8a8_wgmma", "fp8_w8a8_tma"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.decode_buckets = sorted(set(int(b) for b in self.decode_buckets))

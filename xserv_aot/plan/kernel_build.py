@@ -75,8 +75,8 @@ def plan_bucket(name: str, kind: str, ops: list[Op], manifest: dict, cutlass: di
     row_choice = manifest["build"].get("prefill_row_kernels", "auto")
     row_threads = [min(ELEMWISE_THREADS, hidden // 8)]
     fp8_kv = kv_cache.is_fp8(kvc)
-    folded = folded_norms(ops, bool(manifest["build"].get("fp8_fold_norm")) and arena["x"]["dtype"] == "bfloat16")
-    if folded:
+    folded = folded_norms(ops, bool(manifest["build"].get("fold_norm")) and arena["x"]["dtype"] == "bfloat16", gemv)
+    if folded and gemv != "tc":
         add_arena_buffer(manifest, NORM_PARTIALS, [GEMV_MAX_ROWS, gemv_blocks(hidden)], "float32")
     out: list[KernelChoice] = []
     for idx, op in enumerate(ops):

@@ -31,6 +31,7 @@ GT_ROW_PAD = 32         # ... bytes after each of its 16 stage rows (conflict-fr
 GT_CONSUMERS = 8        # ... consumer warps (one more streams the weights)
 GT_MAX_STAGES = 8       # ... stages a block at most
 GT_BLOCKS_SM = 3        # ... blocks an SM at most (__launch_bounds__: <= 75 registers a thread)
+GT_MAX_ROWS = 8         # ... input rows at most (the mma's n8 side)
 SW8_STAGES = 4          # ring of 128-k steps per W8A8 skinny block (256 weight lines + the X tile each)
 WG8_WGS = 2             # consumer warpgroups (m64 weight tiles) of a kernels/gemm_w8a8_wgmma.cu block
 WG8_STAGES_N64 = 8      # ... its ring of 128-k steps (64 WG8_WGS weight lines + the NT-row X tile each) at NT 64
@@ -47,7 +48,7 @@ KERNEL_DEFINES = {"P_KEYS": P_KEYS, "G_MAX": G_MAX, "NORM_NC": NORM_NC, "GEMM_BK
                   "MK_H_SEQ_BYTES": MK_H_SEQ_BYTES, "MK_PART_FLOATS": MK_PART_FLOATS,
                   "MK_CONSUMERS": MK_CONSUMERS, "MK_TILE": MK_TILE, "MK_TRACE": MK_TRACE,
                   "GT_CHUNK": GT_CHUNK, "GT_ROW_PAD": GT_ROW_PAD, "GT_CONSUMERS": GT_CONSUMERS,
-                  "GT_BLOCKS_SM": GT_BLOCKS_SM, "SW8_STAGES": SW8_STAGES,
+                  "GT_BLOCKS_SM": GT_BLOCKS_SM, "GT_MAX_ROWS": GT_MAX_ROWS, "SW8_STAGES": SW8_STAGES,
                   "WG8_WGS": WG8_WGS, "WG8_STAGES_N64": WG8_STAGES_N64,
                   "WG8_STAGES_N128": WG8_STAGES_N128, "WG8_STAGES_N256": WG8_STAGES_N256,
                   "WG8_STAGES_R256": WG8_STAGES_R256,

@@ -115,7 +115,7 @@ def plan_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: dict
     if k % 8 or n % 2:
         raise KernelBuildError(f"linear {op.weight}: n={n}, k={k} (CUDA kernels need k % 8 == 0, n even)")
     if gemv == "tc" and gemv_tc_fits(op, fuse_into is not None):
-        return plan_gemv_tc(op, out_dtype, fuse_into)
+        return plan_gemv_tc(op, out_dtype, fuse_into, fold)
     suffix = "f32" if out_dtype == "float32" else "bf16"
     if rows <= GEMV_MAX_ROWS:
         mt = next(m for m in (1, 2, 4, 8) if m >= rows)

@@ -65,6 +65,14 @@ def ref_linear(x: np.ndarray, q: np.ndarray, s: np.ndarray, scheme: str) -> np.n
     return out * s.astype(np.float64)[None, :] if scheme == fp8.CHANNEL else out
 
 
+def silu_mul_ref(gu: np.ndarray) -> np.ndarray:
+    """float64 silu(g) * u of a gate_up output [M, 2 I] (float64 sums), g and u rounded to bf16 first as the fused
+    gate kernels and the unfused linear + silu_mul do."""
+    i = gu.shape[1] // 2
+    g, u = bf(gu[:, :i]).astype(np.float64), bf(gu[:, i:]).astype(np.float64)
+    return g / (1 + np.exp(-g)) * u
+
+
 def make_weight(rng, n: int, k: int, scheme: str):
     """(e4m3 values as float32, float32 scales): rows of different magnitudes, so the scales matter."""
     w = rng.standard_normal((n, k), dtype=np.float32) * np.float32(k ** -0.5)
@@ -163,10 +171,7 @@ def test_w8a16_gate_silu(lib, rng, scheme, M, inter, K, kind):
     bufs = {"x": lib.to_device(x, "bfloat16"), "w": to_dev_fp8(lib, q), "w.scale": lib.to_device(s)}
     out, _ = run_choice(lib, choice, bufs, (M, inter), "bfloat16")
     want = numpy_ops.silu_mul(bf(numpy_ops.linear_w8a16(x, fp8.dequantize(q, s, scheme))))
-    gu = bf(ref_linear(x, q, s, scheme))
-    g, u = gu[:, :inter].astype(np.float64), gu[:, inter:].astype(np.float64)
-    ref = g / (1 + np.exp(-g)) * u
-    assert rel_err(out, want) <= 1e-2 and rel_err(out, ref) <= 1e-2
+    assert rel_err(out, want) <= 1e-2 and rel_err(out, silu_mul_ref(ref_linear(x, q, s, scheme))) <= 1e-2
 
 
 @pytest.mark.gpu
@@ -191,8 +196,7 @@ def test_gemv_sweep_variants(lib, rng, scheme, variant, N, K):
     ref = ref_linear(x, q, s, scheme)
     if gate:
         want = numpy_ops.silu_mul(bf(lin))
-        g, u = bf(ref)[:, :N // 2].astype(np.float64), bf(ref)[:, N // 2:].astype(np.float64)
-        ref = g / (1 + np.exp(-g)) * u
+        ref = silu_mul_ref(ref)
     else:
         want = lin
     assert rel_err(out, want) <= 1e-2 and rel_err(out, ref) <= 1e-2

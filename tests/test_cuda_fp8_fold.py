@@ -8,7 +8,7 @@ import pytest
 
 from tests.cuda_fixtures import bf, lib, rng  # noqa: F401  (fixtures)
 from tests.test_cuda_fp8 import (AFTER_W8A8_TOL, SCHEMES, compile_fp8_tiny, make_weight, ref_linear, rel_err,
-                                 to_dev_fp8)
+                                 silu_mul_ref, to_dev_fp8)
 from xserv_aot import fp8
 from xserv_aot.plan import fp8_build
 from xserv_aot.plan.kernel_build import norm_launch
@@ -123,8 +123,7 @@ def test_norm_gemv_reads_the_residual_normed(lib, rng, scheme, M, N, K, gate):
     ref = ref_linear(h, q, s, scheme)
     if gate:
         want = numpy_ops.silu_mul(lin_np)
-        g, u = bf(ref[:, :width]).astype(np.float64), bf(ref[:, width:]).astype(np.float64)
-        ref = g / (1 + np.exp(-g)) * u
+        ref = silu_mul_ref(ref)
     else:
         want = lin_np
     got = out.numpy()

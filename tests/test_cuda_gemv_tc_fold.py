@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.cuda_fixtures import bf, lib, rng  # noqa: F401  (fixtures)
-from tests.test_cuda_fp8 import AFTER_W8A8_TOL, compile_fp8_tiny, rel_err
+from tests.test_cuda_fp8 import AFTER_W8A8_TOL, compile_fp8_tiny, rel_err, silu_mul_ref
 from tests.test_cuda_gemv_tc import WEIGHTS, device_weight, lin, numpy_linear, weight
 from xserv_aot.plan import fp8_build
 from xserv_aot.plan.gemv_tc_plan import gemv_tc_fits, plan_gemv_tc
@@ -109,8 +109,7 @@ def test_norm_gemv_reads_the_residual_normed(lib, rng, wt, M, N, K, gate):
     ref = ref_of(h)
     if gate:
         want = numpy_ops.silu_mul(bf(lin_np))
-        g, u = bf(ref[:, :width]).astype(np.float64), bf(ref[:, width:]).astype(np.float64)
-        ref = g / (1 + np.exp(-g)) * u
+        ref = silu_mul_ref(ref)
     else:
         want = lin_np
     got = out.numpy()

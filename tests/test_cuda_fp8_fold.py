@@ -1,4 +1,4 @@
-"""The add_rmsnorm folded into the FP8 GEMVs around it (build setting fold_norm with gemv "cuda_cores", plan/fp8_build.folds_norm,
+"""The add_rmsnorm folded into the FP8 GEMVs around it (build setting fold_norm with gemv "cuda_cores", plan/norm_fold.folds_norm,
 kernels/gemv_fp8.cu RES / NORM): the plan's routing (CPU), each kernel against NumPy and float64 on fresh inputs with
 poisoned outputs, the pair against the unfused kernels, and whole plans (GPU)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from tests.cuda_fixtures import bf, lib, rng  # noqa: F401  (fixtures)
 from tests.test_cuda_fp8 import (AFTER_W8A8_TOL, SCHEMES, compile_fp8_tiny, make_weight, ref_linear, rel_err,
                                  silu_mul_ref, to_dev_fp8)
 from xserv_aot import fp8
-from xserv_aot.plan import fp8_build
+from xserv_aot.plan import fp8_build, norm_fold
 from xserv_aot.plan.kernel_build import norm_launch
 from xserv_aot.plan.op_records import AddRmsNorm, GatherRows, Linear
 from xserv_aot.runtime import numpy_ops
@@ -29,16 +29,16 @@ def norm(rows=1):
 
 def test_folds_only_between_two_fp8_gemvs_whose_buffers_nobody_else_reads():
     ops = [lin("attn", "o"), norm(), lin("h", "qkv")]
-    assert fp8_build.folds_norm(ops, 1, True) and not fp8_build.folds_norm(ops, 1, False)
-    folded = fp8_build.folded_norms(ops, True)
-    assert folded == {1} and not fp8_build.folded_norms(ops, False)
-    assert fp8_build.fold_role(ops, 0, folded) == ("res", ops[1]) and fp8_build.fold_role(ops, 2, folded) == ("norm", ops[1])
-    assert not fp8_build.folds_norm(ops + [GatherRows(inp="h", indices="i", out="hl", rows=1)], 1, True)
-    assert not fp8_build.folds_norm(ops + [GatherRows(inp="o", indices="i", out="hl", rows=1)], 1, True)
-    assert not fp8_build.folds_norm([lin("attn", "o"), norm(), lin("h", "qkv", quant=None)], 1, True)
-    assert not fp8_build.folds_norm([lin("attn", "o", rows=4), norm(4), lin("h", "qkv", rows=4)], 1, True)
-    assert not fp8_build.folds_norm([lin("attn", "o", inp_scale="xq_scale"), norm(), lin("h", "qkv")], 1, True)
-    assert not fp8_build.folds_norm([lin("attn", "o", n=128), norm(), lin("h", "qkv")], 1, True)
+    assert norm_fold.folds_norm(ops, 1, True) and not norm_fold.folds_norm(ops, 1, False)
+    folded = norm_fold.folded_norms(ops, True)
+    assert folded == {1} and not norm_fold.folded_norms(ops, False)
+    assert norm_fold.fold_role(ops, 0, folded) == ("res", ops[1]) and norm_fold.fold_role(ops, 2, folded) == ("norm", ops[1])
+    assert not norm_fold.folds_norm(ops + [GatherRows(inp="h", indices="i", out="hl", rows=1)], 1, True)
+    assert not norm_fold.folds_norm(ops + [GatherRows(inp="o", indices="i", out="hl", rows=1)], 1, True)
+    assert not norm_fold.folds_norm([lin("attn", "o"), norm(), lin("h", "qkv", quant=None)], 1, True)
+    assert not norm_fold.folds_norm([lin("attn", "o", rows=4), norm(4), lin("h", "qkv", rows=4)], 1, True)
+    assert not norm_fold.folds_norm([lin("attn", "o", inp_scale="xq_scale"), norm(), lin("h", "qkv")], 1, True)
+    assert not norm_fold.folds_norm([lin("attn", "o", n=128), norm(), lin("h", "qkv")], 1, True)
 
 
 @pytest.mark.parametrize("scheme", ["channel", "block128"])

@@ -1,5 +1,5 @@
 """The add_rmsnorm folded into the tensor-core GEMVs around it (build settings gemv "tc" + fold_norm,
-plan/fp8_build.folds_norm, kernels/gemv_tc.cu RES / NORM), bf16 and W8A16 FP8: the plan's routing (CPU), each kernel
+plan/norm_fold.folds_norm, kernels/gemv_tc.cu RES / NORM), bf16 and W8A16 FP8: the plan's routing (CPU), each kernel
 against NumPy and float64 on fresh inputs with poisoned outputs, the pair against the unfused kernels, and whole
 plans (GPU)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from tests.cuda_fixtures import bf, lib, rng  # noqa: F401  (fixtures)
 from tests.test_cuda_fp8 import AFTER_W8A8_TOL, compile_fp8_tiny, rel_err, silu_mul_ref
 from tests.test_cuda_gemv_tc import WEIGHTS, device_weight, lin, numpy_linear, weight
-from xserv_aot.plan import fp8_build
+from xserv_aot.plan import fp8_build, norm_fold
 from xserv_aot.plan.gemv_tc_plan import gemv_tc_fits, plan_gemv_tc
 from xserv_aot.plan.kernel_build import norm_launch
 from xserv_aot.plan.op_records import AddRmsNorm, Linear, SiluMul
@@ -32,17 +32,17 @@ def test_tc_folds_between_two_tc_gemvs_of_one_row():
         gu = Linear(rows=rows, n=gate_n, k=64, inp="h", weight="w2", bias=None, out="gu", weight_scale=quant and "s2",
                     quant=quant)
         return [o, nrm(rows), gu, SiluMul(inp="gu", out="act", rows=rows, inter=gate_n // 2)]
-    assert fp8_build.TC_FOLD_MAX_ROWS == 1
+    assert norm_fold.TC_FOLD_MAX_ROWS == 1
     for quant in (None, "fp8_channel", "fp8_block128"):
-        assert fp8_build.folded_norms(ops(1, quant), True, "tc") == {1}
-        assert not fp8_build.folded_norms(ops(1, quant), False, "tc")
-        assert not fp8_build.folded_norms(ops(2, quant), True, "tc")
-    assert fp8_build.folded_norms(ops(bias="b"), True, "tc") == {1}
-    assert not fp8_build.folded_norms(ops(gate_n=72), True, "tc")                   # I = 36: not whole 8-row tiles
-    assert not fp8_build.folded_norms(ops(1, None), True, "cuda_cores")             # bf16: the tc kernels only
-    assert not fp8_build.folded_norms(ops(1, "fp8_channel", inp_scale="xs"), True, "tc")
+        assert norm_fold.folded_norms(ops(1, quant), True, "tc") == {1}
+        assert not norm_fold.folded_norms(ops(1, quant), False, "tc")
+        assert not norm_fold.folded_norms(ops(2, quant), True, "tc")
+    assert norm_fold.folded_norms(ops(bias="b"), True, "tc") == {1}
+    assert not norm_fold.folded_norms(ops(gate_n=72), True, "tc")                   # I = 36: not whole 8-row tiles
+    assert not norm_fold.folded_norms(ops(1, None), True, "cuda_cores")             # bf16: the tc kernels only
+    assert not norm_fold.folded_norms(ops(1, "fp8_channel", inp_scale="xs"), True, "tc")
     later = ops() + [Linear(rows=1, n=64, k=64, inp="o", weight="w3", bias=None, out="z")]
-    assert not fp8_build.folded_norms(later, True, "tc")
+    assert not norm_fold.folded_norms(later, True, "tc")
 
 
 @pytest.mark.parametrize("quantization", ["none", "fp8"])
@@ -56,7 +56,7 @@ def test_tc_fold_routes_every_norm_between_gemvs(tmp_path, quantization):
     for bk in plan.buckets:
         ops = bk.ops
         folded = [i for i, op in enumerate(ops) if op.cuda.kernel == "fused_into_neighbours"]
-        if bk.num_tokens > fp8_build.TC_FOLD_MAX_ROWS:
+        if bk.num_tokens > norm_fold.TC_FOLD_MAX_ROWS:
             assert not folded
             continue
         norms = [i for i, op in enumerate(ops) if op.op == "add_rmsnorm"]

@@ -218,7 +218,7 @@ class BuildConfig:
                                           # quantize_fp8's output (plan/fp8_build.producer_fuses_quantize)
     fold_norm: bool = False               # CUDA: an add_rmsnorm between two decode GEMVs launches nothing (the one
                                           # before adds the residual, the one after norms its input; gemv "tc": bf16
-                                          # and FP8 of 1 row, else FP8 of 1-2 rows: plan/fp8_build.folds_norm)
+                                          # and FP8 of 1 row, else FP8 of 1-2 rows: plan/norm_fold.py)
     fp8_w8a8_wgmma: bool = False          # fp8, CUDA: W8A8 linears of 33-256 rows on kernels/gemm_w8a8_wgmma.cu, not
                                           # CUTLASS (plan/fp8_build.plan_w8a8)
     fp8_w8a8_tma: bool = False            # fp8, CUDA: W8A8 linears of 33-64 rows (33-256 without the CUTLASS

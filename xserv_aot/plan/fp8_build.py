@@ -14,8 +14,7 @@ from xserv_aot.plan.kernel_constants import (skinny_smem, skinny_w8a8_rows, skin
 from xserv_aot.plan.launch_records import f32, i32, kernel, launch, library_call, ptr
 from xserv_aot.plan.linear_plan import GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS
 from xserv_aot.plan.nvrtc_build import KERNEL_DIR, KernelBuildError
-from xserv_aot.plan.op_records import (AddRmsNorm, KernelChoice, Linear, Op, QuantizeFp8, RmsNorm, SiluMul,
-                                       read_later)
+from xserv_aot.plan.op_records import AddRmsNorm, KernelChoice, Linear, Op, QuantizeFp8, RmsNorm, SiluMul
 from xserv_aot.plan.signatures import host_signature
 from xserv_aot.plan.tensor_maps import matrix_map
 
@@ -24,10 +23,8 @@ FP8_ENTRY_EX = "xserv_gemm_fp8_ex"        # ... with a workspace (the stream-K c
 FP8_SOURCE = KERNEL_DIR / "cutlass" / "gemm_sm90_fp8.cu"
 FP8_SKINNY_FUSE_GATE = False              # as linear_plan.SKINNY_FUSE_GATE: gate_up and silu_mul stay two kernels
 GEMV_BLOCK_ROWS = 16                      # weight rows a W8A16 GEMV block (8 warps x 2; kernels/gemv_fp8.cu)
-TC_FOLD_MAX_ROWS = 1                      # fold_norm with gemv "tc": buckets of at most this many rows (H100, session
-                                          # 27: decode_1 -0.05 to -0.16 ms, decode_2 +0.07 to +0.20; the kernels take 1-8)
 NORM_PARTIALS = "norm_partials"           # arena buffer [GEMV_MAX_ROWS, gemv_blocks(hidden)] float32 of
-                                          # the folded add_rmsnorm on the CUDA-core GEMVs (folds_norm)
+                                          # the folded add_rmsnorm on the CUDA-core GEMVs (plan/norm_fold.py)
 QUANTIZE_WARPS = 8                        # (row, group) pairs per quantize_fp8 block
 SCHEME_TAG = {fp8.CHANNEL: "ch", fp8.BLOCK128: "blk"}
 W8A8_SKINNY_MAX_ROWS = 32                 # W8A8 linears of at most this many rows: kernels/gemm_skinny_w8a8.cu; more
@@ -78,48 +75,6 @@ def is_fp8_gemv(op: Op) -> bool:
     return isinstance(op, Linear) and bool(op.quant) and not op.inp_scale and op.rows <= GEMV_MAX_ROWS
 
 
-def folding_gemv(ops: list[Op], idx: int, gemv: str) -> bool:
-    """Whether ops[idx] runs on a GEMV with a folded-norm variant: gemv "tc", a bf16 or W8A16 linear that
-    kernels/gemv_tc.cu takes (gate: fused with the silu_mul after it); "cuda_cores", an FP8 GEMV of 1-2 rows."""
-    op = ops[idx]
-    if gemv != "tc":
-        return is_fp8_gemv(op)
-    nxt = ops[idx + 1] if idx + 1 < len(ops) else None
-    gate = isinstance(nxt, SiluMul) and nxt.inp == getattr(op, "out", None)
-    return isinstance(op, Linear) and not op.inp_scale and gemv_tc_fits(op, gate)
-
-
-def folds_norm(ops: list[Op], idx: int, enabled: bool, gemv: str = "cuda_cores") -> bool:
-    """Build setting fold_norm: ops[idx], an add_rmsnorm between two GEMVs (folding_gemv; gemv "tc": of at most
-    TC_FOLD_MAX_ROWS rows), launches nothing. The GEMV before it adds its output into the residual; the one after
-    it normalizes the residual while staging its input (gemv "tc": kernels/gemv_tc.cu RES / NORM; "cuda_cores":
-    kernels/gemv_fp8.cu, where the one before also writes the sums of squares, NORM_PARTIALS, one a block and row).
-    Only where nothing later reads the norm's output or the delta it no longer receives."""
-    if not enabled or not 0 < idx < len(ops) - 1 or not isinstance(ops[idx], AddRmsNorm):
-        return False
-    prev, norm, nxt = ops[idx - 1], ops[idx], ops[idx + 1]
-    if gemv == "tc" and norm.rows > TC_FOLD_MAX_ROWS:
-        return False
-    return (folding_gemv(ops, idx - 1, gemv) and folding_gemv(ops, idx + 1, gemv) and prev.out == norm.delta
-            and nxt.inp == norm.out and prev.rows == norm.rows == nxt.rows and prev.n == nxt.k
-            and not (prev.bias and gemv != "tc")
-            and not read_later(ops, idx + 1, norm.delta) and not read_later(ops, idx + 2, norm.out))
-
-
-def folded_norms(ops: list[Op], enabled: bool, gemv: str = "cuda_cores") -> set[int]:
-    """Indices of the add_rmsnorms of ops that fold (folds_norm)."""
-    return {i for i in range(len(ops)) if folds_norm(ops, i, enabled, gemv)}
-
-
-def fold_role(ops: list[Op], idx: int, folded: set[int]) -> tuple[str, AddRmsNorm] | None:
-    """("res", norm) for the linear before a folded add_rmsnorm, ("norm", norm) for the one after it."""
-    if idx + 1 in folded:
-        return "res", ops[idx + 1]
-    if idx - 1 in folded:
-        return "norm", ops[idx - 1]
-    return None
-
-
 def gemv_blocks(n: int) -> int:
     """Blocks of a W8A16 GEMV over n weight rows; a folded norm has one partial a res block (the norm kernel's P)."""
     return -(-n // GEMV_BLOCK_ROWS)
@@ -129,7 +84,7 @@ def plan_fp8_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: 
                     wgmma: bool | str = False, fold: tuple[str, AddRmsNorm] | None = None,
                     gemv: str = "cuda_cores") -> KernelChoice:
     """fuse_into: the silu_mul output buffer when the next op is silu_mul of this op's output (GEMV only); wgmma:
-    build setting fp8_w8a8_wgmma (True) or fp8_w8a8_tma ("tma"), plan_w8a8; fold: fold_role's; gemv: build
+    build setting fp8_w8a8_wgmma (True) or fp8_w8a8_tma ("tma"), plan_w8a8; fold: norm_fold.fold_role's; gemv: build
     setting gemv (gemv_tc_plan.GEMV_CHOICES)."""
     rows, n, k, tag = op.rows, op.n, op.k, SCHEME_TAG[op.quant]
     suffix = "f32" if out_dtype == "float32" else "bf16"
@@ -156,7 +111,7 @@ def plan_fp8_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: 
 
 
 def plan_gemv_fold(op: Linear, fold: tuple[str, AddRmsNorm], fuse_into: str | None) -> KernelChoice:
-    """The GEMVs around a folded add_rmsnorm (folds_norm)."""
+    """The CUDA-core FP8 GEMVs around a folded add_rmsnorm (norm_fold.folds_norm)."""
     role, norm = fold
     tag, mt, grid = SCHEME_TAG[op.quant], op.rows, gemv_blocks(op.n)
     if role == "res":

@@ -59,7 +59,7 @@ def plan_gemv_tc(op: Linear, out_dtype: str, fuse_into: str | None, fold: tuple 
     K, S); tiles ceil(N / 16) (gate: ceil(I / 8)), a grid of at most the blocks resident at once (each strides over
     the tiles) of (GT_CONSUMERS + 1) warps. Always launched under programmatic dependent launch, whatever build.pdl:
     the producer fills the ring before griddepcontrol.wait, so the weights stream while the kernel before it runs
-    (that kernel triggers at its start, common.cuh pdl_entry). fold: fp8_build.fold_role's ("res", norm): `_res`
+    (that kernel triggers at its start, common.cuh pdl_entry). fold: norm_fold.fold_role's ("res", norm): `_res`
     adds its output into norm.residual in place; ("norm", norm): `_norm_*` reads norm.residual and normalizes it
     while staging it (kernels/gemv_tc.cu RES / NORM)."""
     name = f"gemv_fp8_tc{SCALE_TAG[op.quant]}" if op.quant else "gemv_tc"

@@ -14,14 +14,14 @@ from typing import Callable
 from xserv_aot.plan.kernel_constants import G_MAX, NORM_NC, P_KEYS
 from xserv_aot import kv_cache
 from xserv_aot.plan.attention_plan import fuses_rope, kv_scale_args, plan_attention
-from xserv_aot.plan.fp8_build import (NORM_PARTIALS, fold_role, folded_norms, gemv_blocks,
-                                      producer_fuses_quantize)
+from xserv_aot.plan.fp8_build import NORM_PARTIALS, gemv_blocks, producer_fuses_quantize
 from xserv_aot.plan.launch_records import check_launches, f32, i32, kernel, kv, launch, ptr
 from xserv_aot.plan.linear_plan import (CUTLASS_MIN_ROWS, GEMM_ENTRY, GEMM_ENTRY_EX, GEMM_SOURCE,  # noqa: F401
                                         GEMV_MAX_ROWS, SKINNY_WIDE_MIN_BLOCKS, SWAP_MIN_ROWS, plan_linear,
                                         plan_skinny)
 from xserv_aot.plan.manifest import place
 from xserv_aot.plan.megakernel_plan import MK_MAX_SEQS, add_megakernels
+from xserv_aot.plan.norm_fold import fold_role, folded_norms
 from xserv_aot.plan.nvrtc_build import (KERNEL_DIR, KERNEL_SOURCES, SUPPORTED_TARGETS, KernelBuildError,  # noqa: F401
                                         compile_all, compile_source, expand_source, nvrtc_version)
 from xserv_aot.plan import nccl_records

@@ -106,7 +106,7 @@ def plan_linear(op: Linear, out_dtype: str, fuse_into: str | None, cutlass: dict
                 fold=None, gemv: str = "cuda_cores") -> KernelChoice:
     """fuse_into: the silu_mul output buffer when the next op is silu_mul of this op's output; residual: the
     residual buffer when the next op is add_rmsnorm of this op's output (plan_tile may fold the add in);
-    fp8_wgmma: build setting fp8_w8a8_wgmma (True) or fp8_w8a8_tma ("tma"); fold: fp8_build.fold_role's; gemv: build
+    fp8_wgmma: build setting fp8_w8a8_wgmma (True) or fp8_w8a8_tma ("tma"); fold: norm_fold.fold_role's; gemv: build
     setting gemv (plan/gemv_tc_plan.py)."""
     rows, n, k = op.rows, op.n, op.k
     if op.quant:

@@ -1,6 +1,6 @@
 """`scripts/bench_kernels.py prefill-elementwise [--rows 2048,4096,8192]`: the row-wise kernels of a prefill
 chunk at the Qwen3-8B shape (add_rmsnorm, rmsnorm, silu_mul, qk_norm_rope_cache), launched with the plan's
-geometry (plan.kernel_build's launch builders), outputs poisoned and checked against torch float32 (the rope
+geometry (plan.elementwise_plan's launch builders), outputs poisoned and checked against torch float32 (the rope
 kernel: every q row and KV slot written, finite), timed in a CUDA graph. GB/s counts each kernel's reads + writes
 once, against the 4.28 TB/s copy ceiling (read + write) of docs/cuda-notes.md."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import torch
 
-from xserv_aot.plan import kernel_build as kb
+from xserv_aot.plan import elementwise_plan as ew
 from xserv_aot.plan import row_kernels as rk
 from xserv_aot.plan.op_records import AddRmsNorm, QkNormRopeCache, RmsNorm, SiluMul
 from xserv_aot.runtime.cuda.driver import Launch
@@ -92,23 +92,23 @@ def launches_of(op, num_slots: int, rows_plan: bool):
     """[(label, launch record)]: the plan's launch first (marked), then the variants; rows_plan: the plan uses
     rows_prefill.cu at this size (prefill_row_kernels auto)."""
     if isinstance(op, (AddRmsNorm, RmsNorm)):
-        recs = [kb.norm_launch(op, H, few_from=f).launch[0] for f in NORM_VARIANTS]
+        recs = [ew.norm_launch(op, H, few_from=f).launch[0] for f in NORM_VARIANTS]
         recs += [rk.norm_rows_launch(op, H, k=k, ef=ef).launch[0] for k, ef in ROWS_NORM]
         if isinstance(op, AddRmsNorm):                  # the software f2bf twin (the conversion's share)
             rec = rk.norm_rows_launch(op, H, k=4, ef=False).launch[0]
             recs.append(replace(rec, fn=rec.fn + "_sw"))
-        plan = rk.norm_rows_launch(op, H).launch[0] if rows_plan else kb.norm_launch(op, H).launch[0]
+        plan = rk.norm_rows_launch(op, H).launch[0] if rows_plan else ew.norm_launch(op, H).launch[0]
     elif isinstance(op, SiluMul):
-        recs = [kb.silu_mul_launch(op, cap).launch[0] for cap in SILU_VARIANTS]
+        recs = [ew.silu_mul_launch(op, cap).launch[0] for cap in SILU_VARIANTS]
         recs += [rk.silu_rows_launch(op, u, t, ef).launch[0] for u, t, ef in ROWS_SILU]
         rec = rk.silu_rows_launch(op, 3, 256, False).launch[0]
         recs.append(replace(rec, fn=rec.fn + "_sw"))
-        plan = rk.silu_rows_launch(op).launch[0] if rows_plan else kb.silu_mul_launch(op).launch[0]
+        plan = rk.silu_rows_launch(op).launch[0] if rows_plan else ew.silu_mul_launch(op).launch[0]
     else:
-        recs = [kb.qk_rope_launch(op, HD, NH, NKV, num_slots, fn, w).launch[0] for fn, w in ROPE_VARIANTS]
+        recs = [ew.qk_rope_launch(op, HD, NH, NKV, num_slots, fn, w).launch[0] for fn, w in ROPE_VARIANTS]
         recs += [rk.rope_rows_launch(op, HD, NH, NKV, num_slots, w, ef).launch[0] for w, ef in ROWS_ROPE]
         plan = (rk.rope_rows_launch(op, HD, NH, NKV, num_slots).launch[0] if rows_plan
-                else kb.qk_rope_launch(op, HD, NH, NKV, num_slots).launch[0])
+                else ew.qk_rope_launch(op, HD, NH, NKV, num_slots).launch[0])
     recs = [plan] + [r for r in recs if r != plan]
     return [(f"{r.fn} g{'x'.join(map(str, r.grid))} b{r.block[0]}" + (" (plan)" if r == plan else ""), r)
             for r in recs]

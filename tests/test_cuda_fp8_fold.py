@@ -11,7 +11,7 @@ from tests.test_cuda_fp8 import (AFTER_W8A8_TOL, SCHEMES, compile_fp8_tiny, make
                                  silu_mul_ref, to_dev_fp8)
 from xserv_aot import fp8
 from xserv_aot.plan import fp8_build, norm_fold
-from xserv_aot.plan.kernel_build import norm_launch
+from xserv_aot.plan.elementwise_plan import norm_launch
 from xserv_aot.plan.op_records import AddRmsNorm, GatherRows, Linear
 from xserv_aot.runtime import numpy_ops
 

@@ -19,7 +19,7 @@ from xserv_aot.runtime import numpy_ops
 def test_norms_quantizing_their_output(lib, rng, rows, H, group, kind):
     """rmsnorm_q / add_rmsnorm_q: the plain kernel's bytes (out, residual) and quantize_fp8 of out bit-exact
     (NumPy's quantize_fp8 of the bf16 output)."""
-    from xserv_aot.plan.kernel_build import norm_threads
+    from xserv_aot.plan.elementwise_plan import norm_threads
     from xserv_aot.plan.launch_records import f32, i32, launch, ptr
     x = bf(rng.standard_normal((rows, H), dtype=np.float32) * np.exp(rng.uniform(-2, 2, (rows, 1))).astype(np.float32))
     d, w = bf(rng.standard_normal((rows, H), dtype=np.float32)), bf(rng.uniform(0.5, 1.5, H).astype(np.float32))

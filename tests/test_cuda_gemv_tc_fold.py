@@ -12,7 +12,7 @@ from tests.test_cuda_fp8 import AFTER_W8A8_TOL, compile_fp8_tiny, rel_err, silu_
 from tests.test_cuda_gemv_tc import WEIGHTS, device_weight, lin, numpy_linear, weight
 from xserv_aot.plan import fp8_build, norm_fold
 from xserv_aot.plan.gemv_tc_plan import gemv_tc_fits, plan_gemv_tc
-from xserv_aot.plan.kernel_build import norm_launch
+from xserv_aot.plan.elementwise_plan import norm_launch
 from xserv_aot.plan.op_records import AddRmsNorm, Linear, SiluMul
 from xserv_aot.runtime import numpy_ops
 

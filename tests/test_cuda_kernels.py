@@ -43,13 +43,13 @@ def test_embedding_gather(lib, rng, H):
 @pytest.mark.parametrize("few", [False, True])
 @pytest.mark.parametrize("H", [576, 4096])
 def test_rmsnorm_and_add_rmsnorm(lib, rng, H, few):
-    """One chunk a thread, and the fewest threads a row (kernel_build.NORM_FEW_FROM_ROWS)."""
+    """One chunk a thread, and the fewest threads a row (elementwise_plan.NORM_FEW_FROM_ROWS)."""
     T, eps = 7, 1e-6
     x, d = bf(rng.standard_normal((T, H)) * 3), bf(rng.standard_normal((T, H)))
     w = bf(1 + 0.2 * rng.standard_normal(H))
     dx, dd, dw = lib.to_device(x, "bfloat16"), lib.to_device(d, "bfloat16"), lib.to_device(w, "bfloat16")
     out = lib.empty((T, H), "bfloat16")
-    from xserv_aot.plan.kernel_build import norm_threads
+    from xserv_aot.plan.elementwise_plan import norm_threads
     threads = norm_threads(H, T, few_from=1 if few else 0)
     lib.launch("rmsnorm", [T], [threads], [("ptr", dx), ("ptr", dw), ("ptr", out), ("i32", H), ("f32", eps)])
     check(out.numpy(), ref.rmsnorm(x, w, eps))
@@ -63,7 +63,7 @@ def test_rmsnorm_and_add_rmsnorm(lib, rng, H, few):
 
 @pytest.mark.parametrize("blocks", [None, 2])
 def test_silu_mul(lib, rng, blocks):
-    """One chunk a thread, and a grid-stride loop over a capped grid (kernel_build.SILU_MAX_BLOCKS)."""
+    """One chunk a thread, and a grid-stride loop over a capped grid (elementwise_plan.SILU_MAX_BLOCKS)."""
     rows, inter = 5, 1536
     x = bf(rng.standard_normal((rows, 2 * inter)) * 2)
     out = lib.empty((rows, inter), "bfloat16")
@@ -165,7 +165,7 @@ def rope_tables(max_len, hd, theta=10000.0):
                                       ("qk_norm_rope_cache_vec", 8), ("qk_norm_rope_cache_vec", 1)])
 @pytest.mark.parametrize("hd,nh,nkv,norm", [(128, 8, 2, True), (64, 9, 3, False), (256, 4, 2, True)])
 def test_qk_norm_rope_cache(lib, rng, hd, nh, nkv, norm, fn, warps):
-    """The scalar-lane kernel and the vector-lane variant (kernel_build.ROPE_KERNEL picks), several block sizes."""
+    """The scalar-lane kernel and the vector-lane variant (elementwise_plan.ROPE_KERNEL picks), several block sizes."""
     T, num_slots, eps = 6, 64, 1e-6
     qkv, pos, slots, qn, kn, cos, sin, kv = rope_inputs(rng, T, num_slots, hd, nh, nkv, norm)
     dkv = lib.to_device(kv, "bfloat16")

@@ -19,7 +19,7 @@ from xserv_aot import kv_cache
 from xserv_aot.dtypes import FP8, decode, encode
 from xserv_aot.plan import attention_plan as ap
 from xserv_aot.plan import row_kernels as rk
-from xserv_aot.plan.kernel_build import qk_rope_launch
+from xserv_aot.plan.elementwise_plan import qk_rope_launch
 from xserv_aot.plan.op_records import Attention, QkNormRopeCache
 from xserv_aot.runtime import numpy_ops as ref
 

@@ -9,7 +9,7 @@ import pytest
 from tests.cuda_fixtures import bf, lib, rng  # noqa: F401  (fixtures)
 from tests.test_cuda_kernels import check, rope_inputs, rope_tables
 from xserv_aot.plan import row_kernels as rk
-from xserv_aot.plan.kernel_build import norm_threads, qk_rope_launch
+from xserv_aot.plan.elementwise_plan import norm_threads, qk_rope_launch
 from xserv_aot.plan.op_records import AddRmsNorm, QkNormRopeCache, RmsNorm, SiluMul
 from xserv_aot.runtime import numpy_ops as ref
 

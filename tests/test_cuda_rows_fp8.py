@@ -28,7 +28,7 @@ def poisoned(lib, shape, dtype):
 
 def norm_outputs(lib, kind, x, d, w, group, rec=None):
     """Run elementwise.cu's {kind}_q (rec None) or the rows record; -> {out, x (residual), xq, xs} as NumPy."""
-    from xserv_aot.plan.kernel_build import norm_threads
+    from xserv_aot.plan.elementwise_plan import norm_threads
     rows, H = x.shape
     bufs = {"x": lib.to_device(x, "bfloat16"), "d": lib.to_device(d, "bfloat16"), "w": lib.to_device(w, "bfloat16"),
             "out": poisoned(lib, (rows, H), "bfloat16"), "xq": poisoned(lib, (rows, H), "float8_e4m3fn"),

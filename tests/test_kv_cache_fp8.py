@@ -346,7 +346,7 @@ def test_fp8_kv_launch_records_match_the_kernel_signatures():
     (the KV pointer an e4m3 pointee), the scales are the two last f32 arguments."""
     from xserv_aot.plan import attention_plan as ap
     from xserv_aot.plan import row_kernels as rk
-    from xserv_aot.plan.kernel_build import qk_rope_launch
+    from xserv_aot.plan.elementwise_plan import qk_rope_launch
     from xserv_aot.plan.op_records import Attention, QkNormRopeCache
     from xserv_aot.plan.signatures import kernel_signatures
     sigs = {fn: p for src in ("attention_decode_tc.cu", "attention_prefill_pipe.cu", "attention_prefill_wgmma.cu",

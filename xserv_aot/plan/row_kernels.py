@@ -52,7 +52,7 @@ def norm_rows_fits(hidden: int) -> bool:
 
 def norm_rows_launch(op: RmsNorm | AddRmsNorm, hidden: int, residual_summed: bool = False, k: int | None = None,
                      ef: bool | None = None, quant: QuantizeFp8 | None = None, store_out: bool = True) -> KernelChoice:
-    """One block a row of norm_warps(hidden, k) warps; as kernel_build.norm_launch. quant: the next op, a
+    """One block a row of norm_warps(hidden, k) warps; as elementwise_plan.norm_launch. quant: the next op, a
     quantize_fp8 the norm also writes (k in NORM_Q_KS, no evict-first); store_out False: op.out is not written
     (nothing reads it), with quant only."""
     k, ef = k or NORM_K, NORM_EF if ef is None else ef

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from xserv_aot.config import BuildConfig, model_config_from_hf
+from xserv_aot.config import BuildConfig
+from xserv_aot.model_config import model_config_from_hf
 from xserv_aot.engine.api import SamplingParams
 from xserv_aot.engine.scheduler import Scheduler
 from xserv_aot.engine.sequence import Sequence

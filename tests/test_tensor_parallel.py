@@ -10,7 +10,8 @@ import pytest
 
 from tests.test_cli import assert_one_line_error, cli, no_plan_left
 from tests.tiny_models import load_hf_model, make_tiny_model
-from xserv_aot.config import BuildConfig, ConfigError, ModelConfig
+from xserv_aot.config import BuildConfig, ConfigError
+from xserv_aot.model_config import ModelConfig
 from xserv_aot.engine.api import SamplingParams
 from xserv_aot.engine.llm_engine import LLMEngine
 from xserv_aot.plan.builder import compile_plan

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import numpy as np
 
-from xserv_aot.config import ModelConfig
+from xserv_aot.model_config import ModelConfig
 from xserv_aot.errors import XservError, one_line  # noqa: F401  (re-exported for the readers)
 
 
@@ -35,7 +35,7 @@ def open_checkpoint(path: Path) -> tuple[ModelConfig, TensorSource, str]:
         return source.config, source, "gguf"
     if path.is_dir():
         from xserv_aot.checkpoint.safetensors_reader import SafetensorsCheckpoint
-        from xserv_aot.config import read_hf_config
+        from xserv_aot.model_config import read_hf_config
 
         config = read_hf_config(path)
         source = SafetensorsCheckpoint(path)

@@ -13,7 +13,8 @@ from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from xserv_aot.checkpoint import CheckpointError, one_line
-from xserv_aot.config import SUPPORTED_ARCHS, ConfigError, ModelConfig
+from xserv_aot.config import ConfigError
+from xserv_aot.model_config import SUPPORTED_ARCHS, ModelConfig
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Callable
 
 from xserv_aot import __version__, kv_cache
-from xserv_aot.config import BuildConfig, ConfigError, ModelConfig, read_hf_config
+from xserv_aot.config import BuildConfig, ConfigError
+from xserv_aot.model_config import ModelConfig, read_hf_config
 from xserv_aot.plan.generation_config import read_generation_defaults
 from xserv_aot.plan.integrity import CHUNK_BYTES, fingerprint
 from xserv_aot.plan.manifest import SCHEMA_VERSION, Plan, layout

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import numpy as np
 
-from xserv_aot.config import ModelConfig
+from xserv_aot.model_config import ModelConfig
 from xserv_aot.plan.quantize import quantized_stream
 from xserv_aot.plan.weights import rope_tables, weight_specs
 from xserv_aot.rng import splitmix64

@@ -16,7 +16,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from xserv_aot import fp8
-from xserv_aot.config import ConfigError, ModelConfig
+from xserv_aot.config import ConfigError
+from xserv_aot.model_config import ModelConfig
 from xserv_aot.plan import calibration_text, gptq
 from xserv_aot.plan.quantize import weight_scale
 from xserv_aot.plan.scale_refit import refit_scales

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from xserv_aot.config import BuildConfig, ConfigError, ModelConfig
+from xserv_aot.config import BuildConfig, ConfigError
+from xserv_aot.model_config import ModelConfig
 from xserv_aot import fp8
 from xserv_aot.dtypes import FP8, ITEMSIZE
 from xserv_aot.plan.integrity import (PlanError, check_file, check_kv_cache, check_layout, inside,

@@ -4,7 +4,8 @@ from __future__ import annotations
 import functools
 
 from xserv_aot import fp8
-from xserv_aot.config import FP8_W8A16_MAX_ROWS, BuildConfig, ModelConfig  # noqa: F401  (tests import it here)
+from xserv_aot.config import FP8_W8A16_MAX_ROWS, BuildConfig  # noqa: F401  (tests import it here)
+from xserv_aot.model_config import ModelConfig
 from xserv_aot.dtypes import FP8
 from xserv_aot.plan.op_records import (AddRmsNorm, AllGather, AllReduce, ApplyTokenBitmask, Attention, Embedding,
                                        GatherRows, Linear, Op, QkNormRopeCache, QuantizeFp8, ResolveInputIds, RmsNorm,

@@ -14,7 +14,8 @@ from typing import Iterator
 import numpy as np
 
 from xserv_aot import fp8
-from xserv_aot.config import BuildConfig, ConfigError, ModelConfig
+from xserv_aot.config import BuildConfig, ConfigError
+from xserv_aot.model_config import ModelConfig
 from xserv_aot.dtypes import FP8
 from xserv_aot.plan.weights import weight_specs
 

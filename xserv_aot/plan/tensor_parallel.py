@@ -13,7 +13,8 @@ from typing import Iterator
 
 import numpy as np
 
-from xserv_aot.config import ConfigError, ModelConfig
+from xserv_aot.config import ConfigError
+from xserv_aot.model_config import ModelConfig
 
 EMBEDDING = "replicated"     # the lookup table is copied on every rank (no collective); lm_head is vocab-parallel
 

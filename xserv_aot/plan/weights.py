@@ -6,7 +6,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from xserv_aot.config import ModelConfig
+from xserv_aot.model_config import ModelConfig
 from xserv_aot.dtypes import encode
 from xserv_aot.errors import XservError
 from xserv_aot.plan.integrity import CHUNK_BYTES, ChunkHasher

@@ -118,15 +118,17 @@ def test_norm_gemv_reads_the_residual_normed(lib, rng, scheme, M, N, K, gate):
     lib.launch_record(rec, {"x": lib.to_device(x, "bfloat16"), "nw": lib.to_device(nw, "bfloat16"),
                             fp8_build.NORM_PARTIALS: lib.to_device(parts), "w": to_dev_fp8(lib, q),
                             "w.scale": lib.to_device(s), "y": out})
+    check_normed_output(out.numpy(), x, nw, gate, lambda h: bf(numpy_ops.linear_w8a16(h, fp8.dequantize(q, s, scheme))),
+                        lambda h: ref_linear(h, q, s, scheme))
+
+
+def check_normed_output(got, x, nw, gate, linear, reference):
+    """A `_norm` GEMV's output (gate: fused with silu_mul) against NumPy, rmsnorm(x, nw) in bf16 -> linear(h) ->
+    silu_mul of its bf16 rows, and against float64, reference(h) -> silu_mul_ref."""
     h = bf(numpy_ops.rmsnorm(x, nw, EPS))
-    lin_np = bf(numpy_ops.linear_w8a16(h, fp8.dequantize(q, s, scheme)))
-    ref = ref_linear(h, q, s, scheme)
+    want, ref = linear(h), reference(h)
     if gate:
-        want = numpy_ops.silu_mul(lin_np)
-        ref = silu_mul_ref(ref)
-    else:
-        want = lin_np
-    got = out.numpy()
+        want, ref = numpy_ops.silu_mul(bf(want)), silu_mul_ref(ref)
     assert rel_err(got, want) <= 1e-2 and rel_err(got, ref) <= 1e-2
 
 

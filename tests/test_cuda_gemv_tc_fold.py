@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from tests.cuda_fixtures import bf, lib, rng  # noqa: F401  (fixtures)
-from tests.test_cuda_fp8 import AFTER_W8A8_TOL, compile_fp8_tiny, rel_err, silu_mul_ref
+from tests.test_cuda_fp8 import AFTER_W8A8_TOL, compile_fp8_tiny, rel_err
+from tests.test_cuda_fp8_fold import check_normed_output
 from tests.test_cuda_gemv_tc import WEIGHTS, device_weight, lin, numpy_linear, weight
 from xserv_aot.plan import fp8_build, norm_fold
 from xserv_aot.plan.gemv_tc_plan import gemv_tc_fits, plan_gemv_tc
 from xserv_aot.plan.elementwise_plan import norm_launch
 from xserv_aot.plan.op_records import AddRmsNorm, Linear, SiluMul
-from xserv_aot.runtime import numpy_ops
 
 EPS = 1e-6
 
@@ -104,16 +104,7 @@ def test_norm_gemv_reads_the_residual_normed(lib, rng, wt, M, N, K, gate):
     out = lib.empty((M, width), "bfloat16")                                           # poisoned
     lib.launch_record(rec, {"r": lib.to_device(x, "bfloat16"), "nw": lib.to_device(nw, "bfloat16"),
                             **device_weight(lib, w, s, wt), "out": out})
-    h = bf(numpy_ops.rmsnorm(x, nw, EPS))
-    lin_np = numpy_linear(h, w, s, wt)
-    ref = ref_of(h)
-    if gate:
-        want = numpy_ops.silu_mul(bf(lin_np))
-        ref = silu_mul_ref(ref)
-    else:
-        want = lin_np
-    got = out.numpy()
-    assert rel_err(got, want) <= 1e-2 and rel_err(got, ref) <= 1e-2
+    check_normed_output(out.numpy(), x, nw, gate, lambda h: numpy_linear(h, w, s, wt), ref_of)
 
 
 @pytest.mark.gpu
